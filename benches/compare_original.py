@@ -1,0 +1,655 @@
+#!/usr/bin/env python3
+"""Black-box MoE benchmark for any package exposing kt-kernel's public API.
+
+Runs ``kt_kernel.KTMoEWrapper`` from whatever interpreter executes this script,
+so the same file measures both the original PyPI kt-kernel (in its own venv,
+see ``setup_original_venv.sh``) and our reimplementation:
+
+    /root/.cache/kt-kernel/orig-venv/bin/python benches/compare_original.py \
+        --original --json orig.json
+    python benches/compare_original.py --json ours.json
+
+A synthetic Hugging Face style checkpoint (bf16 experts named
+``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight``) is written to
+a temp dir or ``--weights-dir``; every method is fed from it. Timed calls use
+fresh random routing and cycle through the layers so the weights stream from
+DRAM rather than cache. Accuracy is checked once per token count against a
+float64 reference computed from the same bf16 weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    # name: (experts, top_k, hidden, intermediate)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "mixtral": (8, 2, 4096, 14336),
+}
+METHODS = ("BF16", "AMXINT8", "AMXINT4", "LLAMAFILE")
+META_NAME = "kt_bench_meta.json"
+# Default layer count is the largest <= 4 whose bf16 experts fit in this
+# budget: each method keeps its own copy, and the machine may be shared.
+DEFAULT_CKPT_BUDGET = 6 * 1024**3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
+    p.add_argument("--experts", type=int, help="override preset expert count")
+    p.add_argument("--top-k", type=int, help="override preset experts per token")
+    p.add_argument("--hidden", type=int, help="override preset hidden size")
+    p.add_argument(
+        "--intermediate", type=int, help="override preset moe_intermediate_size"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="MoE layers to cycle through (default: largest <=4 within 6 GiB)",
+    )
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=["BF16"])
+    p.add_argument("--threads", type=int, default=2, help="cpuinfer_threads")
+    p.add_argument("--threadpool-count", type=int, default=1)
+    p.add_argument("--chunked-prefill-size", type=int, help="default: max(--tokens)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="warm-up calls per token count (at least one per layer)",
+    )
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=1.5,
+        help="seconds of timed calls per token count",
+    )
+    p.add_argument("--ids-dtype", choices=("int32", "int64"), default="int64")
+    p.add_argument(
+        "--gguf-type",
+        default="Q8_0",
+        help="GGML type for LLAMAFILE (Q8_0, Q4_0, BF16, ...)",
+    )
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        help="reuse/create the synthetic checkpoint here (kept)",
+    )
+    p.add_argument(
+        "--scratch-dir", type=Path, help="where AMX .kt files / temp checkpoints go"
+    )
+    p.add_argument(
+        "--json", type=Path, help="write results here (rewritten after every method)"
+    )
+    p.add_argument("--label", help="implementation label in the output (default: auto)")
+    p.add_argument(
+        "--original",
+        action="store_true",
+        help="patch for the CPU-only original before import (else auto-detected)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="do not silence the library's own load-time prints",
+    )
+    args = p.parse_args(argv)
+
+    e, k, h, i = PRESETS[args.preset]
+    args.experts = args.experts or e
+    args.top_k = args.top_k or k
+    args.hidden = args.hidden or h
+    args.intermediate = args.intermediate or i
+    if args.top_k > args.experts:
+        p.error("--top-k exceeds --experts")
+    layer_bytes = 3 * args.hidden * args.intermediate * 2 * args.experts
+    if args.layers is None:
+        args.layers = max(1, min(4, DEFAULT_CKPT_BUDGET // layer_bytes))
+    avail = _mem_available()
+    # Two copies (checkpoint page cache is reclaimable, the library's copy is
+    # not) plus the AMX paths' retained bf16 input: refuse what cannot fit.
+    if avail and 2 * layer_bytes * args.layers > avail:
+        p.error(
+            f"{args.layers} layer(s) of {layer_bytes / 1e9:.1f} GB bf16 experts "
+            f"need ~{2 * layer_bytes * args.layers / 1e9:.1f} GB, only "
+            f"{avail / 1e9:.1f} GB available; lower --layers or --experts"
+        )
+    args.chunked_prefill_size = args.chunked_prefill_size or max(args.tokens)
+    return args
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# ---------------------------------------------------------------------------
+# CPU-only shims for the original package
+# ---------------------------------------------------------------------------
+
+
+def patch_for_cpu_only_original(torch):
+    """Make the original kt-kernel usable with a CUDA-less torch.
+
+    Its buffer code allocates with ``pin_memory=True``, which on a torch build
+    without a usable driver raises "Found no NVIDIA driver". Pinning only
+    matters for async H2D copies, so dropping it is behaviour-neutral on CPU.
+    Its submit path otherwise queues the CPU task behind a CUDA stream
+    callback; KT_FORCE_SYNC_SUBMIT=1 selects the plain submit/sync path.
+    Patched at the torch module level so the installed files stay untouched.
+    """
+    if getattr(torch, "_kt_bench_unpinned", False):
+        return
+
+    def unpinned(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            kw.pop("pin_memory", None)
+            return fn(*a, **kw)
+
+        return wrapper
+
+    for name in (
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "empty_like",
+        "zeros_like",
+        "full_like",
+    ):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *a, **kw: self
+    torch._kt_bench_unpinned = True
+    os.environ["KT_FORCE_SYNC_SUBMIT"] = "1"
+
+
+def looks_like_original(kt_kernel):
+    """The original ships a per-ISA ``kt_kernel_ext`` with ``__cpu_variant__``
+    and has no ``cpu_info`` helper; ours exposes ``cpu_info``."""
+    ext = getattr(kt_kernel, "kt_kernel_ext", None) or sys.modules.get("kt_kernel_ext")
+    if ext is None or not hasattr(ext, "__cpu_variant__"):
+        return False
+    return not (hasattr(ext, "cpu_info") or hasattr(kt_kernel, "cpu_info"))
+
+
+@contextlib.contextmanager
+def quiet_stdout(enabled):
+    """Silence fd 1 (the C++ side prints load chatter with printf/cout)."""
+    if not enabled:
+        yield
+        return
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+# ---------------------------------------------------------------------------
+# Synthetic checkpoint
+# ---------------------------------------------------------------------------
+
+
+def expert_key(layer, expert, proj):
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def checkpoint_meta(args):
+    return {
+        "format": 1,
+        "experts": args.experts,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "layers": args.layers,
+        "seed": args.seed,
+    }
+
+
+def ensure_checkpoint(torch, args, wdir: Path):
+    """Write one safetensors file per layer unless a matching one exists."""
+    from safetensors.torch import save_file
+
+    meta = checkpoint_meta(args)
+    meta_path = wdir / META_NAME
+    if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
+        print(f"[bench] reusing checkpoint in {wdir}")
+        return
+    wdir.mkdir(parents=True, exist_ok=True)
+    for stale in wdir.glob("*.safetensors"):
+        stale.unlink()
+    meta_path.unlink(missing_ok=True)
+    h, inter = args.hidden, args.intermediate
+    t0 = time.perf_counter()
+    for layer in range(args.layers):
+        gen = torch.Generator().manual_seed(args.seed * 1000 + layer)
+        tensors = {}
+        for e in range(args.experts):
+            # Fan-in scaling keeps activations O(1) so the relative error is
+            # meaningful and SiLU sees both signs.
+            for proj, shape, fan_in in (
+                ("gate", (inter, h), h),
+                ("up", (inter, h), h),
+                ("down", (h, inter), inter),
+            ):
+                w = torch.randn(shape, generator=gen).mul_(fan_in**-0.5).bfloat16()
+                tensors[expert_key(layer, e, proj)] = w
+        save_file(
+            tensors, str(wdir / f"model-{layer:05d}-of-{args.layers:05d}.safetensors")
+        )
+        del tensors
+        print(
+            f"[bench] wrote layer {layer + 1}/{args.layers} "
+            f"({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
+    meta_path.write_text(json.dumps(meta))
+
+
+class Checkpoint:
+    """Lazy reader for the synthetic checkpoint (mmap, no full load)."""
+
+    def __init__(self, wdir: Path, layers: int):
+        from safetensors import safe_open
+
+        self.files = [
+            safe_open(
+                str(wdir / f"model-{layer:05d}-of-{layers:05d}.safetensors"),
+                framework="pt",
+            )
+            for layer in range(layers)
+        ]
+
+    def get(self, layer, expert, proj):
+        return self.files[layer].get_tensor(expert_key(layer, expert, proj))
+
+    def stacked(self, torch, layer, proj, experts):
+        return torch.stack([self.get(layer, e, proj) for e in range(experts)])
+
+
+def ensure_gguf(torch, args, ckpt: Checkpoint, wdir: Path):
+    """Convert the checkpoint to per-layer GGUF files for the LLAMAFILE path."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[args.gguf_type.upper()]
+    gdir = wdir / f"gguf_{qtype.name.lower()}"
+    meta = dict(checkpoint_meta(args), gguf_type=qtype.name)
+    meta_path = gdir / META_NAME
+    if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
+        return gdir
+    shutil.rmtree(gdir, ignore_errors=True)
+    gdir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for layer in range(args.layers):
+        writer = gguf.GGUFWriter(str(gdir / f"blk{layer:05d}.gguf"), "qwen3moe")
+        for proj in ("gate", "up", "down"):
+            # GGUF stores [E, rows, cols] with the same row-major layout as HF.
+            w = ckpt.stacked(torch, layer, proj, args.experts).float().numpy()
+            q = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", q, raw_dtype=qtype)
+            del w
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    meta_path.write_text(json.dumps(meta))
+    print(
+        f"[bench] wrote {qtype.name} GGUF in {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
+    return gdir
+
+
+def bytes_per_expert(args, method):
+    hi = args.hidden * args.intermediate
+    rows = 2 * args.intermediate + args.hidden
+    if method == "BF16":
+        return 3 * hi * 2
+    if method == "AMXINT8":
+        return 3 * hi + 4 * rows  # int8 weights + one fp32 scale per output row
+    if method == "AMXINT4":
+        return 3 * hi // 2 + 4 * rows
+    if method == "LLAMAFILE":
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[
+            gguf.GGMLQuantizationType[args.gguf_type.upper()]
+        ]
+        return 3 * hi * size // block
+    raise ValueError(method)
+
+
+# ---------------------------------------------------------------------------
+# Inputs and reference
+# ---------------------------------------------------------------------------
+
+
+def make_inputs(torch, args, tokens, gen):
+    x = torch.randn(tokens, args.hidden, generator=gen).bfloat16()
+    # Distinct top-k ids per token: top-k of uniform noise is a random subset.
+    ids = (
+        torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices
+    )
+    ids = ids.to(getattr(torch, args.ids_dtype))
+    weights = torch.softmax(torch.randn(tokens, args.top_k, generator=gen), dim=-1)
+    return x, ids, weights
+
+
+def reference(torch, ckpt, layer, x, ids, weights):
+    """float64 MoE of the same bf16 weights: sum_k w_k * down(silu(gate x) * up x)."""
+    xd = x.double()
+    out = torch.zeros_like(xd)
+    ids64 = ids.long()
+    for e in torch.unique(ids64).tolist():
+        tok, slot = (ids64 == e).nonzero(as_tuple=True)
+        g = ckpt.get(layer, e, "gate").double()
+        u = ckpt.get(layer, e, "up").double()
+        d = ckpt.get(layer, e, "down").double()
+        xs = xd[tok]
+        h = torch.nn.functional.silu(xs @ g.T) * (xs @ u.T)
+        out.index_add_(0, tok, (h @ d.T) * weights[tok, slot].double().unsqueeze(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Running one method
+# ---------------------------------------------------------------------------
+
+
+def build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch):
+    """Construct and load one wrapper per layer; returns (wrappers, seconds)."""
+    p2l = torch.arange(args.experts, dtype=torch.int64)
+    if method == "BF16":
+        weight_path = str(wdir)
+    elif method == "LLAMAFILE":
+        weight_path = str(ensure_gguf(torch, args, ckpt, wdir))
+    else:
+        # Online quantisation writes .kt files under weight_path; it must not
+        # contain *.safetensors or the original takes its pre-quantised route.
+        weight_path = str(scratch / f"{method.lower()}_kt")
+        shutil.rmtree(weight_path, ignore_errors=True)
+        os.makedirs(weight_path)
+
+    wrappers = []
+    t0 = time.perf_counter()
+    with quiet_stdout(not args.verbose):
+        for layer in range(args.layers):
+            w = kt_kernel.KTMoEWrapper(
+                layer_idx=layer,
+                num_experts=args.experts,
+                num_experts_per_tok=args.top_k,
+                hidden_size=args.hidden,
+                moe_intermediate_size=args.intermediate,
+                gpu_experts_mask=None,
+                cpuinfer_threads=args.threads,
+                threadpool_count=args.threadpool_count,
+                weight_path=weight_path,
+                chunked_prefill_size=args.chunked_prefill_size,
+                method=method,
+            )
+            if method in ("AMXINT8", "AMXINT4"):
+                w.load_weights_from_tensors(
+                    ckpt.stacked(torch, layer, "gate", args.experts),
+                    ckpt.stacked(torch, layer, "up", args.experts),
+                    ckpt.stacked(torch, layer, "down", args.experts),
+                    p2l,
+                )
+            else:
+                w.load_weights(p2l)
+            wrappers.append(w)
+    return wrappers, time.perf_counter() - t0
+
+
+def call_forward(w, x, ids, weights):
+    if hasattr(w, "forward"):
+        out = w.forward(x, ids, weights, 0)
+    else:
+        w.submit_forward(x, ids, weights, 0)
+        out = w.sync_forward(x, 0)
+    # The original returns a reused per-batch-size buffer: copy it out.
+    return out.clone()
+
+
+def bench_method(
+    torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, report, save
+):
+    wrappers, load_s = build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch)
+    report["load_seconds"][method] = round(load_s, 3)
+    print(
+        f"[bench] {method}: loaded {args.layers} layer(s) in {load_s:.1f}s", flush=True
+    )
+    bpe = bytes_per_expert(args, method)
+    flop_pair = 2 * 3 * args.hidden * args.intermediate
+    gen = torch.Generator().manual_seed(args.seed + 7)
+    n = len(wrappers)
+    call = 0
+    for tokens in args.tokens:
+        # Accuracy: same seeded inputs for every method, so refs are shared.
+        layer = args.tokens.index(tokens) % n
+        x, ids, wts = refs[tokens]["inputs"]
+        if "ref" not in refs[tokens]:
+            refs[tokens]["ref"] = reference(torch, ckpt, layer, x, ids, wts)
+        ref = refs[tokens]["ref"]
+        out = call_forward(wrappers[layer], x, ids, wts).double()
+        rel = float((out - ref).norm() / ref.norm())
+
+        # A few input sets so the timed loop only draws routing.
+        xs = [make_inputs(torch, args, tokens, gen)[0] for _ in range(2)]
+        times, touched = [], []
+        for _ in range(max(args.warmup, n)):
+            _, ids_w, wts_w = make_inputs(torch, args, tokens, gen)
+            call_forward(wrappers[call % n], xs[call % 2], ids_w, wts_w)
+            call += 1
+        spent = 0.0
+        while len(times) < args.max_reps and (
+            len(times) < args.min_reps or spent < args.min_time
+        ):
+            _, ids_t, wts_t = make_inputs(torch, args, tokens, gen)
+            w, xt = wrappers[call % n], xs[call % 2]
+            t0 = time.perf_counter()
+            call_forward(w, xt, ids_t, wts_t)
+            dt = time.perf_counter() - t0
+            call += 1
+            spent += dt
+            times.append(dt)
+            touched.append(torch.unique(ids_t).numel())
+        med, best = statistics.median(times), min(times)
+        distinct = statistics.fmean(touched)
+        row = {
+            "method": method,
+            "tokens": tokens,
+            "median_ms": round(med * 1e3, 4),
+            "best_ms": round(best * 1e3, 4),
+            "reps": len(times),
+            "tokens_per_s": round(tokens / med, 2),
+            "distinct_experts": round(distinct, 2),
+            "bytes_per_expert": bpe,
+            "gbps": round(distinct * bpe / med / 1e9, 3),
+            "gflops": round(tokens * args.top_k * flop_pair / med / 1e9, 3),
+            "rel_l2": rel,
+        }
+        report["results"].append(row)
+        print(
+            f"[bench] {method:9s} T={tokens:<4d} median {row['median_ms']:9.3f} ms  "
+            f"{row['gbps']:7.2f} GB/s  {row['gflops']:8.2f} GFLOP/s  rel {rel:.2e}",
+            flush=True,
+        )
+        save()
+    del wrappers
+    gc.collect()
+
+
+def print_table(report):
+    hdr = (
+        f"{'method':10s} {'tokens':>6s} {'median ms':>10s} {'best ms':>10s} "
+        f"{'tok/s':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'rel L2':>9s} {'reps':>5s}"
+    )
+    print()
+    impl, cfg = report["implementation"], report["config"]
+    print(f"{impl['label']}  ({report['machine']['cpu']}, {cfg['threads']} threads)")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in report["results"]:
+        print(
+            f"{r['method']:10s} {r['tokens']:6d} {r['median_ms']:10.3f} "
+            f"{r['best_ms']:10.3f} {r['tokens_per_s']:10.1f} {r['gbps']:7.2f} "
+            f"{r['gflops']:8.2f} {r['rel_l2']:9.2e} {r['reps']:5d}"
+        )
+    for method, err in report["errors"].items():
+        print(f"{method}: FAILED: {err}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    if args.original:
+        patch_for_cpu_only_original(torch)
+    import kt_kernel
+
+    is_original = looks_like_original(kt_kernel)
+    if is_original:
+        # Safe after import too: the original only allocates at call time.
+        patch_for_cpu_only_original(torch)
+    torch.set_num_threads(args.threads)
+
+    version = getattr(kt_kernel, "__version__", "?")
+    variant = getattr(kt_kernel, "__cpu_variant__", None)
+    label = args.label or f"{'original ' if is_original else ''}kt_kernel {version}" + (
+        f" [{variant}]" if variant else ""
+    )
+    report = {
+        "implementation": {
+            "label": label,
+            "is_original": is_original,
+            "version": version,
+            "cpu_variant": variant,
+            "module": getattr(kt_kernel, "__file__", None),
+            "python": sys.executable,
+            "torch": torch.__version__,
+        },
+        "machine": {"cpu": _cpu_model(), "nproc": os.cpu_count()},
+        "config": {
+            "preset": args.preset,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "layers": args.layers,
+            "tokens": args.tokens,
+            "threads": args.threads,
+            "threadpool_count": args.threadpool_count,
+            "chunked_prefill_size": args.chunked_prefill_size,
+            "ids_dtype": args.ids_dtype,
+            "min_reps": args.min_reps,
+            "min_time_s": args.min_time,
+            "seed": args.seed,
+            "gguf_type": args.gguf_type.upper(),
+        },
+        "load_seconds": {},
+        "results": [],
+        "errors": {},
+    }
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+    owned = []
+    scratch = args.scratch_dir or Path(tempfile.mkdtemp(prefix="kt_bench_"))
+    if not args.scratch_dir:
+        owned.append(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    wdir = args.weights_dir or scratch / "ckpt"
+    layer_gb = 3 * args.hidden * args.intermediate * 2 * args.experts / 1e9
+    print(
+        f"[bench] {label}; {args.preset}: E={args.experts} k={args.top_k} "
+        f"H={args.hidden} I={args.intermediate}; "
+        f"{args.layers} layer(s) x {layer_gb:.2f} GB bf16",
+        flush=True,
+    )
+    try:
+        ensure_checkpoint(torch, args, wdir)
+        ckpt = Checkpoint(wdir, args.layers)
+        gen = torch.Generator().manual_seed(args.seed)
+        refs = {t: {"inputs": make_inputs(torch, args, t, gen)} for t in args.tokens}
+        for method in args.methods:
+            try:
+                bench_method(
+                    torch,
+                    kt_kernel,
+                    args,
+                    method,
+                    ckpt,
+                    wdir,
+                    scratch,
+                    refs,
+                    report,
+                    save,
+                )
+            # Keep going: one unsupported method should not hide the others.
+            except (
+                RuntimeError,
+                ValueError,
+                NotImplementedError,
+                OSError,
+                KeyError,
+                TypeError,
+            ) as exc:
+                report["errors"][method] = f"{type(exc).__name__}: {exc}"
+                print(
+                    f"[bench] {method} failed: {report['errors'][method]}", flush=True
+                )
+                gc.collect()
+            save()
+    finally:
+        for d in owned:
+            shutil.rmtree(d, ignore_errors=True)
+    print_table(report)
+    return 1 if report["errors"] and not report["results"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

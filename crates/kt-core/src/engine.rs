@@ -1,0 +1,259 @@
+//! A FIFO task queue with one worker thread, like the original's `CPUInfer`: `submit` returns at
+//! once with a ticket, `wait`/`sync` block until work is done, and an error (or panic) inside a
+//! task comes back from the wait that covers it. The worker parks on a condition variable when
+//! the queue is empty, so an idle engine uses no CPU.
+use crate::moe::Workspace;
+use crate::pool::Pool;
+use crate::{Error, Result};
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// What a task gets to run with: the pool and the shared forward scratch.
+pub struct Context<'a> {
+    /// Worker pool.
+    pub pool: &'a Pool,
+    /// Scratch shared by all tasks (they run one at a time).
+    pub workspace: &'a mut Workspace,
+}
+
+/// A unit of work.
+pub type Task = Box<dyn FnOnce(&mut Context<'_>) -> Result<()> + Send>;
+
+struct State {
+    queue: VecDeque<(u64, Task)>,
+    submitted: u64,
+    completed: u64,
+    errors: BTreeMap<u64, Error>,
+    shutdown: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    work: Condvar,
+    done: Condvar,
+}
+
+/// The task queue and its worker thread (which also leads sub-pool 0 of the pool).
+pub struct Engine {
+    shared: Arc<Shared>,
+    pool: Arc<Pool>,
+    workspace: Arc<Mutex<Workspace>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+impl Engine {
+    /// Start the worker thread for `pool`.
+    pub fn new(pool: Pool) -> Result<Engine> {
+        let pool = Arc::new(pool);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                submitted: 0,
+                completed: 0,
+                errors: BTreeMap::new(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            done: Condvar::new(),
+        });
+        let workspace = Arc::new(Mutex::new(Workspace::new()));
+        let (sh, pl, ws) = (shared.clone(), pool.clone(), workspace.clone());
+        let thread = std::thread::Builder::new()
+            .name("kt_engine".into())
+            .spawn(move || {
+                // The engine thread leads sub-pool 0, so it takes that sub-pool's first core.
+                if let Some(cpu) = pl.caller_cpu() {
+                    let _ = crate::affinity::pin_current_thread(cpu);
+                }
+                worker(sh, pl, ws)
+            })
+            .map_err(|e| Error::Runtime(format!("cannot start the engine thread: {e}")))?;
+        Ok(Engine {
+            shared,
+            pool,
+            workspace,
+            thread: Some(thread),
+        })
+    }
+
+    /// The pool tasks run on.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Run `f` with exclusive access to the shared workspace (e.g. to reserve room up front).
+    pub fn with_workspace<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> R {
+        f(&mut self.workspace.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Queue a task; returns its ticket at once.
+    pub fn submit(&self, task: Task) -> u64 {
+        let mut st = self.shared.state.lock().unwrap();
+        st.submitted += 1;
+        let ticket = st.submitted;
+        st.queue.push_back((ticket, task));
+        self.shared.work.notify_one();
+        ticket
+    }
+
+    /// Block until task `ticket` has run; return its error, if any.
+    pub fn wait(&self, ticket: u64) -> Result<()> {
+        let mut st = self.shared.state.lock().unwrap();
+        while st.completed < ticket {
+            st = self.shared.done.wait(st).unwrap();
+        }
+        st.errors.remove(&ticket).map_or(Ok(()), Err)
+    }
+
+    /// Block until at most `allow_pending` tasks are queued or running (the original's
+    /// `sync(allow_n_pending)`); return the first error of the tasks finished so far.
+    pub fn sync(&self, allow_pending: usize) -> Result<()> {
+        let mut st = self.shared.state.lock().unwrap();
+        while st.submitted - st.completed > allow_pending as u64 {
+            st = self.shared.done.wait(st).unwrap();
+        }
+        match st.errors.pop_first() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Tasks queued or running.
+    pub fn pending(&self) -> u64 {
+        let st = self.shared.state.lock().unwrap();
+        st.submitted - st.completed
+    }
+}
+
+fn worker(shared: Arc<Shared>, pool: Arc<Pool>, workspace: Arc<Mutex<Workspace>>) {
+    loop {
+        let (ticket, task) = {
+            let mut st = shared.state.lock().unwrap();
+            loop {
+                if let Some(item) = st.queue.pop_front() {
+                    break item;
+                }
+                if st.shutdown {
+                    return;
+                }
+                st = shared.work.wait(st).unwrap();
+            }
+        };
+        let result = {
+            let mut ws = workspace.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ctx = Context {
+                pool: &pool,
+                workspace: &mut ws,
+            };
+            catch_unwind(AssertUnwindSafe(|| task(&mut ctx))).unwrap_or_else(|p| {
+                Err(Error::Runtime(format!(
+                    "task panicked: {}",
+                    panic_message(&*p)
+                )))
+            })
+        };
+        let mut st = shared.state.lock().unwrap();
+        if let Err(e) = result {
+            st.errors.insert(ticket, e);
+        }
+        st.completed = ticket;
+        shared.done.notify_all();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Ok(mut st) = self.shared.state.lock() {
+            st.shutdown = true;
+        }
+        self.shared.work.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::PoolConfig;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn engine() -> Engine {
+        let mut cfg = PoolConfig::split(2, 1, None).unwrap();
+        cfg.pin = false;
+        Engine::new(Pool::new(cfg).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn fifo_order_and_sync() {
+        let e = engine();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut last = 0;
+        for i in 0..50 {
+            let log = log.clone();
+            last = e.submit(Box::new(move |_| {
+                log.lock().unwrap().push(i);
+                Ok(())
+            }));
+        }
+        e.sync(0).unwrap();
+        assert_eq!(*log.lock().unwrap(), (0..50).collect::<Vec<_>>());
+        assert_eq!(e.pending(), 0);
+        e.wait(last).unwrap();
+    }
+
+    #[test]
+    fn errors_and_panics_surface_at_wait() {
+        let e = engine();
+        let bad = e.submit(Box::new(|_| Err(Error::Invalid("boom".into()))));
+        let panicky = e.submit(Box::new(|_| panic!("kaboom")));
+        let good = e.submit(Box::new(|_| Ok(())));
+        assert_eq!(e.wait(bad).unwrap_err(), Error::Invalid("boom".into()));
+        let msg = e.wait(panicky).unwrap_err().to_string();
+        assert!(msg.contains("kaboom"), "{msg}");
+        e.wait(good).unwrap();
+        // The engine still works after a panic.
+        let n = Arc::new(AtomicUsize::new(0));
+        let n2 = n.clone();
+        let t = e.submit(Box::new(move |ctx| {
+            ctx.pool.run_parts(&|_, team| {
+                team.parallel_for(100, &|_| {
+                    n2.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        }));
+        e.wait(t).unwrap();
+        assert_eq!(n.load(Ordering::SeqCst), 100);
+    }
+
+    #[test]
+    fn sync_allows_pending() {
+        let e = engine();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g2 = gate.clone();
+        e.submit(Box::new(move |_| {
+            let (m, cv) = &*g2;
+            let mut open = m.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+            Ok(())
+        }));
+        // One task still blocked: sync(1) returns, sync(0) would wait.
+        e.sync(1).unwrap();
+        assert_eq!(e.pending(), 1);
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        e.sync(0).unwrap();
+    }
+}

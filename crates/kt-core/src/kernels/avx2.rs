@@ -1,0 +1,73 @@
+//! AVX2 + FMA kernels: bf16 weights widened to fp32 in registers, fp32 FMA.
+use std::arch::x86_64::*;
+
+/// Token rows per call (16 ymm registers: 8 accumulators, 4 weight vectors, a broadcast).
+pub const ROWS: usize = 4;
+
+/// fp32-FMA panel dot product (see [`super::PanelDotFn`]).
+///
+/// # Safety
+/// AVX2 and FMA available; the [`super::PanelDotFn`] contract.
+pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
+    // SAFETY: forwarded; each arm passes exactly R pointers.
+    unsafe {
+        match a_rows.len() {
+            1 => dot_rows::<1>(a_rows, k, panel, out),
+            2 => dot_rows::<2>(a_rows, k, panel, out),
+            3 => dot_rows::<3>(a_rows, k, panel, out),
+            4 => dot_rows::<4>(a_rows, k, panel, out),
+            n => panic!("avx2 panel_dot_fma takes 1..={ROWS} rows, got {n}"),
+        }
+    }
+}
+
+/// One half (16 outputs) of the panel per pass keeps the accumulators in registers.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_rows<const R: usize>(
+    a_rows: &[*const f32],
+    k: usize,
+    panel: *const u16,
+    out: *mut f32,
+) {
+    let mut a = [std::ptr::null::<f32>(); R];
+    a.copy_from_slice(&a_rows[..R]);
+    let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    for h in 0..2 {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for q in 0..k / 2 {
+            // SAFETY: within the panel and rows by the contract.
+            unsafe {
+                let p = panel.add(q * 64 + h * 32);
+                for g in 0..2 {
+                    let w = _mm256_loadu_si256(p.add(g * 16) as *const __m256i);
+                    let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                    let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+                    for r in 0..R {
+                        let x0 = _mm256_broadcast_ss(&*a[r].add(2 * q));
+                        let x1 = _mm256_broadcast_ss(&*a[r].add(2 * q + 1));
+                        acc[r][g] = _mm256_fmadd_ps(x0, w_even, acc[r][g]);
+                        acc[r][g] = _mm256_fmadd_ps(x1, w_odd, acc[r][g]);
+                    }
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            // SAFETY: out holds 32 floats per row.
+            unsafe {
+                _mm256_storeu_ps(out.add(r * 32 + h * 16), row[0]);
+                _mm256_storeu_ps(out.add(r * 32 + h * 16 + 8), row[1]);
+            }
+        }
+    }
+}
+
+/// SwiGLU, auto-vectorised for AVX2.
+///
+/// # Safety
+/// AVX2 and FMA available; equal lengths.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], limit: f32, alpha: f32) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = super::swiglu_one(g, u, limit, alpha);
+    }
+}

@@ -1,0 +1,77 @@
+//! Scalar oracles. Plain loops, the same summation order as the SIMD kernels.
+use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
+
+/// Row block of the scalar kernels.
+pub const ROWS: usize = 16;
+
+/// fp32-FMA panel dot: per output, one `mul_add` chain over k (input 2q, then 2q+1).
+///
+/// # Safety
+/// See [`super::PanelDotFn`].
+pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
+    for (r, &a) in a_rows.iter().enumerate() {
+        for lane in 0..32 {
+            let (h, j) = (lane / 16, lane % 16);
+            let mut acc = 0.0f32;
+            for q in 0..k / 2 {
+                let base = q * 64 + h * 32 + j * 2;
+                // SAFETY: indices < 32*k and < k by the contract.
+                unsafe {
+                    let w0 = bf16_bits_to_f32(*panel.add(base));
+                    let w1 = bf16_bits_to_f32(*panel.add(base + 1));
+                    acc = (*a.add(2 * q)).mul_add(w0, acc);
+                    acc = (*a.add(2 * q + 1)).mul_add(w1, acc);
+                }
+            }
+            // SAFETY: out holds 32 per row.
+            unsafe { *out.add(r * 32 + lane) = acc };
+        }
+    }
+}
+
+/// Model of `vdpbf16ps`: activations rounded to bf16 (nearest even); per pair, the odd product
+/// is added first, then the even one, each add rounded (products of bf16 are exact in fp32).
+/// Denormal inputs and results are flushed to zero as the instruction does.
+///
+/// # Safety
+/// See [`super::PanelDotFn`].
+pub unsafe fn panel_dot_bf16(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
+    let ftz = |x: f32| {
+        if x.is_subnormal() {
+            0.0f32.copysign(x)
+        } else {
+            x
+        }
+    };
+    let round = |x: f32| ftz(bf16_bits_to_f32(f32_to_bf16_bits(x)));
+    for (r, &a) in a_rows.iter().enumerate() {
+        for lane in 0..32 {
+            let (h, j) = (lane / 16, lane % 16);
+            let mut acc = 0.0f32;
+            for q in 0..k / 2 {
+                let base = q * 64 + h * 32 + j * 2;
+                // SAFETY: as in panel_dot_fma.
+                unsafe {
+                    let w0 = ftz(bf16_bits_to_f32(*panel.add(base)));
+                    let w1 = ftz(bf16_bits_to_f32(*panel.add(base + 1)));
+                    let x0 = round(*a.add(2 * q));
+                    let x1 = round(*a.add(2 * q + 1));
+                    acc = ftz(acc + x1 * w1);
+                    acc = ftz(acc + x0 * w0);
+                }
+            }
+            // SAFETY: out holds 32 per row.
+            unsafe { *out.add(r * 32 + lane) = acc };
+        }
+    }
+}
+
+/// SwiGLU, scalar.
+///
+/// # Safety
+/// None beyond equal lengths (kept `unsafe` to share the function-pointer type).
+pub unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], limit: f32, alpha: f32) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = super::swiglu_one(g, u, limit, alpha);
+    }
+}

@@ -1,0 +1,132 @@
+//! Every kernel against its scalar twin on random data, for every level this CPU can run.
+use super::*;
+use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
+use crate::rng::Rng;
+
+fn random_panel(rng: &mut Rng, k: usize) -> Vec<u16> {
+    (0..32 * k)
+        .map(|_| f32_to_bf16_bits(rng.normal() * 0.1))
+        .collect()
+}
+
+fn check_against_twin(set: &KernelSet, ks: &[usize]) {
+    let twin = KernelSet::scalar_twin(set.dot_kind());
+    let mut rng = Rng::new(7 + set.level() as u64);
+    for &k in ks {
+        let panel = random_panel(&mut rng, k);
+        for rows in 1..=set.rows_per_block() {
+            let a: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
+            let refs: Vec<&[f32]> = a.iter().map(|r| r.as_slice()).collect();
+            let mut got = vec![0f32; rows * 32];
+            let mut want = vec![0f32; rows * 32];
+            set.panel_dot(&refs, &panel, &mut got);
+            twin.panel_dot(&refs, &panel, &mut want);
+            // Same operations in the same order: bit-exact.
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{} rows={rows} k={k} idx={i}: {g} vs {w}",
+                    set.name()
+                );
+            }
+            // And close to a float64 reference (catches a twin that is wrong in the same way).
+            for r in 0..rows {
+                for lane in 0..32 {
+                    let mut exact = 0f64;
+                    let mut mag = 0f64;
+                    for kk in 0..k {
+                        let w =
+                            bf16_bits_to_f32(panel[crate::pack::packed_index(lane, kk, k)]) as f64;
+                        exact += a[r][kk] as f64 * w;
+                        mag += (a[r][kk] as f64 * w).abs();
+                    }
+                    let tol = match set.dot_kind() {
+                        DotKind::Fp32Fma => 1e-5 * mag + 1e-6,
+                        DotKind::Bf16Dot => 1e-2 * mag + 1e-6,
+                    };
+                    let g = got[r * 32 + lane] as f64;
+                    assert!((g - exact).abs() <= tol, "{}: {g} vs {exact}", set.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fma_kernels_match_scalar_twin_bit_exactly() {
+    for level in runnable_levels() {
+        let set = KernelSet::for_level(level).unwrap();
+        check_against_twin(&set, &[2, 34, 256, 1030]);
+    }
+}
+
+#[test]
+fn bf16_dot_kernel_matches_its_twin() {
+    let detected = isa::global().unwrap().detected;
+    if detected < Level::Avx512Bf16 {
+        eprintln!("skipping: no avx512_bf16 here");
+        return;
+    }
+    let set = KernelSet::with_kind(Level::Avx512Bf16, DotKind::Bf16Dot).unwrap();
+    // 1030 crosses the 512-element staging chunk and ends in a scalar tail.
+    check_against_twin(&set, &[2, 34, 256, 1030]);
+}
+
+#[test]
+fn swiglu_matches_twin_and_float64() {
+    let mut rng = Rng::new(3);
+    let n = 1000;
+    let g = rng.normals(n, 4.0);
+    let u = rng.normals(n, 4.0);
+    for level in runnable_levels() {
+        let set = KernelSet::for_level(level).unwrap();
+        for (limit, alpha) in [(0.0f32, 0.0f32), (2.5, 0.0), (0.0, 1.702), (3.0, 1.702)] {
+            let mut out = vec![0f32; n];
+            let mut twin = vec![0f32; n];
+            set.swiglu(&g, &u, &mut out, limit, alpha);
+            KernelSet::scalar_twin(DotKind::Fp32Fma).swiglu(&g, &u, &mut twin, limit, alpha);
+            for i in 0..n {
+                assert_eq!(out[i].to_bits(), twin[i].to_bits());
+                let (mut gg, mut uu) = (g[i] as f64, u[i] as f64);
+                if limit > 0.0 {
+                    gg = gg.min(limit as f64);
+                    uu = uu.clamp(-limit as f64, limit as f64);
+                }
+                let want = if alpha > 0.0 {
+                    gg / (1.0 + (-(alpha as f64) * gg).exp()) * (uu + 1.0)
+                } else {
+                    gg / (1.0 + (-gg).exp()) * uu
+                };
+                assert!(
+                    (out[i] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{} vs {want}",
+                    out[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn exp_approx_is_accurate_and_propagates_nan_in_swiglu() {
+    for i in -870..=880 {
+        let x = i as f32 * 0.1;
+        let (got, want) = (exp_approx(x) as f64, (x as f64).exp());
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "exp({x}) = {got} vs {want}"
+        );
+    }
+    assert!(swiglu_one(f32::NAN, 1.0, 0.0, 0.0).is_nan());
+    assert!(swiglu_one(1.0, f32::NAN, 0.0, 0.0).is_nan());
+}
+
+#[test]
+fn asking_for_more_than_the_cpu_has_is_an_error() {
+    let detected = isa::global().unwrap().detected;
+    if detected < Level::Amx {
+        let err = KernelSet::for_level(Level::Amx).unwrap_err();
+        assert!(err.to_string().contains("amx"), "{err}");
+    }
+}

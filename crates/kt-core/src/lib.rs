@@ -1,0 +1,33 @@
+//! kt-core: CPU Mixture-of-Experts kernels for hybrid CPU/GPU serving.
+//!
+//! Pure Rust, no Python. The pieces, bottom up:
+//! - [`isa`]: what the CPU and OS allow (CPUID + XCR0 + Linux AMX permission), capped by
+//!   `KT_KERNEL_CPU_VARIANT`.
+//! - [`kernels`]: a [`kernels::KernelSet`] of function pointers chosen once per layer; every SIMD
+//!   kernel has a scalar twin in [`kernels::scalar`].
+//! - [`topology`], [`affinity`], [`pool`]: NUMA nodes and physical cores, pinned worker groups
+//!   (one per sub-pool) that spin briefly and then park.
+//! - [`engine`]: a FIFO task queue (submit returns at once, sync waits) like the original's CPUInfer.
+//! - [`moe`]: the MoE layer: route, gather, gate/up, SwiGLU, down, weighted sum, NUMA merge.
+//! - [`weights`]: expert weights from tensors in memory or Hugging Face safetensors checkpoints.
+//!
+//! Threading model: a layer is split along the intermediate dimension into one part per sub-pool;
+//! each part runs on its own pinned workers and the fp32 partial outputs are summed.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod affinity;
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod isa;
+pub mod kernels;
+pub mod moe;
+pub mod pack;
+pub mod pool;
+pub mod rng;
+pub mod routing;
+pub mod topology;
+pub mod weights;
+
+pub use error::{Error, Result};

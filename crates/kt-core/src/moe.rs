@@ -1,0 +1,839 @@
+//! The MoE layer: route → gate/up (+SwiGLU) → down (+router weight) → sum over experts → merge
+//! the NUMA parts.
+//!
+//! Every expert is split along the intermediate dimension into one slice per sub-pool ("part");
+//! a part holds rows `r0..r1` of gate and up and the matching columns of down, computes a full
+//! width fp32 partial output, and the partials are summed. Weights are packed once at load by
+//! the part's own threads (so their pages live on its node); activations stay fp32 throughout.
+use crate::dtype::{row_from_f32, row_to_f32, FloatType};
+use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::pack::{pack_panel, panel_len, AlignedBuf, MatrixView, PANEL};
+use crate::pool::{Pool, Team};
+use crate::routing::{Ids, Routing};
+use crate::{kt_bail, kt_ensure, Error, Result};
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// Tokens processed per internal chunk: bounds the scratch memory whatever
+/// `chunked_prefill_size` is, while keeping enough rows per expert for the blocked GEMM.
+pub const CHUNK_TOKENS: usize = 1024;
+
+/// Shape and options of one MoE layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Layer index (for messages).
+    pub layer_idx: usize,
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Model hidden size H.
+    pub hidden: usize,
+    /// Expert intermediate size I.
+    pub intermediate: usize,
+    /// Most tokens in one forward call (`chunked_prefill_size`).
+    pub max_tokens: usize,
+    /// SwiGLU clamp (0 = off): gate ≤ L, |up| ≤ L.
+    pub swiglu_limit: f32,
+    /// "swigluoai" α (0 = plain SiLU·up).
+    pub swiglu_alpha: f32,
+}
+
+impl MoeConfig {
+    /// Check the shape for `parts` NUMA parts; the message says exactly what is wrong.
+    pub fn validate(&self, parts: usize) -> Result<()> {
+        let l = self.layer_idx;
+        kt_ensure!(
+            self.num_experts > 0,
+            Invalid,
+            "layer {l}: num_experts must be positive"
+        );
+        kt_ensure!(
+            self.top_k > 0 && self.top_k <= self.num_experts,
+            Invalid,
+            "layer {l}: num_experts_per_tok={} must be in 1..={}",
+            self.top_k,
+            self.num_experts
+        );
+        kt_ensure!(
+            self.hidden > 0 && self.hidden % PANEL == 0,
+            Invalid,
+            "layer {l}: hidden_size={} must be a positive multiple of {PANEL}",
+            self.hidden
+        );
+        kt_ensure!(
+            self.intermediate > 0 && self.intermediate % PANEL == 0,
+            Invalid,
+            "layer {l}: moe_intermediate_size={} must be a positive multiple of {PANEL}",
+            self.intermediate
+        );
+        kt_ensure!(
+            self.intermediate / PANEL >= parts,
+            Invalid,
+            "layer {l}: moe_intermediate_size={} has {} blocks of {PANEL}, fewer than \
+             threadpool_count={parts}; every NUMA part needs at least one block",
+            self.intermediate,
+            self.intermediate / PANEL
+        );
+        kt_ensure!(
+            self.max_tokens > 0,
+            Invalid,
+            "layer {l}: chunked_prefill_size must be at least 1"
+        );
+        kt_ensure!(
+            self.swiglu_limit >= 0.0 && self.swiglu_limit.is_finite(),
+            Invalid,
+            "layer {l}: swiglu_limit must be a finite value ≥ 0, got {}",
+            self.swiglu_limit
+        );
+        kt_ensure!(
+            self.swiglu_alpha >= 0.0 && self.swiglu_alpha.is_finite(),
+            Invalid,
+            "layer {l}: swiglu_alpha must be a finite value ≥ 0, got {}",
+            self.swiglu_alpha
+        );
+        Ok(())
+    }
+
+    /// Slice of the intermediate dimension owned by each part, in whole panels, as even as
+    /// possible (earlier parts take the remainder).
+    pub fn part_ranges(&self, parts: usize) -> Vec<Range<usize>> {
+        let blocks = self.intermediate / PANEL;
+        let mut start = 0;
+        (0..parts)
+            .map(|i| {
+                let n = (blocks / parts + usize::from(i < blocks % parts)) * PANEL;
+                let r = start..start + n;
+                start += n;
+                r
+            })
+            .collect()
+    }
+
+    /// Bytes of packed expert weights (bf16) in the whole layer.
+    pub fn weight_bytes(&self) -> usize {
+        3 * self.num_experts * self.hidden * self.intermediate * 2
+    }
+}
+
+/// Which projection of an expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proj {
+    /// gate_proj `[I][H]`.
+    Gate,
+    /// up_proj `[I][H]`.
+    Up,
+    /// down_proj `[H][I]`.
+    Down,
+}
+
+/// Where expert weights come from at load time (tensors in memory, a checkpoint...).
+pub trait ExpertSource: Sync {
+    /// Number of (logical) experts available.
+    fn num_experts(&self) -> usize;
+    /// Full matrix of one projection of logical expert `expert`: gate/up `[I][H]`, down `[H][I]`.
+    /// The view must stay valid while the source lives.
+    fn matrix(&self, expert: usize, proj: Proj) -> Result<MatrixView>;
+}
+
+struct PartWeights {
+    inter: Range<usize>,
+    gate: AlignedBuf<u16>,
+    up: AlignedBuf<u16>,
+    down: AlignedBuf<u16>,
+}
+
+/// Raw pointer that tasks share to write disjoint ranges.
+#[derive(Clone, Copy)]
+struct SyncPtr<T>(*mut T);
+// SAFETY: every user writes a range no other task touches during the same phase.
+unsafe impl<T> Send for SyncPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// The address (a method, so closures capture the Sync wrapper, not the raw field).
+    #[inline(always)]
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// One MoE layer with its packed weights.
+pub struct MoeLayer {
+    config: MoeConfig,
+    kernels: KernelSet,
+    parts: Vec<PartWeights>,
+    loaded: bool,
+}
+
+/// Scratch of forward calls, grown when a layer needs more, shared by the layers that one
+/// caller (e.g. the engine thread) runs one after another.
+#[derive(Default)]
+pub struct Workspace {
+    routing: Routing,
+    parts: Vec<PartScratch>,
+}
+
+#[derive(Default)]
+struct PartScratch {
+    x: Option<AlignedBuf<f32>>,
+    act: Option<AlignedBuf<f32>>,
+    partial: Option<AlignedBuf<f32>>,
+}
+
+fn grow(buf: &mut Option<AlignedBuf<f32>>, len: usize) -> Result<()> {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = Some(AlignedBuf::zeroed(len)?);
+    }
+    Ok(())
+}
+
+impl Workspace {
+    /// Empty workspace; [`Workspace::reserve`] sizes it for a layer.
+    pub fn new() -> Workspace {
+        Workspace::default()
+    }
+
+    /// Make room for `layer` (allocates only when the layer needs more than any before).
+    pub fn reserve(&mut self, layer: &MoeLayer) -> Result<()> {
+        let c = &layer.config;
+        let tokens = c.max_tokens.min(CHUNK_TOKENS);
+        let rows = tokens * c.top_k;
+        if self.parts.len() < layer.parts.len() {
+            self.parts
+                .resize_with(layer.parts.len(), PartScratch::default);
+        }
+        for (s, p) in self.parts.iter_mut().zip(&layer.parts) {
+            grow(&mut s.x, tokens * c.hidden)?;
+            grow(&mut s.act, rows * p.inter.len())?;
+            grow(&mut s.partial, tokens * c.hidden)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .flat_map(|p| [&p.x, &p.act, &p.partial])
+            .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
+            .sum()
+    }
+}
+
+/// Inputs and outputs of one forward call, as raw memory (the Python binding's form).
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardArgs {
+    /// Tokens in this call (≤ `max_tokens`).
+    pub qlen: usize,
+    /// `[qlen][H]` activations.
+    pub hidden: *const u8,
+    /// Their element type.
+    pub hidden_type: FloatType,
+    /// `[qlen][top_k]` expert ids (physical slots).
+    pub ids: *const u8,
+    /// Whether ids are int64 (else int32).
+    pub ids_i64: bool,
+    /// `[qlen][top_k]` fp32 router weights.
+    pub weights: *const f32,
+    /// `[qlen][H]` output.
+    pub out: *mut u8,
+    /// Output element type.
+    pub out_type: FloatType,
+    /// Optional `[qlen][H]` addend (the previous layer's deferred experts).
+    pub residual: *const u8,
+    /// Element type of `residual`.
+    pub residual_type: FloatType,
+    /// Optional `[num_experts]` bytes, non-zero = expert runs on the GPU (read now, live).
+    pub gpu_mask: *const u8,
+}
+
+// SAFETY: plain addresses; `forward_raw`'s contract makes them valid for the call, and tasks
+// only write disjoint rows of `out`.
+unsafe impl Send for ForwardArgs {}
+// SAFETY: as above.
+unsafe impl Sync for ForwardArgs {}
+
+impl MoeLayer {
+    /// An unloaded layer for a pool with `parts` sub-pools, using `kernels`.
+    pub fn new(config: MoeConfig, parts: usize, kernels: KernelSet) -> Result<MoeLayer> {
+        config.validate(parts)?;
+        let ranges = config.part_ranges(parts);
+        let parts = ranges
+            .into_iter()
+            .map(|inter| {
+                let n = config.num_experts * config.hidden * inter.len();
+                Ok(PartWeights {
+                    inter,
+                    gate: AlignedBuf::zeroed(n)?,
+                    up: AlignedBuf::zeroed(n)?,
+                    down: AlignedBuf::zeroed(n)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(MoeLayer {
+            config,
+            kernels,
+            parts,
+            loaded: false,
+        })
+    }
+
+    /// The layer's configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.config
+    }
+
+    /// The kernels in use.
+    pub fn kernels(&self) -> &KernelSet {
+        &self.kernels
+    }
+
+    /// True once weights are loaded.
+    pub fn is_loaded(&self) -> bool {
+        self.loaded
+    }
+
+    /// Intermediate slice of each part.
+    pub fn part_ranges(&self) -> Vec<Range<usize>> {
+        self.parts.iter().map(|p| p.inter.clone()).collect()
+    }
+
+    /// Pack weights from `source`. Physical slot `p` receives logical expert `map[p]` (identity
+    /// when `map` is None). Each part packs its own slice on its own threads.
+    pub fn load(
+        &mut self,
+        pool: &Pool,
+        source: &dyn ExpertSource,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = self.config.clone();
+        let l = c.layer_idx;
+        kt_ensure!(
+            pool.parts() == self.parts.len(),
+            Invalid,
+            "layer {l} was built for {} NUMA parts but the pool has {}",
+            self.parts.len(),
+            pool.parts()
+        );
+        let available = source.num_experts();
+        let logical: Vec<usize> = match map {
+            None => {
+                kt_ensure!(
+                    available >= c.num_experts,
+                    Invalid,
+                    "layer {l}: the weights hold {available} experts, the layer needs {}",
+                    c.num_experts
+                );
+                (0..c.num_experts).collect()
+            }
+            Some(m) => {
+                kt_ensure!(
+                    m.len() == c.num_experts,
+                    Invalid,
+                    "layer {l}: physical_to_logical_map has {} entries, expected num_experts={}",
+                    m.len(),
+                    c.num_experts
+                );
+                m.iter()
+                    .enumerate()
+                    .map(|(p, &e)| {
+                        if e < 0 || e as u64 >= available as u64 {
+                            kt_bail!(
+                                Invalid,
+                                "layer {l}: physical_to_logical_map[{p}]={e} is outside 0..{available}"
+                            );
+                        }
+                        Ok(e as usize)
+                    })
+                    .collect::<Result<_>>()?
+            }
+        };
+        // Check every matrix's shape before touching memory.
+        for &e in &logical {
+            for (proj, rows, cols) in [
+                (Proj::Gate, c.intermediate, c.hidden),
+                (Proj::Up, c.intermediate, c.hidden),
+                (Proj::Down, c.hidden, c.intermediate),
+            ] {
+                let m = source.matrix(e, proj)?;
+                kt_ensure!(
+                    m.rows == rows && m.cols == cols,
+                    Invalid,
+                    "layer {l}: expert {e} {proj:?} weight is {}x{}, expected {rows}x{cols}",
+                    m.rows,
+                    m.cols
+                );
+            }
+        }
+        let targets: Vec<[SyncPtr<u16>; 3]> = self
+            .parts
+            .iter_mut()
+            .map(|p| {
+                [
+                    SyncPtr(p.gate.as_mut_ptr()),
+                    SyncPtr(p.up.as_mut_ptr()),
+                    SyncPtr(p.down.as_mut_ptr()),
+                ]
+            })
+            .collect();
+        let ranges = self.part_ranges();
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let (h, e_count) = (c.hidden, c.num_experts);
+        pool.run_parts(&|part, team: &Team| {
+            let inter = ranges[part].clone();
+            let ip = inter.len();
+            let dst = &targets[part];
+            // One task per (physical expert, projection): big enough to amortise, many enough to balance.
+            team.parallel_for(e_count * 3, &|task| {
+                let (slot, which) = (task / 3, task % 3);
+                let result = (|| -> Result<()> {
+                    let e = logical[slot];
+                    let (view, n, k) = match which {
+                        0 => (
+                            source.matrix(e, Proj::Gate)?.sub(inter.start, ip, 0, h)?,
+                            ip,
+                            h,
+                        ),
+                        1 => (
+                            source.matrix(e, Proj::Up)?.sub(inter.start, ip, 0, h)?,
+                            ip,
+                            h,
+                        ),
+                        _ => (
+                            source.matrix(e, Proj::Down)?.sub(0, h, inter.start, ip)?,
+                            h,
+                            ip,
+                        ),
+                    };
+                    let base = dst[which].0;
+                    for p in 0..n / PANEL {
+                        let off = slot * n * k + p * panel_len(k);
+                        // SAFETY: each (slot, which, p) owns a disjoint panel inside the buffer
+                        // allocated with E*n*k elements; the view's shape was checked above.
+                        unsafe {
+                            let panel = std::slice::from_raw_parts_mut(base.add(off), panel_len(k));
+                            pack_panel(&view, p, panel);
+                        }
+                    }
+                    Ok(())
+                })();
+                if let Err(err) = result {
+                    first_error.lock().unwrap().get_or_insert(err);
+                }
+            });
+        })?;
+        if let Some(err) = first_error.into_inner().unwrap() {
+            return Err(err);
+        }
+        self.loaded = true;
+        Ok(())
+    }
+
+    /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights
+    /// [qlen][top_k]`, `out [qlen][H]`.
+    pub fn forward_f32(
+        &self,
+        pool: &Pool,
+        ws: &mut Workspace,
+        x: &[f32],
+        ids: &[i64],
+        weights: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let qlen = x.len() / c.hidden;
+        kt_ensure!(
+            x.len() == qlen * c.hidden && out.len() == x.len(),
+            Invalid,
+            "hidden states and output must both be [qlen, {}]",
+            c.hidden
+        );
+        kt_ensure!(
+            ids.len() == qlen * c.top_k && weights.len() == ids.len(),
+            Invalid,
+            "ids and weights must be [{qlen}, {}]",
+            c.top_k
+        );
+        let args = ForwardArgs {
+            qlen,
+            hidden: x.as_ptr() as *const u8,
+            hidden_type: FloatType::F32,
+            ids: ids.as_ptr() as *const u8,
+            ids_i64: true,
+            weights: weights.as_ptr(),
+            out: out.as_mut_ptr() as *mut u8,
+            out_type: FloatType::F32,
+            residual: std::ptr::null(),
+            residual_type: FloatType::F32,
+            gpu_mask: std::ptr::null(),
+        };
+        // SAFETY: every pointer comes from a slice whose length was checked above.
+        unsafe { self.forward_raw(pool, ws, &args) }
+    }
+
+    /// Forward over raw memory.
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be valid for the extent its comment gives, for the whole
+    /// call, and `out` must not overlap the inputs. Null `residual`/`gpu_mask` mean "none".
+    pub unsafe fn forward_raw(
+        &self,
+        pool: &Pool,
+        ws: &mut Workspace,
+        args: &ForwardArgs,
+    ) -> Result<()> {
+        let c = &self.config;
+        let l = c.layer_idx;
+        kt_ensure!(
+            self.loaded,
+            Runtime,
+            "layer {l}: forward called before the weights were loaded"
+        );
+        kt_ensure!(
+            pool.parts() == self.parts.len(),
+            Invalid,
+            "layer {l} was built for {} NUMA parts but the pool has {}",
+            self.parts.len(),
+            pool.parts()
+        );
+        kt_ensure!(
+            args.qlen <= c.max_tokens,
+            Invalid,
+            "layer {l}: {} tokens exceed chunked_prefill_size={}",
+            args.qlen,
+            c.max_tokens
+        );
+        if args.qlen == 0 {
+            return Ok(());
+        }
+        ws.reserve(self)?;
+        let (h, k) = (c.hidden, c.top_k);
+        // SAFETY: the caller guarantees num_experts readable bytes when non-null.
+        let mask = (!args.gpu_mask.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(args.gpu_mask, c.num_experts) });
+        let mut t0 = 0;
+        while t0 < args.qlen {
+            let t1 = (t0 + CHUNK_TOKENS).min(args.qlen);
+            let n = t1 - t0;
+            // SAFETY: [t0, t1) is inside the caller's qlen rows.
+            let (ids, weights) = unsafe {
+                let ids = if args.ids_i64 {
+                    Ids::I64(std::slice::from_raw_parts(
+                        (args.ids as *const i64).add(t0 * k),
+                        n * k,
+                    ))
+                } else {
+                    Ids::I32(std::slice::from_raw_parts(
+                        (args.ids as *const i32).add(t0 * k),
+                        n * k,
+                    ))
+                };
+                (
+                    ids,
+                    std::slice::from_raw_parts(args.weights.add(t0 * k), n * k),
+                )
+            };
+            ws.routing.build(ids, weights, n, k, c.num_experts, mask);
+            let offset = |p: *const u8, t: FloatType| {
+                // SAFETY: row t0 is within the caller's buffer.
+                if p.is_null() {
+                    p
+                } else {
+                    unsafe { p.add(t0 * h * t.size()) }
+                }
+            };
+            let chunk = ForwardArgs {
+                qlen: n,
+                hidden: offset(args.hidden, args.hidden_type),
+                out: offset(args.out, args.out_type) as *mut u8,
+                residual: offset(args.residual, args.residual_type),
+                ..*args
+            };
+            // SAFETY: forwarded contract, restricted to this chunk.
+            unsafe { self.forward_chunk(pool, ws, &chunk)? };
+            t0 = t1;
+        }
+        Ok(())
+    }
+
+    /// One chunk (≤ CHUNK_TOKENS tokens) whose routing is already in `ws.routing`.
+    unsafe fn forward_chunk(
+        &self,
+        pool: &Pool,
+        ws: &mut Workspace,
+        args: &ForwardArgs,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (h, qlen) = (c.hidden, args.qlen);
+        let routing = &ws.routing;
+        let scratch: Vec<[SyncPtr<f32>; 3]> = ws
+            .parts
+            .iter_mut()
+            .map(|s| {
+                let p = |b: &mut Option<AlignedBuf<f32>>| SyncPtr(b.as_mut().unwrap().as_mut_ptr());
+                [p(&mut s.x), p(&mut s.act), p(&mut s.partial)]
+            })
+            .collect();
+        let single = self.parts.len() == 1;
+        let kern = &self.kernels;
+        let rows_per_block = kern.rows_per_block();
+        let total_rows = routing.rows();
+        let hidden_in = SyncPtr(args.hidden as *mut u8);
+        let out = SyncPtr(args.out);
+        let residual = SyncPtr(args.residual as *mut u8);
+
+        pool.run_parts(&|part, team: &Team| {
+            let pw = &self.parts[part];
+            let ip = pw.inter.len();
+            let [x, act, partial] = scratch[part];
+            // 1. Activations to fp32, once per part (NUMA-local copy).
+            team.parallel_for(qlen, &|t| {
+                // SAFETY: row t of the input and of this part's x buffer (tokens × H).
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(x.get().add(t * h), h);
+                    row_to_f32(
+                        hidden_in.get().add(t * h * args.hidden_type.size()),
+                        args.hidden_type,
+                        dst,
+                    );
+                }
+            });
+            // 2. gate & up for each (expert, panel of this part's intermediate slice), SwiGLU.
+            let gate_panels = ip / PANEL;
+            let n_experts = routing.experts.len();
+            team.parallel_for(n_experts * gate_panels, &|task| {
+                let (ei, p) = (task / gate_panels, task % gate_panels);
+                let e = routing.experts[ei] as usize;
+                let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+                let off = e * ip * h + p * panel_len(h);
+                let gate = &pw.gate.as_slice()[off..off + panel_len(h)];
+                let up = &pw.up.as_slice()[off..off + panel_len(h)];
+                let mut g = [0f32; MAX_ROWS * PANEL];
+                let mut u = [0f32; MAX_ROWS * PANEL];
+                let mut a = [0f32; MAX_ROWS * PANEL];
+                let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
+                let mut r0 = rows.start;
+                while r0 < rows.end {
+                    let nr = rows_per_block.min(rows.end - r0);
+                    for (i, ptr) in ptrs[..nr].iter_mut().enumerate() {
+                        // SAFETY: token index < qlen rows of x.
+                        *ptr = unsafe { x.get().add(routing.row_token[r0 + i] as usize * h) };
+                    }
+                    // SAFETY: rows of x have h floats; panels have panel_len(h) elements.
+                    unsafe {
+                        kern.panel_dot_raw(&ptrs[..nr], h, gate.as_ptr(), g.as_mut_ptr());
+                        kern.panel_dot_raw(&ptrs[..nr], h, up.as_ptr(), u.as_mut_ptr());
+                    }
+                    let m = nr * PANEL;
+                    kern.swiglu(
+                        &g[..m],
+                        &u[..m],
+                        &mut a[..m],
+                        c.swiglu_limit,
+                        c.swiglu_alpha,
+                    );
+                    for i in 0..nr {
+                        // SAFETY: row r0+i of act (rows × ip), columns of panel p: this task's.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                a.as_ptr().add(i * PANEL),
+                                act.get().add((r0 + i) * ip + p * PANEL),
+                                PANEL,
+                            );
+                        }
+                    }
+                    r0 += nr;
+                }
+            });
+            // 3. down: tasks own column blocks of the output, so the weighted sum over experts
+            //    accumulates without races; within a task, experts go outer so each expert's
+            //    act rows stay in cache across the block's panels.
+            let out_panels = h / PANEL;
+            let per_task = if total_rows <= 64 {
+                1
+            } else {
+                out_panels.div_ceil(team.threads() * 4).max(1)
+            };
+            let n_tasks = out_panels.div_ceil(per_task);
+            team.parallel_for(n_tasks, &|task| {
+                let panels = task * per_task..((task + 1) * per_task).min(out_panels);
+                let cols = panels.start * PANEL..panels.end * PANEL;
+                for t in 0..qlen {
+                    // SAFETY: this task owns these columns of every token's partial row.
+                    unsafe {
+                        std::ptr::write_bytes(partial.get().add(t * h + cols.start), 0, cols.len());
+                    }
+                }
+                let mut o = [0f32; MAX_ROWS * PANEL];
+                let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
+                for ei in 0..n_experts {
+                    let e = routing.experts[ei] as usize;
+                    let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+                    for p in panels.clone() {
+                        let off = e * h * ip + p * panel_len(ip);
+                        let panel = &pw.down.as_slice()[off..off + panel_len(ip)];
+                        let mut r0 = rows.start;
+                        while r0 < rows.end {
+                            let nr = rows_per_block.min(rows.end - r0);
+                            for (i, ptr) in ptrs[..nr].iter_mut().enumerate() {
+                                // SAFETY: act row r0+i exists (rows ≤ capacity).
+                                *ptr = unsafe { act.get().add((r0 + i) * ip) };
+                            }
+                            // SAFETY: act rows have ip floats; the panel panel_len(ip).
+                            unsafe {
+                                kern.panel_dot_raw(&ptrs[..nr], ip, panel.as_ptr(), o.as_mut_ptr())
+                            };
+                            for i in 0..nr {
+                                let t = routing.row_token[r0 + i] as usize;
+                                let w = routing.row_weight[r0 + i];
+                                // SAFETY: columns of panel p in token t's partial row: ours.
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        partial.get().add(t * h + p * PANEL),
+                                        PANEL,
+                                    )
+                                };
+                                for (d, v) in dst.iter_mut().zip(&o[i * PANEL..(i + 1) * PANEL]) {
+                                    *d += w * v;
+                                }
+                            }
+                            r0 += nr;
+                        }
+                    }
+                }
+            });
+            // 4. With one part, finish here: add the residual, convert to the output type.
+            if single {
+                team.parallel_for(qlen, &|t| {
+                    // SAFETY: token t's rows of partial, residual and out belong to this task.
+                    unsafe {
+                        finish_row(
+                            &[partial.get().add(t * h) as *const f32],
+                            h,
+                            t,
+                            args,
+                            residual,
+                            out,
+                        )
+                    };
+                });
+            }
+        })?;
+        if !single {
+            // Sum the parts' partials (reading every node's memory once), add the residual.
+            let parts: Vec<SyncPtr<f32>> = scratch.iter().map(|s| s[2]).collect();
+            let merge = |t: usize| {
+                let rows: Vec<*const f32> = parts
+                    .iter()
+                    .map(|p| unsafe { p.get().add(t * h) } as *const f32)
+                    .collect();
+                // SAFETY: as in the single-part case.
+                unsafe { finish_row(&rows, h, t, args, residual, out) };
+            };
+            if qlen * h <= 1 << 16 {
+                (0..qlen).for_each(merge);
+            } else {
+                pool.parallel_for_all(qlen, &merge)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// out[t] = Σ rows + residual[t], converted to the output type.
+///
+/// # Safety
+/// Each of `rows` points to `h` floats; `out`/`residual` rows `t` exist with `h` elements.
+unsafe fn finish_row(
+    rows: &[*const f32],
+    h: usize,
+    t: usize,
+    args: &ForwardArgs,
+    residual: SyncPtr<u8>,
+    out: SyncPtr<u8>,
+) {
+    const STRIP: usize = 256;
+    let mut acc = [0f32; STRIP];
+    let mut res = [0f32; STRIP];
+    let mut c0 = 0;
+    while c0 < h {
+        let n = STRIP.min(h - c0);
+        // SAFETY: per the contract, all reads/writes are inside row t.
+        unsafe {
+            std::ptr::copy_nonoverlapping(rows[0].add(c0), acc.as_mut_ptr(), n);
+            for r in &rows[1..] {
+                for (a, i) in acc[..n].iter_mut().zip(0..n) {
+                    *a += *r.add(c0 + i);
+                }
+            }
+            if !residual.0.is_null() {
+                let rt = args.residual_type;
+                row_to_f32(residual.0.add((t * h + c0) * rt.size()), rt, &mut res[..n]);
+                for (a, r) in acc[..n].iter_mut().zip(&res[..n]) {
+                    *a += r;
+                }
+            }
+            row_from_f32(
+                &acc[..n],
+                out.0.add((t * h + c0) * args.out_type.size()),
+                args.out_type,
+            );
+        }
+        c0 += n;
+    }
+}
+
+/// Expert weights held as full tensors in memory: gate/up `[E][I][H]`, down `[E][H][I]`.
+pub struct TensorSource {
+    /// Base of the gate tensor.
+    pub gate: *const u8,
+    /// Base of the up tensor.
+    pub up: *const u8,
+    /// Base of the down tensor.
+    pub down: *const u8,
+    /// Element type of all three.
+    pub dtype: FloatType,
+    /// Experts in the tensors.
+    pub experts: usize,
+    /// H.
+    pub hidden: usize,
+    /// I.
+    pub intermediate: usize,
+}
+
+// SAFETY: read-only views of memory the creator keeps alive.
+unsafe impl Sync for TensorSource {}
+
+impl ExpertSource for TensorSource {
+    fn num_experts(&self) -> usize {
+        self.experts
+    }
+
+    fn matrix(&self, expert: usize, proj: Proj) -> Result<MatrixView> {
+        kt_ensure!(
+            expert < self.experts,
+            Invalid,
+            "expert {expert} outside 0..{}",
+            self.experts
+        );
+        let (base, rows, cols) = match proj {
+            Proj::Gate => (self.gate, self.intermediate, self.hidden),
+            Proj::Up => (self.up, self.intermediate, self.hidden),
+            Proj::Down => (self.down, self.hidden, self.intermediate),
+        };
+        let size = rows * cols * self.dtype.size();
+        Ok(MatrixView {
+            // SAFETY: the creator promised [experts][rows][cols] elements at `base`.
+            ptr: unsafe { base.add(expert * size) },
+            dtype: self.dtype,
+            rows,
+            cols,
+            row_stride: cols,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,405 @@
+//! The MoE layer against a float64 reference on random data.
+use super::*;
+use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
+use crate::kernels::runnable_levels;
+use crate::pool::PoolConfig;
+use crate::rng::Rng;
+
+struct Weights {
+    e: usize,
+    h: usize,
+    i: usize,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+impl Weights {
+    fn random(rng: &mut Rng, e: usize, h: usize, i: usize) -> Weights {
+        // Rounded to bf16 up front so the reference sees exactly what the kernels see.
+        let mut r = |n: usize, s: f32| -> Vec<f32> {
+            rng.normals(n, s)
+                .into_iter()
+                .map(|v| bf16_bits_to_f32(f32_to_bf16_bits(v)))
+                .collect()
+        };
+        Weights {
+            e,
+            h,
+            i,
+            gate: r(e * i * h, 0.05),
+            up: r(e * i * h, 0.05),
+            down: r(e * h * i, 0.05),
+        }
+    }
+
+    fn source(&self) -> TensorSource {
+        TensorSource {
+            gate: self.gate.as_ptr() as *const u8,
+            up: self.up.as_ptr() as *const u8,
+            down: self.down.as_ptr() as *const u8,
+            dtype: FloatType::F32,
+            experts: self.e,
+            hidden: self.h,
+            intermediate: self.i,
+        }
+    }
+
+    /// float64 MoE; `slot_to_logical` maps physical ids to weight experts.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        &self,
+        x: &[f32],
+        ids: &[i64],
+        w: &[f32],
+        k: usize,
+        mask: Option<&[u8]>,
+        map: &[usize],
+        limit: f64,
+        alpha: f64,
+    ) -> Vec<f64> {
+        let (h, i) = (self.h, self.i);
+        let qlen = x.len() / h;
+        let mut out = vec![0f64; qlen * h];
+        for t in 0..qlen {
+            for s in 0..k {
+                let id = ids[t * k + s];
+                if id < 0 || id as usize >= map.len() || mask.is_some_and(|m| m[id as usize] != 0) {
+                    continue;
+                }
+                let e = map[id as usize];
+                let mut act = vec![0f64; i];
+                for (n, a) in act.iter_mut().enumerate() {
+                    let (mut g, mut u) = (0f64, 0f64);
+                    for c in 0..h {
+                        g += x[t * h + c] as f64 * self.gate[(e * i + n) * h + c] as f64;
+                        u += x[t * h + c] as f64 * self.up[(e * i + n) * h + c] as f64;
+                    }
+                    if limit > 0.0 {
+                        g = g.min(limit);
+                        u = u.clamp(-limit, limit);
+                    }
+                    *a = if alpha > 0.0 {
+                        g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
+                    } else {
+                        g / (1.0 + (-g).exp()) * u
+                    };
+                }
+                for c in 0..h {
+                    let mut d = 0f64;
+                    for (n, a) in act.iter().enumerate() {
+                        d += a * self.down[(e * h + c) * i + n] as f64;
+                    }
+                    out[t * h + c] += w[t * k + s] as f64 * d;
+                }
+            }
+        }
+        out
+    }
+}
+
+fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn pool(parts: usize, threads: usize) -> Pool {
+    let mut cfg = PoolConfig::split(threads, parts, None).unwrap();
+    cfg.pin = false;
+    Pool::new(cfg).unwrap()
+}
+
+fn routing_inputs(rng: &mut Rng, qlen: usize, e: usize, k: usize) -> (Vec<i64>, Vec<f32>) {
+    let mut ids = Vec::new();
+    let mut w = Vec::new();
+    for _ in 0..qlen {
+        for id in rng.distinct(e, k) {
+            ids.push(id as i64);
+            w.push(rng.uniform() + 0.05);
+        }
+    }
+    (ids, w)
+}
+
+fn config(e: usize, k: usize, h: usize, i: usize, max_tokens: usize) -> MoeConfig {
+    MoeConfig {
+        layer_idx: 0,
+        num_experts: e,
+        top_k: k,
+        hidden: h,
+        intermediate: i,
+        max_tokens,
+        swiglu_limit: 0.0,
+        swiglu_alpha: 0.0,
+    }
+}
+
+#[test]
+fn matches_float64_reference_on_every_level_and_part_count() {
+    let mut rng = Rng::new(11);
+    let (e, k, h, i) = (8, 3, 96, 160);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let map: Vec<usize> = (0..e).collect();
+    for parts in [1, 2, 3] {
+        let pool = pool(parts, 2.max(parts));
+        for level in runnable_levels() {
+            let kern = KernelSet::for_level(level).unwrap();
+            let mut layer = MoeLayer::new(config(e, k, h, i, 64), parts, kern).unwrap();
+            layer.load(&pool, &wts.source(), None).unwrap();
+            let mut ws = Workspace::new();
+            for qlen in [1, 2, 7, 40] {
+                let x = rng.normals(qlen * h, 1.0);
+                let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
+                let mut out = vec![0f32; qlen * h];
+                layer
+                    .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
+                    .unwrap();
+                let want = wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0);
+                let err = rel_l2(&out, &want);
+                assert!(
+                    err < 1e-5,
+                    "parts={parts} level={level:?} qlen={qlen}: rel err {err}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_dot_kernels_stay_within_bf16_accuracy() {
+    if isa::global().unwrap().detected < crate::isa::Level::Avx512Bf16 {
+        return;
+    }
+    let mut rng = Rng::new(12);
+    let (e, k, h, i) = (6, 2, 64, 64);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let pool = pool(1, 2);
+    let kern = KernelSet::with_kind(
+        crate::isa::Level::Avx512Bf16,
+        crate::kernels::DotKind::Bf16Dot,
+    )
+    .unwrap();
+    let mut layer = MoeLayer::new(config(e, k, h, i, 32), 1, kern).unwrap();
+    layer.load(&pool, &wts.source(), None).unwrap();
+    let x = rng.normals(20 * h, 1.0);
+    let (ids, w) = routing_inputs(&mut rng, 20, e, k);
+    let mut out = vec![0f32; 20 * h];
+    layer
+        .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+        .unwrap();
+    let err = rel_l2(
+        &out,
+        &wts.reference(&x, &ids, &w, k, None, &(0..e).collect::<Vec<_>>(), 0.0, 0.0),
+    );
+    assert!(err < 1e-2, "rel err {err}");
+}
+
+use crate::isa;
+
+#[test]
+fn skips_negative_out_of_range_and_gpu_experts_and_maps_slots() {
+    let mut rng = Rng::new(5);
+    let (e, k, h, i) = (6, 3, 64, 64);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let pool = pool(1, 2);
+    let map_i64: Vec<i64> = vec![5, 4, 3, 2, 1, 0];
+    let map: Vec<usize> = map_i64.iter().map(|&v| v as usize).collect();
+    let mut layer = MoeLayer::new(config(e, k, h, i, 16), 1, KernelSet::best().unwrap()).unwrap();
+    layer.load(&pool, &wts.source(), Some(&map_i64)).unwrap();
+    let qlen = 5;
+    let x = rng.normals(qlen * h, 1.0);
+    let ids: Vec<i64> = vec![0, -1, 7, 1, 2, 3, 4, 5, 0, -1, -1, -1, 2, 100, 1];
+    let w: Vec<f32> = (0..qlen * k).map(|_| rng.uniform()).collect();
+    let mask = [0u8, 0, 1, 0, 0, 0];
+    let mut out = vec![0f32; qlen * h];
+    let args = ForwardArgs {
+        qlen,
+        hidden: x.as_ptr() as *const u8,
+        hidden_type: FloatType::F32,
+        ids: ids.as_ptr() as *const u8,
+        ids_i64: true,
+        weights: w.as_ptr(),
+        out: out.as_mut_ptr() as *mut u8,
+        out_type: FloatType::F32,
+        residual: std::ptr::null(),
+        residual_type: FloatType::F32,
+        gpu_mask: mask.as_ptr(),
+    };
+    unsafe {
+        layer
+            .forward_raw(&pool, &mut Workspace::new(), &args)
+            .unwrap()
+    };
+    let want = wts.reference(&x, &ids, &w, k, Some(&mask), &map, 0.0, 0.0);
+    assert!(rel_l2(&out, &want) < 1e-5);
+    // Token 3 routes only to -1: its output is exactly zero.
+    assert!(out[3 * h..4 * h].iter().all(|&v| v == 0.0));
+    // The identity map gives a different answer (the map is really applied).
+    let ident = wts.reference(
+        &x,
+        &ids,
+        &w,
+        k,
+        Some(&mask),
+        &(0..e).collect::<Vec<_>>(),
+        0.0,
+        0.0,
+    );
+    assert!(rel_l2(&out, &ident) > 1e-2);
+}
+
+#[test]
+fn nan_in_one_token_stays_in_that_token_and_residual_and_dtypes_work() {
+    let mut rng = Rng::new(9);
+    let (e, k, h, i) = (4, 2, 64, 96);
+    let wts = Weights::random(&mut rng, e, h, i);
+    for parts in [1, 2] {
+        let pool = pool(parts, 2);
+        let mut layer =
+            MoeLayer::new(config(e, k, h, i, 1200), parts, KernelSet::best().unwrap()).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        // More tokens than one internal chunk, all sharing the same experts.
+        let qlen = CHUNK_TOKENS + 37;
+        let mut x = rng.normals(qlen * h, 1.0);
+        x[3 * h + 5] = f32::NAN;
+        let ids: Vec<i64> = (0..qlen * k).map(|j| (j % k) as i64).collect();
+        let w: Vec<f32> = vec![0.5; qlen * k];
+        let x_bf16: Vec<u16> = x.iter().map(|&v| f32_to_bf16_bits(v)).collect();
+        let residual: Vec<f32> = rng.normals(qlen * h, 1.0);
+        let mut out = vec![0u16; qlen * h];
+        let args = ForwardArgs {
+            qlen,
+            hidden: x_bf16.as_ptr() as *const u8,
+            hidden_type: FloatType::BF16,
+            ids: ids.as_ptr() as *const u8,
+            ids_i64: true,
+            weights: w.as_ptr(),
+            out: out.as_mut_ptr() as *mut u8,
+            out_type: FloatType::BF16,
+            residual: residual.as_ptr() as *const u8,
+            residual_type: FloatType::F32,
+            gpu_mask: std::ptr::null(),
+        };
+        unsafe {
+            layer
+                .forward_raw(&pool, &mut Workspace::new(), &args)
+                .unwrap()
+        };
+        let out_f: Vec<f32> = out.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        let x_rounded: Vec<f32> = x_bf16.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        let mut want = wts.reference(
+            &x_rounded,
+            &ids,
+            &w,
+            k,
+            None,
+            &(0..e).collect::<Vec<_>>(),
+            0.0,
+            0.0,
+        );
+        for (wv, r) in want.iter_mut().zip(&residual) {
+            *wv += *r as f64;
+        }
+        for t in 0..qlen {
+            let row = &out_f[t * h..(t + 1) * h];
+            if t == 3 {
+                assert!(row.iter().all(|v| v.is_nan()), "token 3 should be NaN");
+            } else {
+                assert!(
+                    row.iter().all(|v| v.is_finite()),
+                    "token {t} was touched by the NaN"
+                );
+            }
+        }
+        let mut good_out = out_f.clone();
+        good_out.drain(3 * h..4 * h);
+        want.drain(3 * h..4 * h);
+        let err = rel_l2(&good_out, &want);
+        assert!(
+            err < 5e-3,
+            "parts={parts}: rel err {err} (bf16 output rounding only)"
+        );
+    }
+}
+
+#[test]
+fn swiglu_variants_match_reference() {
+    let mut rng = Rng::new(21);
+    let (e, k, h, i) = (4, 2, 64, 64);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let pool = pool(1, 2);
+    for (limit, alpha) in [(0.5f32, 0.0f32), (0.0, 1.702), (0.3, 1.702)] {
+        let mut cfg = config(e, k, h, i, 8);
+        cfg.swiglu_limit = limit;
+        cfg.swiglu_alpha = alpha;
+        let mut layer = MoeLayer::new(cfg, 1, KernelSet::best().unwrap()).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let x = rng.normals(8 * h, 3.0);
+        let (ids, w) = routing_inputs(&mut rng, 8, e, k);
+        let mut out = vec![0f32; 8 * h];
+        layer
+            .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+            .unwrap();
+        let want = wts.reference(
+            &x,
+            &ids,
+            &w,
+            k,
+            None,
+            &(0..e).collect::<Vec<_>>(),
+            limit as f64,
+            alpha as f64,
+        );
+        assert!(rel_l2(&out, &want) < 1e-5, "limit={limit} alpha={alpha}");
+    }
+}
+
+#[test]
+fn bad_configs_and_inputs_are_rejected_with_reasons() {
+    let kern = KernelSet::best().unwrap();
+    let msg = |c: MoeConfig, parts| MoeLayer::new(c, parts, kern).err().unwrap().to_string();
+    assert!(msg(config(8, 2, 100, 64, 8), 1).contains("hidden_size=100"));
+    assert!(msg(config(8, 2, 64, 48, 8), 1).contains("moe_intermediate_size=48"));
+    assert!(msg(config(8, 9, 64, 64, 8), 1).contains("num_experts_per_tok=9"));
+    assert!(msg(config(8, 2, 64, 64, 8), 3).contains("threadpool_count=3"));
+    assert!(msg(config(8, 2, 64, 64, 0), 1).contains("chunked_prefill_size"));
+    let pool = pool(1, 1);
+    let mut rng = Rng::new(1);
+    let wts = Weights::random(&mut rng, 4, 64, 64);
+    let mut layer = MoeLayer::new(config(4, 2, 64, 64, 4), 1, kern).unwrap();
+    let mut ws = Workspace::new();
+    let x = vec![0.5f32; 64];
+    let mut out = vec![0f32; 64];
+    let err = layer
+        .forward_f32(&pool, &mut ws, &x, &[0, 1], &[1.0, 1.0], &mut out)
+        .unwrap_err();
+    assert!(err.to_string().contains("before the weights were loaded"));
+    // Wrong expert shape: the source claims I=32 for a layer with I=64.
+    let mut bad = wts.source();
+    bad.intermediate = 32;
+    assert!(layer
+        .load(&pool, &bad, None)
+        .unwrap_err()
+        .to_string()
+        .contains("expected 64x64"));
+    assert!(layer
+        .load(&pool, &wts.source(), Some(&[0, 1, 2, 9]))
+        .unwrap_err()
+        .to_string()
+        .contains("map[3]=9"));
+    layer.load(&pool, &wts.source(), None).unwrap();
+    let x5 = vec![0.5f32; 5 * 64];
+    let mut out5 = vec![0f32; 5 * 64];
+    let err = layer
+        .forward_f32(&pool, &mut ws, &x5, &[0; 10], &[1.0; 10], &mut out5)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("exceed chunked_prefill_size=4"),
+        "{err}"
+    );
+}

@@ -1,0 +1,267 @@
+//! The packed weight layout the kernels read, and the buffers that hold it.
+//!
+//! A projection `W[n][k]` (n outputs, k inputs) is stored as panels of [`PANEL`] = 32 outputs.
+//! Inside a panel, for each pair of inputs `(2q, 2q+1)` come 64 bf16 values:
+//! `half h ∈ {0,1}`, `lane j ∈ 0..16`, `t ∈ {0,1}` at `h*32 + j*2 + t` = `W[32p + 16h + j][2q + t]`.
+//! One 64-byte load therefore holds 16 outputs × 2 inputs: a shift gives the fp32 weights of input
+//! `2q`, a mask those of `2q+1` (fp32 FMA path), and the pairs are exactly what `vdpbf16ps`
+//! consumes (AVX512-BF16 path). Decode streams panels front to back; prefill reuses a panel from
+//! cache across a block of token rows.
+use crate::dtype::{f32_to_bf16_bits, FloatType};
+use crate::{Error, Result};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+
+/// Outputs per panel.
+pub const PANEL: usize = 32;
+
+/// Elements (bf16) of one packed panel with `k` inputs.
+pub const fn panel_len(k: usize) -> usize {
+    PANEL * k
+}
+
+/// Index of `W[n][kk]` inside the packed matrix with `k` inputs.
+#[inline(always)]
+pub fn packed_index(n: usize, kk: usize, k: usize) -> usize {
+    let (p, r) = (n / PANEL, n % PANEL);
+    let (h, j) = (r / 16, r % 16);
+    p * panel_len(k) + (kk / 2) * 64 + h * 32 + j * 2 + (kk % 2)
+}
+
+/// A 64-byte aligned, zero-initialised heap buffer that never moves. Large buffers come straight
+/// from the kernel's zero pages, so the first thread that writes a page decides its NUMA node.
+pub struct AlignedBuf<T: Copy> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation like a Vec<T>.
+unsafe impl<T: Copy + Send> Send for AlignedBuf<T> {}
+// SAFETY: shared access only hands out &[T].
+unsafe impl<T: Copy + Sync> Sync for AlignedBuf<T> {}
+
+impl<T: Copy> AlignedBuf<T> {
+    const ALIGN: usize = 64;
+
+    /// Allocate `len` zeroed elements (T must be valid when all bits are zero: plain numbers).
+    pub fn zeroed(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Ok(AlignedBuf {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            });
+        }
+        let layout = Self::layout(len)?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) } as *mut T;
+        if ptr.is_null() {
+            return Err(Error::Runtime(format!(
+                "out of memory allocating {} bytes",
+                layout.size()
+            )));
+        }
+        Ok(AlignedBuf { ptr, len })
+    }
+
+    fn layout(len: usize) -> Result<Layout> {
+        len.checked_mul(std::mem::size_of::<T>())
+            .and_then(|bytes| Layout::from_size_align(bytes, Self::ALIGN).ok())
+            .ok_or_else(|| Error::Invalid(format!("buffer of {len} elements is too large")))
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Read-only view.
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: ptr is valid for len initialised elements (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Mutable view.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Raw pointer for parallel writers that each own a disjoint range.
+    pub fn as_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    /// Raw pointer for reading.
+    pub fn as_ptr(&self) -> *const T {
+        self.ptr
+    }
+}
+
+impl<T: Copy> Drop for AlignedBuf<T> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let layout = Self::layout(self.len).expect("layout was valid at allocation");
+            // SAFETY: allocated with the same layout in `zeroed`.
+            unsafe { dealloc(self.ptr as *mut u8, layout) };
+        }
+    }
+}
+
+/// A read-only 2-D view of a row-major matrix of floats somewhere in memory (a tensor, an mmap).
+#[derive(Clone, Copy, Debug)]
+pub struct MatrixView {
+    /// Address of element [0][0].
+    pub ptr: *const u8,
+    /// Element type.
+    pub dtype: FloatType,
+    /// Rows (outputs).
+    pub rows: usize,
+    /// Columns (inputs).
+    pub cols: usize,
+    /// Distance between rows, in elements.
+    pub row_stride: usize,
+}
+
+// SAFETY: a view is plain data; whoever builds one promises the memory outlives its use.
+unsafe impl Send for MatrixView {}
+// SAFETY: as above, read-only.
+unsafe impl Sync for MatrixView {}
+
+impl MatrixView {
+    /// A contiguous view from a byte slice, checked for size.
+    pub fn from_bytes(bytes: &[u8], dtype: FloatType, rows: usize, cols: usize) -> Result<Self> {
+        let need = rows * cols * dtype.size();
+        if bytes.len() != need {
+            return Err(Error::Invalid(format!(
+                "matrix of {rows}x{cols} {} needs {need} bytes, got {}",
+                dtype.name(),
+                bytes.len()
+            )));
+        }
+        Ok(MatrixView {
+            ptr: bytes.as_ptr(),
+            dtype,
+            rows,
+            cols,
+            row_stride: cols,
+        })
+    }
+
+    /// Rows `[r0, r0+nr)` and columns `[c0, c0+nc)`.
+    pub fn sub(&self, r0: usize, nr: usize, c0: usize, nc: usize) -> Result<Self> {
+        if r0 + nr > self.rows || c0 + nc > self.cols {
+            return Err(Error::Invalid(format!(
+                "sub-matrix rows {r0}..{} cols {c0}..{} outside {}x{}",
+                r0 + nr,
+                c0 + nc,
+                self.rows,
+                self.cols
+            )));
+        }
+        Ok(MatrixView {
+            // SAFETY: offset stays inside the original view (checked above).
+            ptr: unsafe {
+                self.ptr
+                    .add((r0 * self.row_stride + c0) * self.dtype.size())
+            },
+            rows: nr,
+            cols: nc,
+            ..*self
+        })
+    }
+
+    /// Element [r][c] as f32.
+    ///
+    /// # Safety
+    /// The view's memory must still be alive; r < rows, c < cols.
+    #[inline(always)]
+    pub unsafe fn get(&self, r: usize, c: usize) -> f32 {
+        // SAFETY: forwarded.
+        unsafe { crate::dtype::load_f32(self.ptr, self.dtype, r * self.row_stride + c) }
+    }
+}
+
+/// Pack panel `p` of `src` (rows = outputs, cols = inputs) into `dst` (`panel_len(cols)` elements).
+///
+/// # Safety
+/// `src`'s memory must be alive; `src.rows % PANEL == 0`, `src.cols % 2 == 0`, `p < rows/PANEL`.
+pub unsafe fn pack_panel(src: &MatrixView, p: usize, dst: &mut [u16]) {
+    let k = src.cols;
+    debug_assert_eq!(dst.len(), panel_len(k));
+    for r in 0..PANEL {
+        let (h, j) = (r / 16, r % 16);
+        let n = p * PANEL + r;
+        for kk in 0..k {
+            // SAFETY: n < rows and kk < cols by the contract.
+            let v = unsafe { src.get(n, kk) };
+            dst[(kk / 2) * 64 + h * 32 + j * 2 + (kk % 2)] = f32_to_bf16_bits(v);
+        }
+    }
+}
+
+/// Pack a whole matrix (test and tool helper; layers pack panel by panel in parallel).
+pub fn pack_matrix(src: &MatrixView) -> Result<Vec<u16>> {
+    if src.rows % PANEL != 0 || src.cols % 2 != 0 {
+        return Err(Error::Invalid(format!(
+            "cannot pack a {}x{} matrix: rows must be a multiple of {PANEL} and columns even",
+            src.rows, src.cols
+        )));
+    }
+    let pl = panel_len(src.cols);
+    let mut out = vec![0u16; src.rows * src.cols];
+    for (p, chunk) in out.chunks_mut(pl).enumerate() {
+        // SAFETY: shape checked above; the view is alive for this call.
+        unsafe { pack_panel(src, p, chunk) };
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_index_matches_pack_panel() {
+        let (n, k) = (64usize, 6usize);
+        let data: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = MatrixView::from_bytes(&bytes, FloatType::F32, n, k).unwrap();
+        let packed = pack_matrix(&view).unwrap();
+        for r in 0..n {
+            for c in 0..k {
+                let got = crate::dtype::bf16_bits_to_f32(packed[packed_index(r, c, k)]);
+                assert_eq!(
+                    got,
+                    crate::dtype::bf16_bits_to_f32(f32_to_bf16_bits(data[r * k + c]))
+                );
+            }
+        }
+        // Every slot written exactly once: the index map is a bijection.
+        let mut seen = vec![false; n * k];
+        for r in 0..n {
+            for c in 0..k {
+                let i = packed_index(r, c, k);
+                assert!(!seen[i]);
+                seen[i] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn sub_views_and_bad_shapes() {
+        let bytes = vec![0u8; 32 * 4 * 2];
+        let v = MatrixView::from_bytes(&bytes, FloatType::BF16, 32, 4).unwrap();
+        assert!(v.sub(0, 32, 2, 2).is_ok());
+        assert!(v.sub(0, 33, 0, 4).is_err());
+        assert!(MatrixView::from_bytes(&bytes, FloatType::F32, 32, 4).is_err());
+        let odd = MatrixView::from_bytes(&bytes[..32 * 3 * 2], FloatType::BF16, 32, 3).unwrap();
+        assert!(pack_matrix(&odd).is_err());
+        let buf = AlignedBuf::<u16>::zeroed(1000).unwrap();
+        assert_eq!(buf.as_ptr() as usize % 64, 0);
+        assert!(buf.as_slice().iter().all(|&x| x == 0));
+    }
+}

@@ -1,0 +1,518 @@
+//! NUMA-aware worker pools.
+//!
+//! A [`Pool`] has one sub-pool per NUMA part. Sub-pool 0 is led by the calling thread (so a
+//! layer with one part wakes no extra thread); every other sub-pool has a dedicated, pinned
+//! leader. [`Pool::run_parts`] runs a closure once per part, each on its own sub-pool, and inside
+//! it [`Team::parallel_for`] hands tasks to that sub-pool's workers through a shared counter.
+//!
+//! Every wait spins for a short, bounded number of rounds (phases of one forward follow each other
+//! within microseconds) and then parks, so an idle process uses no CPU.
+use crate::topology::{plan_pinning, Topology};
+use crate::{Error, Result};
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::{self, JoinHandle, Thread};
+
+/// How a pool is laid out: one entry per sub-pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// NUMA node of each sub-pool (may repeat).
+    pub numa_nodes: Vec<u32>,
+    /// Threads of each sub-pool, counting its leader (≥ 1).
+    pub threads: Vec<usize>,
+    /// Pin dedicated threads to physical cores and prefer their node's memory.
+    pub pin: bool,
+}
+
+impl PoolConfig {
+    /// Split `total_threads` over `subpool_count` sub-pools as the original does (the first
+    /// `total % count` get one more); nodes default to `0..count`.
+    pub fn split(
+        total_threads: usize,
+        subpool_count: usize,
+        numa_nodes: Option<&[u32]>,
+    ) -> Result<PoolConfig> {
+        if subpool_count == 0 {
+            return Err(Error::Invalid("threadpool_count must be at least 1".into()));
+        }
+        if total_threads < subpool_count {
+            return Err(Error::Invalid(format!(
+                "cpuinfer_threads={total_threads} is less than threadpool_count={subpool_count}; \
+                 every sub-pool needs at least one thread"
+            )));
+        }
+        let nodes: Vec<u32> = match numa_nodes {
+            Some(n) if n.len() != subpool_count => {
+                return Err(Error::Invalid(format!(
+                    "numa_nodes has {} entries but threadpool_count is {subpool_count}",
+                    n.len()
+                )))
+            }
+            Some(n) => n.to_vec(),
+            None => (0..subpool_count as u32).collect(),
+        };
+        let threads = (0..subpool_count)
+            .map(|i| total_threads / subpool_count + usize::from(i < total_threads % subpool_count))
+            .collect();
+        Ok(PoolConfig {
+            numa_nodes: nodes,
+            threads,
+            pin: true,
+        })
+    }
+}
+
+/// Spin rounds before parking (override with `KT_SPIN_ROUNDS`).
+fn spin_rounds() -> u32 {
+    static ROUNDS: OnceLock<u32> = OnceLock::new();
+    *ROUNDS.get_or_init(|| {
+        std::env::var("KT_SPIN_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4000)
+    })
+}
+
+/// Spin, then park until `ready()`. `sleeping` tells notifiers to unpark us.
+fn wait_until(ready: impl Fn() -> bool, sleeping: &AtomicBool, spins: u32) {
+    for _ in 0..spins {
+        if ready() {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+    loop {
+        sleeping.store(true, SeqCst);
+        if ready() {
+            sleeping.store(false, SeqCst);
+            return;
+        }
+        thread::park();
+        sleeping.store(false, SeqCst);
+        if ready() {
+            return;
+        }
+    }
+}
+
+/// Wake a waiter after making its condition true (the store must come before this call).
+fn notify(sleeping: &AtomicBool, thread: &Thread) {
+    if sleeping.load(SeqCst) {
+        thread.unpark();
+    }
+}
+
+type Payload = Box<dyn Any + Send>;
+
+/// A parallel-for posted by a team leader to its helpers.
+struct TeamJob<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    n_tasks: usize,
+    next: AtomicUsize,
+    remaining_helpers: AtomicUsize,
+    leader: Thread,
+    panic: Mutex<Option<Payload>>,
+}
+
+impl TeamJob<'_> {
+    fn run_tasks(&self) {
+        loop {
+            let i = self.next.fetch_add(1, SeqCst);
+            if i >= self.n_tasks {
+                return;
+            }
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
+                // Skip the remaining tasks; the leader re-raises the first panic.
+                self.next.store(self.n_tasks, SeqCst);
+                self.panic.lock().unwrap().get_or_insert(p);
+            }
+        }
+    }
+}
+
+/// Per-thread mailbox.
+struct Slot<J> {
+    job: AtomicPtr<J>,
+    sleeping: AtomicBool,
+    thread: OnceLock<Thread>,
+}
+
+impl<J> Slot<J> {
+    fn new() -> Self {
+        Slot {
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            sleeping: AtomicBool::new(false),
+            thread: OnceLock::new(),
+        }
+    }
+
+    fn post(&self, job: *mut J) {
+        self.job.store(job, SeqCst);
+        if let Some(t) = self.thread.get() {
+            notify(&self.sleeping, t);
+        }
+    }
+}
+
+/// A per-part closure posted by [`Pool::run_parts`] to the leaders of sub-pools 1...
+struct PartJob<'a> {
+    f: &'a (dyn Fn(usize, &Team) + Sync),
+    remaining: AtomicUsize,
+    caller: Thread,
+    panic: Mutex<Option<Payload>>,
+}
+
+struct SubShared {
+    index: usize,
+    node: u32,
+    threads: usize,
+    /// Helpers 1..threads (index 0 unused: the leader never takes team jobs).
+    helpers: Vec<Slot<TeamJob<'static>>>,
+    /// The dedicated leader's mailbox (sub-pools ≥ 1).
+    leader: Slot<PartJob<'static>>,
+    /// Set while this sub-pool's leader is parked waiting for its helpers. Lives here, not in
+    /// the job, because the last helper touches it after the job may be gone.
+    leader_sleeping: AtomicBool,
+    /// Set while the caller of `run_parts` is parked (shared by all sub-pools of a pool).
+    caller_sleeping: Arc<AtomicBool>,
+    shutdown: AtomicBool,
+}
+
+/// The workers of one sub-pool as seen by its leader.
+pub struct Team {
+    shared: Arc<SubShared>,
+}
+
+impl Team {
+    /// Index of this sub-pool (= NUMA part).
+    pub fn index(&self) -> usize {
+        self.shared.index
+    }
+
+    /// NUMA node of this sub-pool.
+    pub fn node(&self) -> u32 {
+        self.shared.node
+    }
+
+    /// Threads in this team, the leader included.
+    pub fn threads(&self) -> usize {
+        self.shared.threads
+    }
+
+    /// Run `f(i)` for every `i < n_tasks` on this team (the leader takes part) and wait.
+    /// Tasks are handed out one at a time from a shared counter, so uneven tasks balance.
+    /// A panic in any task is re-raised here after every helper has stopped.
+    pub fn parallel_for(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        let helpers = (self.shared.threads - 1).min(n_tasks.saturating_sub(1));
+        if helpers == 0 {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let job = TeamJob {
+            f,
+            n_tasks,
+            next: AtomicUsize::new(0),
+            remaining_helpers: AtomicUsize::new(helpers),
+            leader: thread::current(),
+            panic: Mutex::new(None),
+        };
+        // SAFETY (lifetime erasure): the pointer is only dereferenced by helpers before they
+        // decrement `remaining_helpers`, and we do not return until that count reaches zero.
+        let ptr = &job as *const TeamJob<'_> as *mut TeamJob<'static>;
+        for slot in &self.shared.helpers[1..=helpers] {
+            slot.post(ptr);
+        }
+        job.run_tasks();
+        wait_until(
+            || job.remaining_helpers.load(SeqCst) == 0,
+            &self.shared.leader_sleeping,
+            spin_rounds() / 4,
+        );
+        let panicked = job.panic.lock().unwrap().take();
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
+        }
+    }
+}
+
+fn helper_loop(shared: Arc<SubShared>, me: usize) {
+    let slot = &shared.helpers[me];
+    loop {
+        wait_until(
+            || !slot.job.load(SeqCst).is_null() || shared.shutdown.load(SeqCst),
+            &slot.sleeping,
+            spin_rounds(),
+        );
+        let ptr = slot.job.swap(std::ptr::null_mut(), SeqCst);
+        if ptr.is_null() {
+            return; // shutdown
+        }
+        // SAFETY: the leader keeps the job alive until we decrement remaining_helpers.
+        let job = unsafe { &*ptr };
+        job.run_tasks();
+        let leader = job.leader.clone();
+        // After this decrement the job may be gone: only the cloned handle and the sub-pool's
+        // own flag are used below.
+        if job.remaining_helpers.fetch_sub(1, SeqCst) == 1 {
+            notify(&shared.leader_sleeping, &leader);
+        }
+    }
+}
+
+fn leader_loop(shared: Arc<SubShared>) {
+    let team = Team {
+        shared: shared.clone(),
+    };
+    let slot = &shared.leader;
+    loop {
+        wait_until(
+            || !slot.job.load(SeqCst).is_null() || shared.shutdown.load(SeqCst),
+            &slot.sleeping,
+            spin_rounds(),
+        );
+        let ptr = slot.job.swap(std::ptr::null_mut(), SeqCst);
+        if ptr.is_null() {
+            return;
+        }
+        // SAFETY: run_parts keeps the job alive until `remaining` reaches zero.
+        let job = unsafe { &*ptr };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| (job.f)(shared.index, &team))) {
+            job.panic.lock().unwrap().get_or_insert(p);
+        }
+        let caller = job.caller.clone();
+        if job.remaining.fetch_sub(1, SeqCst) == 1 {
+            notify(&shared.caller_sleeping, &caller);
+        }
+    }
+}
+
+/// Sub-pools of pinned worker threads. Dropping the pool stops and joins its threads.
+pub struct Pool {
+    config: PoolConfig,
+    subs: Vec<Arc<SubShared>>,
+    handles: Vec<JoinHandle<()>>,
+    caller_cpu: Option<u32>,
+    pinning: Vec<Vec<Option<u32>>>,
+    warnings: Vec<String>,
+    pid: u32,
+    caller_sleeping: Arc<AtomicBool>,
+    /// One `run_parts` at a time: sub-pool 0's helpers serve one leader.
+    busy: Mutex<()>,
+}
+
+impl Pool {
+    /// Start the threads of `config` on the detected topology.
+    pub fn new(config: PoolConfig) -> Result<Pool> {
+        Self::with_topology(config, Topology::global())
+    }
+
+    /// Start the threads of `config`, planning pinning on `topo`.
+    pub fn with_topology(config: PoolConfig, topo: &Topology) -> Result<Pool> {
+        if config.threads.is_empty() || config.threads.len() != config.numa_nodes.len() {
+            return Err(Error::Invalid(format!(
+                "pool config needs one thread count per NUMA node entry (threads {:?}, nodes {:?})",
+                config.threads, config.numa_nodes
+            )));
+        }
+        if let Some(i) = config.threads.iter().position(|&t| t == 0) {
+            return Err(Error::Invalid(format!("sub-pool {i} has no threads")));
+        }
+        let plan = plan_pinning(topo, &config.numa_nodes, &config.threads);
+        let caller_sleeping = Arc::new(AtomicBool::new(false));
+        let mut subs = Vec::new();
+        let mut handles = Vec::new();
+        for (i, (&node, &n)) in config.numa_nodes.iter().zip(&config.threads).enumerate() {
+            let shared = Arc::new(SubShared {
+                index: i,
+                node,
+                threads: n,
+                helpers: (0..n).map(|_| Slot::new()).collect(),
+                leader: Slot::new(),
+                leader_sleeping: AtomicBool::new(false),
+                caller_sleeping: caller_sleeping.clone(),
+                shutdown: AtomicBool::new(false),
+            });
+            let cpus = plan.cpus.get(i).cloned().unwrap_or_default();
+            let first = if i == 0 { 1 } else { 0 };
+            for t in first..n {
+                let sh = shared.clone();
+                let cpu = if config.pin {
+                    cpus.get(t).copied().flatten()
+                } else {
+                    None
+                };
+                let pin_node = config.pin && topo.node(node).is_some();
+                let name = format!("kt_numa{node}_t{t}");
+                let handle = thread::Builder::new()
+                    .name(name)
+                    .spawn(move || {
+                        if let Some(cpu) = cpu {
+                            let _ = crate::affinity::pin_current_thread(cpu);
+                        }
+                        if pin_node {
+                            let _ = crate::affinity::prefer_node_for_current_thread(node);
+                        }
+                        if t == 0 {
+                            let _ = sh.leader.thread.set(thread::current());
+                            leader_loop(sh)
+                        } else {
+                            let _ = sh.helpers[t].thread.set(thread::current());
+                            helper_loop(sh, t)
+                        }
+                    })
+                    .map_err(|e| Error::Runtime(format!("cannot spawn worker thread: {e}")))?;
+                handles.push(handle);
+            }
+            subs.push(shared);
+        }
+        // Wait until every thread registered its handle so posts can wake it.
+        for s in &subs {
+            let first = if s.index == 0 { 1 } else { 0 };
+            while (first..s.threads).any(|t| {
+                if t == 0 {
+                    s.leader.thread.get().is_none()
+                } else {
+                    s.helpers[t].thread.get().is_none()
+                }
+            }) {
+                thread::yield_now();
+            }
+        }
+        let caller_cpu = if config.pin {
+            plan.cpus.first().and_then(|c| c.first().copied().flatten())
+        } else {
+            None
+        };
+        Ok(Pool {
+            config,
+            subs,
+            handles,
+            caller_cpu,
+            pinning: plan.cpus,
+            warnings: plan.warnings,
+            pid: std::process::id(),
+            caller_sleeping,
+            busy: Mutex::new(()),
+        })
+    }
+
+    /// The layout this pool was built from.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Number of sub-pools (= NUMA parts of a layer).
+    pub fn parts(&self) -> usize {
+        self.subs.len()
+    }
+
+    /// Total threads, the calling thread counted as sub-pool 0's leader.
+    pub fn total_threads(&self) -> usize {
+        self.config.threads.iter().sum()
+    }
+
+    /// The CPU planned for sub-pool 0's leader; a dedicated caller (the engine) pins itself there.
+    pub fn caller_cpu(&self) -> Option<u32> {
+        self.caller_cpu
+    }
+
+    /// Planned CPU of every thread, per sub-pool (None = not pinned).
+    pub fn pinning(&self) -> &[Vec<Option<u32>>] {
+        &self.pinning
+    }
+
+    /// Notes from pinning (oversubscription, unknown nodes).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Run `f(part, team)` for every part concurrently: part 0 on the calling thread with
+    /// sub-pool 0's helpers, the others on their own leaders. Re-raises the first panic.
+    pub fn run_parts(&self, f: &(dyn Fn(usize, &Team) + Sync)) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Err(Error::Runtime(
+                "this worker pool was created before fork(); its threads do not exist in the child \
+                 process (create the layer in the child)"
+                    .into(),
+            ));
+        }
+        let _guard = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let others = self.subs.len() - 1;
+        let job = PartJob {
+            f,
+            remaining: AtomicUsize::new(others),
+            caller: thread::current(),
+            panic: Mutex::new(None),
+        };
+        let ptr = &job as *const PartJob<'_> as *mut PartJob<'static>;
+        for s in &self.subs[1..] {
+            s.leader.post(ptr);
+        }
+        let team0 = Team {
+            shared: self.subs[0].clone(),
+        };
+        let mine = catch_unwind(AssertUnwindSafe(|| f(0, &team0)));
+        // Wait for the other parts even if ours panicked: they still hold `job`.
+        wait_until(
+            || job.remaining.load(SeqCst) == 0,
+            &self.caller_sleeping,
+            64,
+        );
+        if let Err(p) = mine {
+            std::panic::resume_unwind(p);
+        }
+        let panicked = job.panic.lock().unwrap().take();
+        if let Some(p) = panicked {
+            std::panic::resume_unwind(p);
+        }
+        Ok(())
+    }
+
+    /// Run `f(i)` for `i < n` across every thread of every sub-pool (for work that has no
+    /// NUMA affinity, e.g. merging outputs). Each part takes a contiguous share of the range.
+    pub fn parallel_for_all(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> Result<()> {
+        let total = self.total_threads();
+        let parts = self.parts();
+        let bounds: Vec<usize> = {
+            let mut acc = 0;
+            let mut b = vec![0];
+            for t in &self.config.threads {
+                acc += t;
+                b.push(n * acc / total);
+            }
+            b
+        };
+        debug_assert_eq!(bounds.len(), parts + 1);
+        self.run_parts(&|part, team| {
+            let (lo, hi) = (bounds[part], bounds[part + 1]);
+            team.parallel_for(hi - lo, &|i| f(lo + i));
+        })
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            return; // after fork the threads are not ours to join
+        }
+        for s in &self.subs {
+            s.shutdown.store(true, SeqCst);
+            if let Some(t) = s.leader.thread.get() {
+                t.unpark();
+            }
+            for h in &s.helpers {
+                if let Some(t) = h.thread.get() {
+                    t.unpark();
+                }
+            }
+        }
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,308 @@
+//! Expert weights from Hugging Face safetensors checkpoints (one file, or shards with or without
+//! `model.safetensors.index.json`). Files are memory-mapped; the maps are released when the
+//! source is dropped, right after the layer has packed its own copy.
+use crate::dtype::FloatType;
+use crate::moe::{ExpertSource, Proj};
+use crate::pack::MatrixView;
+use crate::{kt_bail, kt_ensure, Error, Result};
+use memmap2::Mmap;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Where one tensor lives.
+#[derive(Debug, Clone)]
+struct TensorLoc {
+    file: usize,
+    offset: usize,
+    len: usize,
+    dtype: String,
+    shape: Vec<usize>,
+}
+
+/// An opened checkpoint: every tensor name → its location in a mapped file.
+pub struct Checkpoint {
+    dir: PathBuf,
+    maps: Vec<Mmap>,
+    tensors: HashMap<String, TensorLoc>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Checkpoint({}, {} files, {} tensors)",
+            self.dir.display(),
+            self.maps.len(),
+            self.tensors.len()
+        )
+    }
+}
+
+impl Checkpoint {
+    /// Open every `*.safetensors` file in `path` (a directory or a single file).
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        if !path.exists() {
+            kt_bail!(NotFound, "weight path {} does not exist", path.display());
+        }
+        let files: Vec<PathBuf> = if path.is_dir() {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(path)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            v.sort();
+            v
+        } else {
+            vec![path.to_path_buf()]
+        };
+        if files.is_empty() {
+            kt_bail!(NotFound, "no .safetensors files in {}", path.display());
+        }
+        let mut maps = Vec::new();
+        let mut tensors = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            let file = File::open(f)?;
+            // SAFETY: the file is opened read-only; if another process truncates it while
+            // mapped, reads could fault — the same contract every safetensors reader has.
+            let map = unsafe { Mmap::map(&file) }?;
+            let (header_len, meta) =
+                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
+                    Error::Format(format!(
+                        "{}: not a valid safetensors file: {e}",
+                        f.display()
+                    ))
+                })?;
+            let data_start = 8 + header_len;
+            for (name, info) in meta.tensors() {
+                let (b, e) = info.data_offsets;
+                kt_ensure!(
+                    b <= e && data_start + e <= map.len(),
+                    Format,
+                    "{}: tensor {name} points outside the file (truncated?)",
+                    f.display()
+                );
+                tensors.insert(
+                    name.clone(),
+                    TensorLoc {
+                        file: i,
+                        offset: data_start + b,
+                        len: e - b,
+                        dtype: format!("{:?}", info.dtype),
+                        shape: info.shape.clone(),
+                    },
+                );
+            }
+            maps.push(map);
+        }
+        Ok(Checkpoint {
+            dir: path.to_path_buf(),
+            maps,
+            tensors,
+        })
+    }
+
+    /// Whether a tensor exists.
+    pub fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Shape of a tensor.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|t| t.shape.as_slice())
+    }
+
+    fn float_view(&self, name: &str) -> Result<(MatrixView, Vec<usize>)> {
+        let t = self.tensors.get(name).ok_or_else(|| {
+            Error::Format(format!(
+                "tensor {name} is missing from {}",
+                self.dir.display()
+            ))
+        })?;
+        let dtype = match t.dtype.as_str() {
+            "BF16" => FloatType::BF16,
+            "F16" => FloatType::F16,
+            "F32" => FloatType::F32,
+            other => kt_bail!(
+                Dtype,
+                "tensor {name} has dtype {other}; this method reads BF16, F16 or F32 weights"
+            ),
+        };
+        let elems: usize = t.shape.iter().product();
+        kt_ensure!(
+            elems * dtype.size() == t.len,
+            Format,
+            "tensor {name}: shape {:?} does not match its {} bytes",
+            t.shape,
+            t.len
+        );
+        let bytes = &self.maps[t.file][t.offset..t.offset + t.len];
+        let cols = *t.shape.last().unwrap_or(&1);
+        let rows = if cols == 0 { 0 } else { elems / cols };
+        Ok((
+            MatrixView::from_bytes(bytes, dtype, rows, cols)?,
+            t.shape.clone(),
+        ))
+    }
+}
+
+/// How a checkpoint names a layer's experts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// `{base}.mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen-MoE, DeepSeek).
+    PerExpert {
+        /// Layer prefix, e.g. `model.layers.3`.
+        base: String,
+    },
+    /// `{base}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (Mixtral).
+    Mixtral {
+        /// Layer prefix.
+        base: String,
+    },
+    /// `{base}.mlp.experts.gate_up_proj [E, 2I, H]` + `down_proj [E, H, I]`.
+    Packed {
+        /// Layer prefix.
+        base: String,
+    },
+}
+
+fn layer_bases(layer: usize) -> Vec<String> {
+    [
+        "model.layers",
+        "language_model.model.layers",
+        "model.language_model.layers",
+        "layers",
+    ]
+    .iter()
+    .map(|p| format!("{p}.{layer}"))
+    .collect()
+}
+
+/// Expert weights of one layer of a checkpoint.
+pub struct HfLayerSource {
+    ckpt: Checkpoint,
+    naming: ExpertNaming,
+    experts: usize,
+    intermediate: usize,
+    views: Vec<[MatrixView; 3]>,
+}
+
+// SAFETY: views point into the read-only maps owned by `ckpt`.
+unsafe impl Sync for HfLayerSource {}
+
+impl HfLayerSource {
+    /// Find layer `layer`'s experts in `ckpt`, expecting `experts` experts of `[I][hidden]`.
+    pub fn new(
+        ckpt: Checkpoint,
+        layer: usize,
+        experts: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self> {
+        let naming = Self::detect(&ckpt, layer)?;
+        let mut views = Vec::with_capacity(experts);
+        match &naming {
+            ExpertNaming::PerExpert { base } | ExpertNaming::Mixtral { base } => {
+                let (group, names) = match naming {
+                    ExpertNaming::Mixtral { .. } => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                    _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                };
+                for e in 0..experts {
+                    let get = |n: &str| -> Result<MatrixView> {
+                        let name = format!("{base}.{group}.experts.{e}.{n}.weight");
+                        if !ckpt.has(&name) {
+                            kt_bail!(
+                                Format,
+                                "layer {layer}: expert {e} is missing ({name} not found); the layer \
+                                 expects {experts} experts"
+                            );
+                        }
+                        Ok(ckpt.float_view(&name)?.0)
+                    };
+                    views.push([get(names[0])?, get(names[1])?, get(names[2])?]);
+                }
+            }
+            ExpertNaming::Packed { base } => {
+                let (gu, gu_shape) =
+                    ckpt.float_view(&format!("{base}.mlp.experts.gate_up_proj"))?;
+                let (dn, dn_shape) = ckpt.float_view(&format!("{base}.mlp.experts.down_proj"))?;
+                kt_ensure!(
+                    gu_shape == [experts, 2 * intermediate, hidden] && dn_shape == [experts, hidden, intermediate],
+                    Invalid,
+                    "layer {layer}: packed experts have gate_up_proj {gu_shape:?} and down_proj \
+                     {dn_shape:?}, expected [{experts}, {}, {hidden}] and [{experts}, {hidden}, {intermediate}]",
+                    2 * intermediate
+                );
+                for e in 0..experts {
+                    let g = gu.sub(e * 2 * intermediate, intermediate, 0, hidden)?;
+                    let u = gu.sub(e * 2 * intermediate + intermediate, intermediate, 0, hidden)?;
+                    let d = dn.sub(e * hidden, hidden, 0, intermediate)?;
+                    views.push([g, u, d]);
+                }
+            }
+        }
+        Ok(HfLayerSource {
+            ckpt,
+            naming,
+            experts,
+            intermediate,
+            views,
+        })
+    }
+
+    /// Recognise the naming scheme of `layer`.
+    pub fn detect(ckpt: &Checkpoint, layer: usize) -> Result<ExpertNaming> {
+        let mut tried = Vec::new();
+        for base in layer_bases(layer) {
+            let per = format!("{base}.mlp.experts.0.gate_proj.weight");
+            let mix = format!("{base}.block_sparse_moe.experts.0.w1.weight");
+            let packed = format!("{base}.mlp.experts.gate_up_proj");
+            if ckpt.has(&per) {
+                return Ok(ExpertNaming::PerExpert { base });
+            }
+            if ckpt.has(&mix) {
+                return Ok(ExpertNaming::Mixtral { base });
+            }
+            if ckpt.has(&packed) {
+                return Ok(ExpertNaming::Packed { base });
+            }
+            tried.extend([per, mix, packed]);
+        }
+        Err(Error::Format(format!(
+            "no experts of layer {layer} found in {} (looked for {})",
+            ckpt.dir.display(),
+            tried.join(", ")
+        )))
+    }
+
+    /// The naming scheme found.
+    pub fn naming(&self) -> &ExpertNaming {
+        &self.naming
+    }
+
+    /// I of this layer.
+    pub fn intermediate(&self) -> usize {
+        self.intermediate
+    }
+
+    /// The checkpoint behind it.
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+}
+
+impl ExpertSource for HfLayerSource {
+    fn num_experts(&self) -> usize {
+        self.experts
+    }
+
+    fn matrix(&self, expert: usize, proj: Proj) -> Result<MatrixView> {
+        let v = self.views.get(expert).ok_or_else(|| {
+            Error::Invalid(format!("expert {expert} outside 0..{}", self.experts))
+        })?;
+        Ok(v[match proj {
+            Proj::Gate => 0,
+            Proj::Up => 1,
+            Proj::Down => 2,
+        }])
+    }
+}
