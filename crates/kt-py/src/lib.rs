@@ -1,1 +1,360 @@
+//! `kt_kernel._kt_core`: PyO3 bindings of kt-core. Argument conversion, GIL release and error
+//! mapping only; tensors arrive as addresses already checked by `kt_kernel` (shape, dtype,
+//! device, contiguity).
+use kt_core::dtype::FloatType;
+use kt_core::engine::Engine as CoreEngine;
+use kt_core::isa;
+use kt_core::kernels::{DotKind, KernelSet};
+use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource};
+use kt_core::pool::{Pool, PoolConfig};
+use kt_core::topology::Topology;
+use kt_core::weights::{Checkpoint, HfLayerSource};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 
+mod errors;
+use errors::IntoPy;
+
+/// Variant name in force (raises if `KT_KERNEL_CPU_VARIANT` is invalid or too high).
+#[pyfunction]
+fn cpu_variant() -> PyResult<&'static str> {
+    Ok(isa::global().py()?.chosen.name())
+}
+
+/// Everything known about this CPU and process, as a dict.
+#[pyfunction]
+fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let sel = isa::global().py()?;
+    let d = PyDict::new(py);
+    d.set_item("vendor", &sel.features.vendor)?;
+    d.set_item("brand", &sel.features.brand)?;
+    d.set_item("variant", sel.chosen.name())?;
+    d.set_item("detected_variant", sel.detected.name())?;
+    d.set_item("requested_variant", sel.requested.clone())?;
+    let flags = PyDict::new(py);
+    for (name, ok) in &sel.features.flags {
+        flags.set_item(*name, *ok)?;
+    }
+    d.set_item("flags", flags)?;
+    d.set_item("amx_hardware", sel.features.amx_hardware)?;
+    d.set_item("amx_permission", sel.features.amx_permission)?;
+    let topo = Topology::global();
+    d.set_item("topology", topo.describe())?;
+    let nodes: Vec<(u32, usize)> = topo.nodes.iter().map(|n| (n.os_index, n.cores.len())).collect();
+    d.set_item("numa_nodes", nodes)?;
+    d.set_item("physical_cores", topo.total_physical_cores())?;
+    let kernels = PyDict::new(py);
+    kernels.set_item("BF16", KernelSet::best().py()?.name())?;
+    d.set_item("kernels", kernels)?;
+    Ok(d)
+}
+
+/// Build facts: version, profile, compiled ISA paths.
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+    d.set_item("kernels", vec!["scalar", "avx2-fma", "avx512-fma", "avx512-bf16dot"])?;
+    d.set_item("hwloc", cfg!(feature = "hwloc"))?;
+    Ok(d)
+}
+
+/// The task engine and its worker pool (the original's `CPUInfer`).
+#[pyclass(module = "kt_kernel._kt_core", frozen)]
+struct Engine {
+    inner: Arc<CoreEngine>,
+}
+
+#[pymethods]
+impl Engine {
+    /// `threads[i]` workers on NUMA node `numa_nodes[i]`, one sub-pool each.
+    #[new]
+    #[pyo3(signature = (threads, numa_nodes, pin=true))]
+    fn new(py: Python<'_>, threads: Vec<usize>, numa_nodes: Vec<u32>, pin: bool) -> PyResult<Self> {
+        let cfg = PoolConfig { numa_nodes, threads, pin };
+        let inner = py.detach(|| Pool::new(cfg).and_then(CoreEngine::new)).py()?;
+        Ok(Engine { inner: Arc::new(inner) })
+    }
+
+    /// Sub-pools.
+    #[getter]
+    fn parts(&self) -> usize {
+        self.inner.pool().parts()
+    }
+
+    /// Threads across all sub-pools.
+    #[getter]
+    fn total_threads(&self) -> usize {
+        self.inner.pool().total_threads()
+    }
+
+    /// Planned CPU per thread, per sub-pool (None = unpinned).
+    fn pinning(&self) -> Vec<Vec<Option<u32>>> {
+        self.inner.pool().pinning().to_vec()
+    }
+
+    /// Notes from thread placement.
+    fn warnings(&self) -> Vec<String> {
+        self.inner.pool().warnings().to_vec()
+    }
+
+    /// Wait for task `ticket`; raises that task's error.
+    fn wait(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        let e = self.inner.clone();
+        py.detach(move || e.wait(ticket)).py()
+    }
+
+    /// Wait until at most `allow_n_pending` tasks remain; raises the first error seen.
+    #[pyo3(signature = (allow_n_pending=0))]
+    fn sync(&self, py: Python<'_>, allow_n_pending: usize) -> PyResult<()> {
+        let e = self.inner.clone();
+        py.detach(move || e.sync(allow_n_pending)).py()
+    }
+
+    /// Tasks queued or running.
+    fn pending(&self) -> u64 {
+        self.inner.pending()
+    }
+
+    /// Bytes of forward scratch currently held.
+    fn workspace_bytes(&self) -> usize {
+        self.inner.with_workspace(|w| w.bytes())
+    }
+}
+
+/// One MoE layer bound to an engine.
+#[pyclass(module = "kt_kernel._kt_core", frozen)]
+struct MoeLayer {
+    engine: Arc<CoreEngine>,
+    layer: Arc<RwLock<CoreLayer>>,
+}
+
+fn run_blocking(
+    py: Python<'_>,
+    engine: &Arc<CoreEngine>,
+    task: kt_core::engine::Task,
+) -> PyResult<()> {
+    let e = engine.clone();
+    py.detach(move || {
+        let t = e.submit(task);
+        e.wait(t)
+    })
+    .py()
+}
+
+fn parse_map(map_ptr: usize, map_len: usize) -> Option<Vec<i64>> {
+    // SAFETY: the Python layer passes the address of a live, contiguous int64 CPU tensor of
+    // `map_len` elements (it checked dtype, device and shape), or 0 for "identity".
+    (map_ptr != 0).then(|| unsafe { std::slice::from_raw_parts(map_ptr as *const i64, map_len) }.to_vec())
+}
+
+#[pymethods]
+impl MoeLayer {
+    #[new]
+    #[pyo3(signature = (engine, layer_idx, num_experts, top_k, hidden_size, intermediate_size,
+                        max_tokens, swiglu_limit=0.0, swiglu_alpha=0.0, kernel=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        engine: &Engine,
+        layer_idx: usize,
+        num_experts: usize,
+        top_k: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        max_tokens: usize,
+        swiglu_limit: f32,
+        swiglu_alpha: f32,
+        kernel: Option<&str>,
+    ) -> PyResult<Self> {
+        let config = MoeConfig {
+            layer_idx,
+            num_experts,
+            top_k,
+            hidden: hidden_size,
+            intermediate: intermediate_size,
+            max_tokens,
+            swiglu_limit,
+            swiglu_alpha,
+        };
+        let level = isa::global().py()?.chosen;
+        let kernels = match kernel {
+            None | Some("auto") => KernelSet::best(),
+            Some("fma") => KernelSet::for_level(level),
+            Some("bf16dot") => KernelSet::with_kind(level, DotKind::Bf16Dot),
+            Some("scalar") => Ok(KernelSet::scalar_twin(DotKind::Fp32Fma)),
+            Some(other) => Err(kt_core::Error::Invalid(format!(
+                "kernel={other:?}: expected 'auto', 'fma', 'bf16dot' or 'scalar'"
+            ))),
+        }
+        .py()?;
+        let layer = CoreLayer::new(config, engine.inner.pool().parts(), kernels).py()?;
+        Ok(MoeLayer { engine: engine.inner.clone(), layer: Arc::new(RwLock::new(layer)) })
+    }
+
+    /// Kernel name in use.
+    #[getter]
+    fn kernel(&self) -> &'static str {
+        self.layer.read().unwrap().kernels().name()
+    }
+
+    /// Bytes of packed weights.
+    #[getter]
+    fn weight_bytes(&self) -> usize {
+        self.layer.read().unwrap().config().weight_bytes()
+    }
+
+    /// Whether weights are loaded.
+    #[getter]
+    fn loaded(&self) -> bool {
+        self.layer.read().unwrap().is_loaded()
+    }
+
+    /// Pack weights from three contiguous CPU tensors gate/up `[E,I,H]`, down `[E,H,I]` of
+    /// `dtype`; `map_ptr` = int64 `[map_len]` physical→logical (0 = identity). Blocks.
+    #[pyo3(signature = (gate_ptr, up_ptr, down_ptr, dtype, experts, map_ptr=0, map_len=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn load_from_tensors(
+        &self,
+        py: Python<'_>,
+        gate_ptr: usize,
+        up_ptr: usize,
+        down_ptr: usize,
+        dtype: &str,
+        experts: usize,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let dtype = FloatType::parse(dtype).py()?;
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        let (hidden, intermediate) = {
+            let l = layer.read().unwrap();
+            (l.config().hidden, l.config().intermediate)
+        };
+        let source = TensorSource {
+            gate: gate_ptr as *const u8,
+            up: up_ptr as *const u8,
+            down: down_ptr as *const u8,
+            dtype,
+            experts,
+            hidden,
+            intermediate,
+        };
+        // SAFETY-relevant: the Python caller keeps the tensors alive until this call returns,
+        // and the call blocks until the engine has run the load.
+        let source = SendSource(source);
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let s = source;
+                layer.write().unwrap().load(ctx.pool, &s.0, map.as_deref())
+            }),
+        )
+    }
+
+    /// Read this layer's experts from a Hugging Face safetensors checkpoint. Blocks.
+    #[pyo3(signature = (path, layer_idx, map_ptr=0, map_len=0))]
+    fn load_from_checkpoint(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        layer_idx: usize,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let (experts_needed, hidden, inter) = {
+                    let l = layer.read().unwrap();
+                    (l.config().num_experts, l.config().hidden, l.config().intermediate)
+                };
+                let ckpt = Checkpoint::open(&path)?;
+                let naming = HfLayerSource::detect(&ckpt, layer_idx)?;
+                let _ = naming;
+                // With a map, the checkpoint may hold a different number of logical experts.
+                let experts = match &map {
+                    Some(m) => m.iter().copied().max().map_or(0, |v| v.max(0) as usize + 1).max(1),
+                    None => experts_needed,
+                };
+                let source = HfLayerSource::new(ckpt, layer_idx, experts, hidden, inter)?;
+                let result = layer.write().unwrap().load(ctx.pool, &source, map.as_deref());
+                drop(source); // unmap before returning: peak memory ≈ one copy of the layer
+                result
+            }),
+        )
+    }
+
+    /// Queue a forward; returns a ticket for `Engine.wait`. All addresses must stay valid
+    /// until then (the Python layer keeps the tensors referenced).
+    #[pyo3(signature = (qlen, hidden_ptr, hidden_dtype, ids_ptr, ids_dtype, weights_ptr, out_ptr,
+                        out_dtype, residual_ptr=0, residual_dtype="float32", mask_ptr=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_forward(
+        &self,
+        qlen: usize,
+        hidden_ptr: usize,
+        hidden_dtype: &str,
+        ids_ptr: usize,
+        ids_dtype: &str,
+        weights_ptr: usize,
+        out_ptr: usize,
+        out_dtype: &str,
+        residual_ptr: usize,
+        residual_dtype: &str,
+        mask_ptr: usize,
+    ) -> PyResult<u64> {
+        let ids_i64 = match kt_core::dtype::IdType::parse(ids_dtype).py()? {
+            kt_core::dtype::IdType::I64 => true,
+            kt_core::dtype::IdType::I32 => false,
+        };
+        let args = ForwardArgs {
+            qlen,
+            hidden: hidden_ptr as *const u8,
+            hidden_type: FloatType::parse(hidden_dtype).py()?,
+            ids: ids_ptr as *const u8,
+            ids_i64,
+            weights: weights_ptr as *const f32,
+            out: out_ptr as *mut u8,
+            out_type: FloatType::parse(out_dtype).py()?,
+            residual: residual_ptr as *const u8,
+            residual_type: FloatType::parse(residual_dtype).py()?,
+            gpu_mask: mask_ptr as *const u8,
+        };
+        for (name, p) in [("hidden", hidden_ptr), ("ids", ids_ptr), ("weights", weights_ptr), ("out", out_ptr)] {
+            if p == 0 && qlen > 0 {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!("{name} pointer is null")));
+            }
+        }
+        let layer = self.layer.clone();
+        Ok(self.engine.submit(Box::new(move |ctx| {
+            let l = layer.read().unwrap();
+            // SAFETY: the Python layer validated every tensor against qlen and the layer shape,
+            // and keeps them alive until the ticket is waited for.
+            unsafe { l.forward_raw(ctx.pool, ctx.workspace, &args) }
+        })))
+    }
+}
+
+/// Moves a TensorSource into an engine task (its pointers outlive the blocking call).
+struct SendSource(TensorSource);
+// SAFETY: see load_from_tensors: the memory stays alive and unchanged while the task runs.
+unsafe impl Send for SendSource {}
+
+#[pymodule]
+fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_class::<Engine>()?;
+    m.add_class::<MoeLayer>()?;
+    Ok(())
+}

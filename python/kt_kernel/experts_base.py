@@ -1,0 +1,403 @@
+"""Torch glue shared by every backend: the process-wide engine, argument validation, output
+buffers, expert deferral and the submit/sync protocol."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import _kt_core
+from .kt_kernel_ext import CPUInfer, WorkerPoolConfig
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED = _Required()
+
+_FLOAT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_ID_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+# chunked_prefill_size <= 0 means "no limit" (SGLang uses -1 when chunking is off); the native
+# layer chunks internally, so no buffer grows with it.
+_UNLIMITED_TOKENS = 1 << 31
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: int) -> torch.Tensor:
+    """Bool ``[layers, experts]`` mask of the ``num_gpu_experts`` most frequently activated
+    (layer, expert) pairs over the whole model. Ties go to the lower (layer, expert) index."""
+    if not isinstance(activation_freq, torch.Tensor) or activation_freq.dim() != 2:
+        raise ValueError("activation_freq must be a 2-D tensor [num_layers, num_experts]")
+    n = _check_int("num_gpu_experts", num_gpu_experts, 0)
+    freq = activation_freq.detach().to("cpu", torch.float64).reshape(-1)
+    n = min(n, freq.numel())
+    mask = torch.zeros(freq.numel(), dtype=torch.bool)
+    if n > 0:
+        order = torch.argsort(-freq, stable=True)
+        mask[order[:n]] = True
+    return mask.reshape(activation_freq.shape)
+
+
+@dataclass
+class _Pending:
+    ticket: int
+    out: torch.Tensor
+    device: torch.device
+    keep_alive: tuple
+
+
+class BaseMoEWrapper:
+    """One MoE layer on the CPU. Backends set ``self.moe`` (the native layer) and implement
+    ``load_weights``/``load_weights_from_tensors``."""
+
+    _cpu_infer: CPUInfer | None = None
+    _cpu_infer_pid: int | None = None
+    _class_lock = threading.Lock()
+    _capture_batch_sizes: list[int] = []
+    _instances: weakref.WeakSet = weakref.WeakSet()
+    # layer_idx -> (deferred output [B, H] fp32, B): folded into layer_idx + 1's next forward.
+    _pending_deferred: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask: torch.Tensor | None,
+        cpuinfer_threads: int | None,
+        threadpool_count: int,
+        weight_path: str,
+        chunked_prefill_size: int | None,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: int | None = None,
+        method: str = "BF16",
+        numa_nodes: list[int] | None = None,
+        num_gpu_experts: int = 0,
+        swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 0.0,
+    ) -> None:
+        self.layer_idx = _check_int("layer_idx", layer_idx, 0)
+        self.num_experts = _check_int("num_experts", num_experts, 1)
+        self.num_experts_per_tok = _check_int("num_experts_per_tok", num_experts_per_tok, 1)
+        self.hidden_size = _check_int("hidden_size", hidden_size, 1)
+        self.moe_intermediate_size = _check_int("moe_intermediate_size", moe_intermediate_size, 1)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={num_experts_per_tok} exceeds num_experts={num_experts}"
+            )
+        self.weight_path = weight_path
+        if chunked_prefill_size is None or (
+            isinstance(chunked_prefill_size, int) and chunked_prefill_size <= 0
+        ):
+            self.chunked_prefill_size = _UNLIMITED_TOKENS
+        else:
+            self.chunked_prefill_size = _check_int("chunked_prefill_size", chunked_prefill_size, 1)
+        self.cpu_save = bool(cpu_save)
+        deferred = 0 if max_deferred_experts_per_token is None else max_deferred_experts_per_token
+        self.max_deferred_experts_per_token = _check_int(
+            "max_deferred_experts_per_token", deferred, 0
+        )
+        self.method = method
+        for name, v in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+            if not isinstance(v, int | float) or v != v or v < 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self.swiglu_limit = float(swiglu_limit)
+        self.swiglu_alpha = float(swiglu_alpha)
+        self.gpu_experts_mask = self._make_mask(gpu_experts_mask, num_gpu_experts)
+        self.cpu_infer = self._get_cpu_infer(cpuinfer_threads, threadpool_count, numa_nodes)
+        self.threadpool_count = self.cpu_infer.engine.parts
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._deferred_alive: collections.deque[tuple[int, tuple]] = collections.deque()
+        self.moe = None
+        BaseMoEWrapper._instances.add(self)
+
+    # ----------------------------------------------------------------------------- set-up
+    @property
+    def num_gpu_experts(self) -> int:
+        return int(self.gpu_experts_mask.sum().item())
+
+    def _make_mask(self, mask: torch.Tensor | None, num_gpu_experts: int) -> torch.Tensor:
+        # Our own CPU tensor: SGLang updates it in place (.copy_) and we read it at every forward.
+        own = torch.zeros(self.num_experts, dtype=torch.bool)
+        if torch.cuda.is_available():
+            own = own.pin_memory()
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError("gpu_experts_mask must be a torch.Tensor of bools or None")
+            if mask.numel() != self.num_experts:
+                raise ValueError(
+                    f"gpu_experts_mask has {mask.numel()} entries, expected num_experts="
+                    f"{self.num_experts}"
+                )
+            own.copy_(mask.detach().reshape(-1).to("cpu", torch.bool))
+        else:
+            n = _check_int("num_gpu_experts", num_gpu_experts, 0)
+            if n > self.num_experts:
+                raise ValueError(f"num_gpu_experts={n} exceeds num_experts={self.num_experts}")
+            own[:n] = True
+        return own
+
+    @classmethod
+    def _get_cpu_infer(cls, threads, threadpool_count, numa_nodes) -> CPUInfer:
+        count = _check_int("threadpool_count", threadpool_count, 1)
+        if numa_nodes is not None:
+            numa_nodes = [_check_int("numa_nodes[i]", n, 0) for n in numa_nodes]
+            if len(numa_nodes) != count:
+                raise ValueError(
+                    f"numa_nodes has {len(numa_nodes)} entries but threadpool_count is {count}"
+                )
+        with cls._class_lock:
+            # Like the original, the first wrapper creates the process-wide engine; later ones
+            # share it. A forked child gets a fresh one (the parent's threads do not exist there).
+            if cls._cpu_infer is not None and cls._cpu_infer_pid == os.getpid():
+                return cls._cpu_infer
+            if threads is None:
+                threads = max(count, int(_kt_core.cpu_info()["physical_cores"]))
+            threads = _check_int("cpuinfer_threads", threads, 1)
+            if threads < count:
+                raise ValueError(
+                    f"cpuinfer_threads={threads} is less than threadpool_count={count}"
+                )
+            cfg = WorkerPoolConfig()
+            cfg.subpool_count = count
+            cfg.subpool_numa_map = numa_nodes if numa_nodes is not None else list(range(count))
+            cfg.subpool_thread_count = [
+                threads // count + (1 if i < threads % count else 0) for i in range(count)
+            ]
+            cls._cpu_infer = CPUInfer(cfg)
+            cls._cpu_infer_pid = os.getpid()
+            return cls._cpu_infer
+
+    @staticmethod
+    def _map_arg(physical_to_logical_map_cpu) -> tuple[int, int, torch.Tensor | None]:
+        """(address, length, tensor kept alive) of an int64 map, or (0, 0, None) for identity."""
+        if physical_to_logical_map_cpu is None:
+            return 0, 0, None
+        m = physical_to_logical_map_cpu
+        if not isinstance(m, torch.Tensor):
+            try:
+                m = torch.as_tensor(m)
+            except Exception as e:  # dicts, strings, ...
+                raise TypeError(
+                    "physical_to_logical_map_cpu must be an integer tensor/sequence or None, "
+                    f"got {type(physical_to_logical_map_cpu).__name__}"
+                ) from e
+        if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
+            raise TypeError(f"physical_to_logical_map_cpu must hold integers, got {m.dtype}")
+        if m.dim() != 1:
+            raise ValueError(
+                f"physical_to_logical_map_cpu must be 1-D, got shape {tuple(m.shape)}"
+            )
+        m = m.to("cpu", torch.int64).contiguous()
+        return m.data_ptr(), m.numel(), m
+
+    # ----------------------------------------------------------------------------- buffers
+    @classmethod
+    def set_capture_batch_sizes(cls, batch_sizes) -> None:
+        sizes = sorted({_check_int("batch size", int(b), 1) for b in batch_sizes})
+        cls._capture_batch_sizes = sizes
+
+    @classmethod
+    def get_capture_batch_sizes(cls) -> list[int]:
+        return list(cls._capture_batch_sizes)
+
+    @classmethod
+    def clear_buffer_cache(cls) -> None:
+        for w in list(cls._instances):
+            with w._lock:
+                w._buffers.clear()
+        with cls._class_lock:
+            cls._pending_deferred.clear()
+
+    def _buffer(self, kind: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """Output storage: stable per (kind, rows, dtype) for captured batch sizes, fresh
+        otherwise (a later call never frees memory a caller may still hold)."""
+        if rows in BaseMoEWrapper._capture_batch_sizes:
+            key = (kind, rows, dtype)
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = torch.empty((rows, self.hidden_size), dtype=dtype)
+                self._buffers[key] = buf
+            return buf
+        return torch.empty((rows, self.hidden_size), dtype=dtype)
+
+    # ----------------------------------------------------------------------------- forward
+    def _check_forward_inputs(self, hidden_states, topk_ids, topk_weights):
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError("hidden_states must be a torch.Tensor")
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states has shape {tuple(hidden_states.shape)}; its last dimension must "
+                f"be hidden_size={self.hidden_size} (layer {self.layer_idx})"
+            )
+        x = hidden_states.reshape(-1, self.hidden_size)
+        qlen = x.shape[0]
+        if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
+            raise TypeError("topk_ids and topk_weights must be torch.Tensors")
+        if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool or topk_ids.is_complex():
+            raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        k = self.num_experts_per_tok
+        if tuple(topk_ids.shape) != (qlen, k):
+            raise ValueError(
+                f"topk_ids has shape {tuple(topk_ids.shape)}, expected [{qlen}, {k}] "
+                f"(tokens, num_experts_per_tok)"
+            )
+        if tuple(topk_weights.shape) != (qlen, k):
+            raise ValueError(
+                f"topk_weights has shape {tuple(topk_weights.shape)}, expected [{qlen}, {k}]"
+            )
+        if qlen > self.chunked_prefill_size:
+            raise ValueError(
+                f"{qlen} tokens exceed chunked_prefill_size={self.chunked_prefill_size} "
+                f"(layer {self.layer_idx}); split the batch or raise chunked_prefill_size"
+            )
+        mask = self.gpu_experts_mask
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.numel() != self.num_experts
+            or mask.dtype not in (torch.bool, torch.uint8)
+            or mask.device.type != "cpu"
+            or not mask.is_contiguous()
+        ):
+            raise ValueError(
+                "gpu_experts_mask must stay a contiguous CPU bool tensor of num_experts entries "
+                "(update it in place with .copy_())"
+            )
+        device = hidden_states.device
+        x = x.to("cpu")
+        if x.dtype not in _FLOAT_DTYPES:
+            x = x.to(torch.float32)
+        x = x.contiguous()
+        ids = topk_ids.to("cpu")
+        if ids.dtype not in _ID_DTYPES:
+            ids = ids.to(torch.int64)
+        ids = ids.contiguous()
+        w = topk_weights.to("cpu", torch.float32).contiguous()
+        return x, ids, w, device
+
+    @staticmethod
+    def select_deferred_experts(expert_ids, expert_scores, protected_k: int):
+        """Split ``[B, k]`` ids into (immediate, deferred): the union over the batch of each
+        token's top-``protected_k`` experts (by score) is protected and runs now; every other
+        (token, slot) is deferred to the next layer. Entries not in a tensor are -1."""
+        k = expert_ids.shape[1]
+        if protected_k <= 0:
+            return torch.full_like(expert_ids, -1), expert_ids.clone()
+        if protected_k >= k:
+            return expert_ids.clone(), torch.full_like(expert_ids, -1)
+        top = expert_scores.topk(protected_k, dim=1).indices
+        protected = expert_ids.gather(1, top)
+        protected = torch.unique(protected[protected >= 0])
+        is_protected = torch.isin(expert_ids, protected) & (expert_ids >= 0)
+        minus = torch.full_like(expert_ids, -1)
+        return torch.where(is_protected, expert_ids, minus), torch.where(
+            is_protected, minus, expert_ids
+        )
+
+    def _submit(self, x, ids, w, out, residual) -> int:
+        if self.moe is None or not self.moe.loaded:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: load_weights() or load_weights_from_tensors() must "
+                "be called before forward"
+            )
+        return self.moe.submit_forward(
+            x.shape[0],
+            x.data_ptr(),
+            _FLOAT_DTYPES[x.dtype],
+            ids.data_ptr(),
+            _ID_DTYPES[ids.dtype],
+            w.data_ptr(),
+            out.data_ptr(),
+            _FLOAT_DTYPES[out.dtype],
+            0 if residual is None else residual.data_ptr(),
+            "float32" if residual is None else _FLOAT_DTYPES[residual.dtype],
+            self.gpu_experts_mask.data_ptr(),
+        )
+
+    def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> None:
+        """Queue this layer's CPU experts for ``hidden_states`` and return at once.
+
+        CPU tensors are used in place; tensors on another device are copied to the CPU first
+        (``cuda_stream`` is not used: there is no host-callback bridge in this build).
+        """
+        x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
+        qlen = x.shape[0]
+        out_dtype = hidden_states.dtype if hidden_states.dtype in _FLOAT_DTYPES else torch.float32
+        d = self.max_deferred_experts_per_token
+        with BaseMoEWrapper._class_lock:
+            prev = BaseMoEWrapper._pending_deferred.pop(self.layer_idx - 1, None)
+        residual = prev[0] if prev is not None and prev[1] == qlen else None
+        with self._lock:
+            if d > 0:
+                immediate, deferred = self.select_deferred_experts(
+                    ids, w, self.num_experts_per_tok - d
+                )
+                immediate, deferred = immediate.contiguous(), deferred.contiguous()
+            else:
+                immediate, deferred = ids, None
+            out = self._buffer("out", qlen, out_dtype)
+            ticket = self._submit(x, immediate, w, out, residual)
+            self._pending.append(
+                _Pending(ticket, out, device, (x, immediate, w, residual, self.gpu_experts_mask))
+            )
+            if deferred is not None:
+                dout = self._buffer("deferred", qlen, torch.float32)
+                dticket = self._submit(x, deferred, w, dout, None)
+                # FIFO order on the engine guarantees it finishes before layer+1's forward runs;
+                # its inputs stay referenced until a later ticket of this layer completes.
+                self._deferred_alive.append((dticket, (x, deferred, w, dout)))
+                with BaseMoEWrapper._class_lock:
+                    BaseMoEWrapper._pending_deferred[self.layer_idx] = (dout, qlen)
+
+    def sync_forward(self, hidden_states=None, cuda_stream=None) -> torch.Tensor:
+        """Wait for the oldest submitted forward of this layer; returns ``[B, H]`` in the dtype
+        (and on the device) of the hidden states it was given."""
+        with self._lock:
+            if not self._pending:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: sync_forward() without a matching submit_forward()"
+                )
+            p = self._pending.popleft()
+        self.cpu_infer.engine.wait(p.ticket)
+        with self._lock:
+            while self._deferred_alive and self._deferred_alive[0][0] < p.ticket:
+                self._deferred_alive.popleft()
+        out = p.out
+        if p.device.type != "cpu":
+            out = out.to(p.device)
+        return out
+
+    def __del__(self) -> None:
+        # Queued tasks still read this wrapper's tensors: let them finish before those go.
+        try:
+            if getattr(self, "_pending", None) or getattr(self, "_deferred_alive", None):
+                self.cpu_infer.engine.sync(0)
+        except Exception:
+            pass
+
+    def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> torch.Tensor:
+        """``submit_forward`` then ``sync_forward``; output has ``hidden_states``' shape."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream).reshape(hidden_states.shape)

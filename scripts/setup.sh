@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up on a fresh Debian machine: system libraries, a virtual
+# environment with the Python dependencies, and kt-kernel built and installed into it.
+# The venv lives outside the work tree so repeated runs (and CI on the same machine) reuse it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+for pkg in libhwloc-dev pkg-config libudev-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if ((${#need[@]})); then
+  echo "[setup] installing system packages: ${need[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+VENV="${KT_VENV:-$HOME/.cache/kt-kernel/venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtual environment $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import numpy, torch, safetensors, gguf, pytest, maturin, ruff" 2>/dev/null; then
+  echo "[setup] installing Python dependencies (torch is large)"
+  "$PY" -m pip install -q numpy torch safetensors gguf pytest maturin ruff
+fi
+echo "[setup] building and installing kt-kernel (release)"
+"$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+echo "[setup] ready: $PY"
