@@ -27,8 +27,11 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +48,9 @@ META_NAME = "kt_bench_meta.json"
 # Default layer count is the largest <= 4 whose bf16 experts fit in this
 # budget: each method keeps its own copy, and the machine may be shared.
 DEFAULT_CKPT_BUDGET = 6 * 1024**3
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Foreign CPU use (in cores) above which a measurement is flagged as noisy.
+NOISY_CORES = 0.25
 
 
 def parse_args(argv=None):
@@ -53,16 +59,14 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, help="override preset expert count")
     p.add_argument("--top-k", type=int, help="override preset experts per token")
     p.add_argument("--hidden", type=int, help="override preset hidden size")
-    p.add_argument(
-        "--intermediate", type=int, help="override preset moe_intermediate_size"
-    )
+    p.add_argument("--intermediate", type=int, help="override preset moe_intermediate_size")
     p.add_argument(
         "--layers",
         type=int,
         help="MoE layers to cycle through (default: largest <=4 within 6 GiB)",
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=["BF16"])
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=["BF16", "AMXINT8", "AMXINT4"])
     p.add_argument("--threads", type=int, default=2, help="cpuinfer_threads")
     p.add_argument("--threadpool-count", type=int, default=1)
     p.add_argument("--chunked-prefill-size", type=int, help="default: max(--tokens)")
@@ -92,18 +96,20 @@ def parse_args(argv=None):
         type=Path,
         help="reuse/create the synthetic checkpoint here (kept)",
     )
-    p.add_argument(
-        "--scratch-dir", type=Path, help="where AMX .kt files / temp checkpoints go"
-    )
-    p.add_argument(
-        "--json", type=Path, help="write results here (rewritten after every method)"
-    )
+    p.add_argument("--scratch-dir", type=Path, help="where AMX .kt files / temp checkpoints go")
+    p.add_argument("--json", type=Path, help="write results here (rewritten after every method)")
     p.add_argument("--label", help="implementation label in the output (default: auto)")
     p.add_argument(
         "--original",
         action="store_true",
         help="patch for the CPU-only original before import (else auto-detected)",
     )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run all methods in this process (default: one child per method)",
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -143,6 +149,18 @@ def _mem_available():
     except OSError:
         pass
     return None
+
+
+def read_bandwidth_gbps(torch, gib=1, reps=5):
+    """Best-of-N streaming read rate (torch.sum over a large buffer): the DRAM
+    roofline that the GB/s column should be read against."""
+    a = torch.ones(gib * 2**28)  # float32
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(a.numel() * 4 / best / 1e9, 2)
 
 
 def _cpu_model():
@@ -255,7 +273,8 @@ def ensure_checkpoint(torch, args, wdir: Path):
     meta = checkpoint_meta(args)
     meta_path = wdir / META_NAME
     if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
-        print(f"[bench] reusing checkpoint in {wdir}")
+        if not args.worker:
+            print(f"[bench] reusing checkpoint in {wdir}")
         return
     wdir.mkdir(parents=True, exist_ok=True)
     for stale in wdir.glob("*.safetensors"):
@@ -276,13 +295,10 @@ def ensure_checkpoint(torch, args, wdir: Path):
             ):
                 w = torch.randn(shape, generator=gen).mul_(fan_in**-0.5).bfloat16()
                 tensors[expert_key(layer, e, proj)] = w
-        save_file(
-            tensors, str(wdir / f"model-{layer:05d}-of-{args.layers:05d}.safetensors")
-        )
+        save_file(tensors, str(wdir / f"model-{layer:05d}-of-{args.layers:05d}.safetensors"))
         del tensors
         print(
-            f"[bench] wrote layer {layer + 1}/{args.layers} "
-            f"({time.perf_counter() - t0:.1f}s)",
+            f"[bench] wrote layer {layer + 1}/{args.layers} ({time.perf_counter() - t0:.1f}s)",
             flush=True,
         )
     meta_path.write_text(json.dumps(meta))
@@ -354,9 +370,7 @@ def bytes_per_expert(args, method):
     if method == "LLAMAFILE":
         import gguf
 
-        block, size = gguf.GGML_QUANT_SIZES[
-            gguf.GGMLQuantizationType[args.gguf_type.upper()]
-        ]
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[args.gguf_type.upper()]]
         return 3 * hi * size // block
     raise ValueError(method)
 
@@ -369,9 +383,7 @@ def bytes_per_expert(args, method):
 def make_inputs(torch, args, tokens, gen):
     x = torch.randn(tokens, args.hidden, generator=gen).bfloat16()
     # Distinct top-k ids per token: top-k of uniform noise is a random subset.
-    ids = (
-        torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices
-    )
+    ids = torch.rand(tokens, args.experts, generator=gen).topk(args.top_k, dim=-1).indices
     ids = ids.to(getattr(torch, args.ids_dtype))
     weights = torch.softmax(torch.randn(tokens, args.top_k, generator=gen), dim=-1)
     return x, ids, weights
@@ -452,13 +464,48 @@ def call_forward(w, x, ids, weights):
     return out.clone()
 
 
-def bench_method(
-    torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, report, save
-):
+def touch_all_experts(torch, args, wrappers):
+    """One pass per layer whose routing covers every expert.
+
+    Random routing reaches only a few experts per call, so first-touch costs
+    (page faults on weights a backend maps lazily, e.g. LLAMAFILE's GGUF
+    mmap) would otherwise leak into the timed calls.
+    """
+    ids = torch.arange(-(-args.experts // args.top_k) * args.top_k) % args.experts
+    ids = ids.view(-1, args.top_k).to(getattr(torch, args.ids_dtype))
+    x = torch.randn(ids.shape[0], args.hidden).bfloat16()
+    wts = torch.full(ids.shape, 1.0 / args.top_k)
+    step = args.chunked_prefill_size
+    for w in wrappers:
+        for i in range(0, ids.shape[0], step):
+            call_forward(w, x[i : i + step], ids[i : i + step], wts[i : i + step])
+
+
+def cpu_counters():
+    """(wall, machine busy CPU-seconds, this process's CPU-seconds).
+
+    The difference of the two CPU figures over a timed window is CPU used by
+    other processes: on a shared 2-core box that is what spoils a run, so it
+    is recorded next to every result.
+    """
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # user nice system irq softirq steal
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy / CLK_TCK, own.ru_utime + own.ru_stime
+
+
+def bench_method(torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, report, save):
     wrappers, load_s = build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch)
     report["load_seconds"][method] = round(load_s, 3)
+    t0 = time.perf_counter()
+    touch_all_experts(torch, args, wrappers)
+    touch_s = time.perf_counter() - t0
+    report["first_touch_seconds"][method] = round(touch_s, 3)
     print(
-        f"[bench] {method}: loaded {args.layers} layer(s) in {load_s:.1f}s", flush=True
+        f"[bench] {method}: loaded {args.layers} layer(s) in {load_s:.1f}s, "
+        f"first pass over all experts {touch_s:.2f}s",
+        flush=True,
     )
     bpe = bytes_per_expert(args, method)
     flop_pair = 2 * 3 * args.hidden * args.intermediate
@@ -466,26 +513,23 @@ def bench_method(
     n = len(wrappers)
     call = 0
     for tokens in args.tokens:
-        # Accuracy: same seeded inputs for every method, so refs are shared.
-        layer = args.tokens.index(tokens) % n
-        x, ids, wts = refs[tokens]["inputs"]
-        if "ref" not in refs[tokens]:
-            refs[tokens]["ref"] = reference(torch, ckpt, layer, x, ids, wts)
-        ref = refs[tokens]["ref"]
-        out = call_forward(wrappers[layer], x, ids, wts).double()
+        # Accuracy on the shared seeded inputs (same for every method/run).
+        ref_case = refs[tokens]
+        x, ids, wts = ref_case["inputs"]
+        out = call_forward(wrappers[ref_case["layer"]], x, ids, wts).double()
+        ref = ref_case["ref"]
         rel = float((out - ref).norm() / ref.norm())
 
-        # A few input sets so the timed loop only draws routing.
+        # Two hidden-state sets; routing is redrawn for every call.
         xs = [make_inputs(torch, args, tokens, gen)[0] for _ in range(2)]
-        times, touched = [], []
         for _ in range(max(args.warmup, n)):
             _, ids_w, wts_w = make_inputs(torch, args, tokens, gen)
             call_forward(wrappers[call % n], xs[call % 2], ids_w, wts_w)
             call += 1
+        times, touched = [], []
         spent = 0.0
-        while len(times) < args.max_reps and (
-            len(times) < args.min_reps or spent < args.min_time
-        ):
+        start = cpu_counters()
+        while len(times) < args.max_reps and (len(times) < args.min_reps or spent < args.min_time):
             _, ids_t, wts_t = make_inputs(torch, args, tokens, gen)
             w, xt = wrappers[call % n], xs[call % 2]
             t0 = time.perf_counter()
@@ -495,6 +539,8 @@ def bench_method(
             spent += dt
             times.append(dt)
             touched.append(torch.unique(ids_t).numel())
+        end = cpu_counters()
+        foreign = max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
         med, best = statistics.median(times), min(times)
         distinct = statistics.fmean(touched)
         row = {
@@ -509,33 +555,104 @@ def bench_method(
             "gbps": round(distinct * bpe / med / 1e9, 3),
             "gflops": round(tokens * args.top_k * flop_pair / med / 1e9, 3),
             "rel_l2": rel,
+            "foreign_load_cores": round(foreign, 2),
         }
         report["results"].append(row)
         print(
             f"[bench] {method:9s} T={tokens:<4d} median {row['median_ms']:9.3f} ms  "
-            f"{row['gbps']:7.2f} GB/s  {row['gflops']:8.2f} GFLOP/s  rel {rel:.2e}",
+            f"{row['gbps']:7.2f} GB/s  {row['gflops']:8.2f} GFLOP/s  rel {rel:.2e}"
+            f"  (others {foreign:.2f} cores)",
             flush=True,
         )
-        save()
+        save()  # partial results survive a crash at a later token count
     del wrappers
     gc.collect()
+
+
+def build_refs(torch, args, ckpt):
+    """Seeded accuracy inputs per token count and their float64 references."""
+    gen = torch.Generator().manual_seed(args.seed)
+    refs = {}
+    t0 = time.perf_counter()
+    for i, tokens in enumerate(args.tokens):
+        inputs = make_inputs(torch, args, tokens, gen)
+        layer = i % args.layers
+        refs[tokens] = {
+            "inputs": inputs,
+            "layer": layer,
+            "ref": reference(torch, ckpt, layer, *inputs),
+        }
+    print(f"[bench] float64 references in {time.perf_counter() - t0:.1f}s", flush=True)
+    return refs
+
+
+def run_worker(args, method, wdir, scratch, report):
+    """Run one method in a child process and merge its JSON into report.
+
+    Each method gets a fresh process: the original keeps one thread pool per
+    backend class and never frees a layer's weights, so running methods back
+    to back in one process skews both timing and memory; a crash also stays
+    contained to the one method.
+    """
+    out = scratch / f"worker_{method}.json"
+    out.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *args.argv,
+        "--worker",
+        "--methods",
+        method,
+        "--layers",
+        str(args.layers),
+        "--weights-dir",
+        str(wdir),
+        "--scratch-dir",
+        str(scratch),
+        "--json",
+        str(out),
+    ]
+    rc = subprocess.run(cmd, check=False).returncode
+    child = json.loads(out.read_text()) if out.exists() else {}
+    report["results"].extend(child.get("results", []))
+    report["load_seconds"].update(child.get("load_seconds", {}))
+    report["first_touch_seconds"].update(child.get("first_touch_seconds", {}))
+    report["errors"].update(child.get("errors", {}))
+    if rc != 0 and method not in report["errors"]:
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        done = sum(r["method"] == method for r in child.get("results", []))
+        report["errors"][method] = f"worker died ({how}) after {done} token count(s)"
+        print(f"[bench] {method} failed: {report['errors'][method]}", flush=True)
 
 
 def print_table(report):
     hdr = (
         f"{'method':10s} {'tokens':>6s} {'median ms':>10s} {'best ms':>10s} "
-        f"{'tok/s':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'rel L2':>9s} {'reps':>5s}"
+        f"{'tok/s':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'rel L2':>9s} {'reps':>5s} "
+        f"{'others':>6s}"
     )
     print()
     impl, cfg = report["implementation"], report["config"]
-    print(f"{impl['label']}  ({report['machine']['cpu']}, {cfg['threads']} threads)")
+    mach = report["machine"]
+    bw = mach.get("read_bandwidth_gbps")
+    print(
+        f"{impl['label']}  ({mach['cpu']}, {cfg['threads']} threads"
+        + (f", read bandwidth {bw} GB/s)" if bw else ")")
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in report["results"]:
         print(
             f"{r['method']:10s} {r['tokens']:6d} {r['median_ms']:10.3f} "
             f"{r['best_ms']:10.3f} {r['tokens_per_s']:10.1f} {r['gbps']:7.2f} "
-            f"{r['gflops']:8.2f} {r['rel_l2']:9.2e} {r['reps']:5d}"
+            f"{r['gflops']:8.2f} {r['rel_l2']:9.2e} {r['reps']:5d} "
+            f"{r['foreign_load_cores']:6.2f}"
+        )
+    noisy = [r for r in report["results"] if r["foreign_load_cores"] > NOISY_CORES]
+    if noisy:
+        print(
+            f"WARNING: other processes used >{NOISY_CORES} cores during "
+            f"{len(noisy)} measurement(s) ('others' column); rerun on an idle machine."
         )
     for method, err in report["errors"].items():
         print(f"{method}: FAILED: {err}")
@@ -543,6 +660,7 @@ def print_table(report):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     import torch
 
     if args.original:
@@ -557,8 +675,9 @@ def main(argv=None):
 
     version = getattr(kt_kernel, "__version__", "?")
     variant = getattr(kt_kernel, "__cpu_variant__", None)
-    label = args.label or f"{'original ' if is_original else ''}kt_kernel {version}" + (
-        f" [{variant}]" if variant else ""
+    label = args.label or (
+        f"{'original ' if is_original else ''}kt_kernel {version}"
+        + (f" [{variant}]" if variant else "")
     )
     report = {
         "implementation": {
@@ -587,8 +706,10 @@ def main(argv=None):
             "min_time_s": args.min_time,
             "seed": args.seed,
             "gguf_type": args.gguf_type.upper(),
+            "isolated": not (args.in_process or args.worker),
         },
         "load_seconds": {},
+        "first_touch_seconds": {},
         "results": [],
         "errors": {},
     }
@@ -603,19 +724,31 @@ def main(argv=None):
         owned.append(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     wdir = args.weights_dir or scratch / "ckpt"
-    layer_gb = 3 * args.hidden * args.intermediate * 2 * args.experts / 1e9
-    print(
-        f"[bench] {label}; {args.preset}: E={args.experts} k={args.top_k} "
-        f"H={args.hidden} I={args.intermediate}; "
-        f"{args.layers} layer(s) x {layer_gb:.2f} GB bf16",
-        flush=True,
-    )
+    refs_path = scratch / "refs.pt"
+    if not args.worker:
+        layer_gb = 3 * args.hidden * args.intermediate * 2 * args.experts / 1e9
+        print(
+            f"[bench] {label}; {args.preset}: E={args.experts} k={args.top_k} "
+            f"H={args.hidden} I={args.intermediate}; "
+            f"{args.layers} layer(s) x {layer_gb:.2f} GB bf16",
+            flush=True,
+        )
     try:
         ensure_checkpoint(torch, args, wdir)
         ckpt = Checkpoint(wdir, args.layers)
-        gen = torch.Generator().manual_seed(args.seed)
-        refs = {t: {"inputs": make_inputs(torch, args, t, gen)} for t in args.tokens}
+        if args.worker:
+            refs = torch.load(refs_path)
+        else:
+            refs = build_refs(torch, args, ckpt)
+            torch.save(refs, refs_path)
+            bw = read_bandwidth_gbps(torch)
+            report["machine"]["read_bandwidth_gbps"] = bw
+            print(f"[bench] streaming read bandwidth (torch.sum): {bw} GB/s", flush=True)
         for method in args.methods:
+            if not (args.worker or args.in_process):
+                run_worker(args, method, wdir, scratch, report)
+                save()
+                continue
             try:
                 bench_method(
                     torch,
@@ -639,15 +772,14 @@ def main(argv=None):
                 TypeError,
             ) as exc:
                 report["errors"][method] = f"{type(exc).__name__}: {exc}"
-                print(
-                    f"[bench] {method} failed: {report['errors'][method]}", flush=True
-                )
+                print(f"[bench] {method} failed: {report['errors'][method]}", flush=True)
                 gc.collect()
             save()
     finally:
         for d in owned:
             shutil.rmtree(d, ignore_errors=True)
-    print_table(report)
+    if not args.worker:
+        print_table(report)
     return 1 if report["errors"] and not report["results"] else 0
 
 

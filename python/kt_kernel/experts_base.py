@@ -164,6 +164,8 @@ class BaseMoEWrapper:
                 raise ValueError(
                     f"numa_nodes has {len(numa_nodes)} entries but threadpool_count is {count}"
                 )
+        # State lives on BaseMoEWrapper itself, not on whichever subclass calls this.
+        cls = BaseMoEWrapper
         with cls._class_lock:
             # Like the original, the first wrapper creates the process-wide engine; later ones
             # share it. A forked child gets a fresh one (the parent's threads do not exist there).

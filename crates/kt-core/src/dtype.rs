@@ -32,9 +32,11 @@ impl FloatType {
             "float32" | "f32" | "fp32" | "float" => FloatType::F32,
             "float16" | "f16" | "fp16" | "half" => FloatType::F16,
             "bfloat16" | "bf16" => FloatType::BF16,
-            _ => return Err(Error::Dtype(format!(
+            _ => {
+                return Err(Error::Dtype(format!(
                 "unsupported floating-point dtype {name:?}; expected bfloat16, float16 or float32"
-            ))),
+            )))
+            }
         })
     }
 

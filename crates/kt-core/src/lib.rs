@@ -25,6 +25,7 @@ pub mod kernels;
 pub mod moe;
 pub mod pack;
 pub mod pool;
+pub mod probe;
 pub mod rng;
 pub mod routing;
 pub mod topology;

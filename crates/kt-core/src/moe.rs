@@ -180,9 +180,12 @@ struct PartScratch {
     x: Option<AlignedBuf<f32>>,
     act: Option<AlignedBuf<f32>>,
     partial: Option<AlignedBuf<f32>>,
+    /// bf16-pair copies of x and act for the bf16 dot path.
+    x_bf16: Option<AlignedBuf<u32>>,
+    act_bf16: Option<AlignedBuf<u32>>,
 }
 
-fn grow(buf: &mut Option<AlignedBuf<f32>>, len: usize) -> Result<()> {
+fn grow<T: Copy>(buf: &mut Option<AlignedBuf<T>>, len: usize) -> Result<()> {
     if buf.as_ref().is_none_or(|b| b.len() < len) {
         *buf = Some(AlignedBuf::zeroed(len)?);
     }
@@ -208,6 +211,10 @@ impl Workspace {
             grow(&mut s.x, tokens * c.hidden)?;
             grow(&mut s.act, rows * p.inter.len())?;
             grow(&mut s.partial, tokens * c.hidden)?;
+            if layer.kernels.bf16().is_some() {
+                grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
+                grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
+            }
         }
         Ok(())
     }
@@ -218,7 +225,13 @@ impl Workspace {
             .iter()
             .flat_map(|p| [&p.x, &p.act, &p.partial])
             .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
-            .sum()
+            .sum::<usize>()
+            + self
+                .parts
+                .iter()
+                .flat_map(|p| [&p.x_bf16, &p.act_bf16])
+                .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
+                .sum::<usize>()
     }
 }
 
@@ -576,10 +589,24 @@ impl MoeLayer {
                 [p(&mut s.x), p(&mut s.act), p(&mut s.partial)]
             })
             .collect();
+        let scratch_bf16: Vec<[SyncPtr<u32>; 2]> = ws
+            .parts
+            .iter_mut()
+            .map(|s| {
+                let p = |b: &mut Option<AlignedBuf<u32>>| {
+                    SyncPtr(b.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()))
+                };
+                [p(&mut s.x_bf16), p(&mut s.act_bf16)]
+            })
+            .collect();
         let single = self.parts.len() == 1;
         let kern = &self.kernels;
         let rows_per_block = kern.rows_per_block();
         let total_rows = routing.rows();
+        let bf16 = kern.bf16().copied();
+        // The bf16 path serves experts with enough rows to be compute-bound.
+        let use_bf16 = |rows: usize| bf16.is_some_and(|b| b.min_rows > 0 && rows >= b.min_rows);
+        let any_bf16 = routing.offsets.windows(2).any(|w| use_bf16(w[1] - w[0]));
         let hidden_in = SyncPtr(args.hidden as *mut u8);
         let out = SyncPtr(args.out);
         let residual = SyncPtr(args.residual as *mut u8);
@@ -588,9 +615,11 @@ impl MoeLayer {
             let pw = &self.parts[part];
             let ip = pw.inter.len();
             let [x, act, partial] = scratch[part];
-            // 1. Activations to fp32, once per part (NUMA-local copy).
+            let [x_bf16, act_bf16] = scratch_bf16[part];
+            // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
+            //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
-                // SAFETY: row t of the input and of this part's x buffer (tokens × H).
+                // SAFETY: row t of the input and of this part's x buffers (tokens × H).
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(x.get().add(t * h), h);
                     row_to_f32(
@@ -598,6 +627,11 @@ impl MoeLayer {
                         args.hidden_type,
                         dst,
                     );
+                    if any_bf16 {
+                        let staged =
+                            std::slice::from_raw_parts_mut(x_bf16.get().add(t * h / 2), h / 2);
+                        kern.stage_bf16(dst, staged);
+                    }
                 }
             });
             // 2. gate & up for each (expert, panel of this part's intermediate slice), SwiGLU.
@@ -614,17 +648,32 @@ impl MoeLayer {
                 let mut u = [0f32; MAX_ROWS * PANEL];
                 let mut a = [0f32; MAX_ROWS * PANEL];
                 let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
+                let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
+                let bf = bf16.filter(|_| use_bf16(rows.len()));
+                let block = bf.map_or(rows_per_block, |b| b.rows_per_block);
                 let mut r0 = rows.start;
                 while r0 < rows.end {
-                    let nr = rows_per_block.min(rows.end - r0);
-                    for (i, ptr) in ptrs[..nr].iter_mut().enumerate() {
-                        // SAFETY: token index < qlen rows of x.
-                        *ptr = unsafe { x.get().add(routing.row_token[r0 + i] as usize * h) };
+                    let nr = block.min(rows.end - r0);
+                    for i in 0..nr {
+                        let t = routing.row_token[r0 + i] as usize;
+                        // SAFETY: token index < qlen rows of x / x_bf16.
+                        unsafe {
+                            ptrs[i] = x.get().add(t * h);
+                            ptrs_bf16[i] = x_bf16.get().add(t * h / 2);
+                        }
                     }
-                    // SAFETY: rows of x have h floats; panels have panel_len(h) elements.
+                    // SAFETY: rows of x have h floats (h/2 pairs staged); panels panel_len(h).
                     unsafe {
-                        kern.panel_dot_raw(&ptrs[..nr], h, gate.as_ptr(), g.as_mut_ptr());
-                        kern.panel_dot_raw(&ptrs[..nr], h, up.as_ptr(), u.as_mut_ptr());
+                        match bf {
+                            Some(b) => {
+                                (b.dot)(&ptrs_bf16[..nr], h, gate.as_ptr(), g.as_mut_ptr());
+                                (b.dot)(&ptrs_bf16[..nr], h, up.as_ptr(), u.as_mut_ptr());
+                            }
+                            None => {
+                                kern.panel_dot_raw(&ptrs[..nr], h, gate.as_ptr(), g.as_mut_ptr());
+                                kern.panel_dot_raw(&ptrs[..nr], h, up.as_ptr(), u.as_mut_ptr());
+                            }
+                        }
                     }
                     let m = nr * PANEL;
                     kern.swiglu(
@@ -635,13 +684,18 @@ impl MoeLayer {
                         c.swiglu_alpha,
                     );
                     for i in 0..nr {
+                        let src = &a[i * PANEL..(i + 1) * PANEL];
                         // SAFETY: row r0+i of act (rows × ip), columns of panel p: this task's.
                         unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                a.as_ptr().add(i * PANEL),
-                                act.get().add((r0 + i) * ip + p * PANEL),
-                                PANEL,
-                            );
+                            let row = (r0 + i) * ip + p * PANEL;
+                            std::ptr::copy_nonoverlapping(src.as_ptr(), act.get().add(row), PANEL);
+                            if bf.is_some() {
+                                let dst = std::slice::from_raw_parts_mut(
+                                    act_bf16.get().add(row / 2),
+                                    PANEL / 2,
+                                );
+                                kern.stage_bf16(src, dst);
+                            }
                         }
                     }
                     r0 += nr;
@@ -668,23 +722,42 @@ impl MoeLayer {
                 }
                 let mut o = [0f32; MAX_ROWS * PANEL];
                 let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
+                let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
                 for ei in 0..n_experts {
                     let e = routing.experts[ei] as usize;
                     let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+                    let bf = bf16.filter(|_| use_bf16(rows.len()));
+                    let block = bf.map_or(rows_per_block, |b| b.rows_per_block);
                     for p in panels.clone() {
                         let off = e * h * ip + p * panel_len(ip);
                         let panel = &pw.down.as_slice()[off..off + panel_len(ip)];
                         let mut r0 = rows.start;
                         while r0 < rows.end {
-                            let nr = rows_per_block.min(rows.end - r0);
-                            for (i, ptr) in ptrs[..nr].iter_mut().enumerate() {
+                            let nr = block.min(rows.end - r0);
+                            for i in 0..nr {
                                 // SAFETY: act row r0+i exists (rows ≤ capacity).
-                                *ptr = unsafe { act.get().add((r0 + i) * ip) };
+                                unsafe {
+                                    ptrs[i] = act.get().add((r0 + i) * ip);
+                                    ptrs_bf16[i] = act_bf16.get().add((r0 + i) * ip / 2);
+                                }
                             }
-                            // SAFETY: act rows have ip floats; the panel panel_len(ip).
+                            // SAFETY: act rows have ip floats (ip/2 staged pairs); panel_len(ip).
                             unsafe {
-                                kern.panel_dot_raw(&ptrs[..nr], ip, panel.as_ptr(), o.as_mut_ptr())
-                            };
+                                match bf {
+                                    Some(b) => (b.dot)(
+                                        &ptrs_bf16[..nr],
+                                        ip,
+                                        panel.as_ptr(),
+                                        o.as_mut_ptr(),
+                                    ),
+                                    None => kern.panel_dot_raw(
+                                        &ptrs[..nr],
+                                        ip,
+                                        panel.as_ptr(),
+                                        o.as_mut_ptr(),
+                                    ),
+                                }
+                            }
                             for i in 0..nr {
                                 let t = routing.row_token[r0 + i] as usize;
                                 let w = routing.row_weight[r0 + i];

@@ -27,17 +27,25 @@ pub fn packed_index(n: usize, kk: usize, k: usize) -> usize {
     p * panel_len(k) + (kk / 2) * 64 + h * 32 + j * 2 + (kk % 2)
 }
 
-/// A 64-byte aligned, zero-initialised heap buffer that never moves. Large buffers come straight
-/// from the kernel's zero pages, so the first thread that writes a page decides its NUMA node.
+/// A 64-byte aligned, zero-initialised buffer that never moves.
+///
+/// Large buffers are anonymous memory maps: the kernel hands out zero pages lazily, so the first
+/// thread that writes a page decides its NUMA node (the allocator's `alloc_zeroed` would memset
+/// everything on the allocating thread instead), and they are 2 MiB aligned and marked for
+/// transparent huge pages so streaming kernels see few TLB misses.
 pub struct AlignedBuf<T: Copy> {
     ptr: *mut T,
     len: usize,
+    map: Option<(usize, usize)>,
 }
 
 // SAFETY: AlignedBuf owns its allocation like a Vec<T>.
 unsafe impl<T: Copy + Send> Send for AlignedBuf<T> {}
 // SAFETY: shared access only hands out &[T].
 unsafe impl<T: Copy + Sync> Sync for AlignedBuf<T> {}
+
+const HUGE: usize = 2 << 20;
+const MAP_THRESHOLD: usize = 1 << 20;
 
 impl<T: Copy> AlignedBuf<T> {
     const ALIGN: usize = 64;
@@ -48,9 +56,13 @@ impl<T: Copy> AlignedBuf<T> {
             return Ok(AlignedBuf {
                 ptr: std::ptr::NonNull::dangling().as_ptr(),
                 len: 0,
+                map: None,
             });
         }
         let layout = Self::layout(len)?;
+        if layout.size() >= MAP_THRESHOLD {
+            return Self::mapped(len, layout.size());
+        }
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) } as *mut T;
         if ptr.is_null() {
@@ -59,7 +71,40 @@ impl<T: Copy> AlignedBuf<T> {
                 layout.size()
             )));
         }
-        Ok(AlignedBuf { ptr, len })
+        Ok(AlignedBuf {
+            ptr,
+            len,
+            map: None,
+        })
+    }
+
+    fn mapped(len: usize, bytes: usize) -> Result<Self> {
+        let map_len = bytes + HUGE;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::Runtime(format!(
+                "out of memory mapping {bytes} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let aligned = (base as usize).div_ceil(HUGE) * HUGE;
+        // SAFETY: [aligned, aligned+bytes) lies inside the mapping; the advice is only a hint.
+        unsafe { libc::madvise(aligned as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+        Ok(AlignedBuf {
+            ptr: aligned as *mut T,
+            len,
+            map: Some((base as usize, map_len)),
+        })
     }
 
     fn layout(len: usize) -> Result<Layout> {
@@ -80,7 +125,7 @@ impl<T: Copy> AlignedBuf<T> {
 
     /// Read-only view.
     pub fn as_slice(&self) -> &[T] {
-        // SAFETY: ptr is valid for len initialised elements (zeroed at allocation).
+        // SAFETY: ptr is valid for len initialised (zeroed) elements.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
@@ -103,10 +148,19 @@ impl<T: Copy> AlignedBuf<T> {
 
 impl<T: Copy> Drop for AlignedBuf<T> {
     fn drop(&mut self) {
-        if self.len > 0 {
-            let layout = Self::layout(self.len).expect("layout was valid at allocation");
-            // SAFETY: allocated with the same layout in `zeroed`.
-            unsafe { dealloc(self.ptr as *mut u8, layout) };
+        if self.len == 0 {
+            return;
+        }
+        match self.map {
+            // SAFETY: exactly the mapping created in `mapped`.
+            Some((base, len)) => unsafe {
+                libc::munmap(base as *mut libc::c_void, len);
+            },
+            None => {
+                let layout = Self::layout(self.len).expect("layout was valid at allocation");
+                // SAFETY: allocated with the same layout in `zeroed`.
+                unsafe { dealloc(self.ptr as *mut u8, layout) };
+            }
         }
     }
 }
@@ -260,8 +314,12 @@ mod tests {
         assert!(MatrixView::from_bytes(&bytes, FloatType::F32, 32, 4).is_err());
         let odd = MatrixView::from_bytes(&bytes[..32 * 3 * 2], FloatType::BF16, 32, 3).unwrap();
         assert!(pack_matrix(&odd).is_err());
-        let buf = AlignedBuf::<u16>::zeroed(1000).unwrap();
-        assert_eq!(buf.as_ptr() as usize % 64, 0);
-        assert!(buf.as_slice().iter().all(|&x| x == 0));
+        for n in [1000usize, 3 << 20] {
+            let mut buf = AlignedBuf::<u16>::zeroed(n).unwrap();
+            assert_eq!(buf.as_ptr() as usize % 64, 0);
+            assert!(buf.as_slice().iter().all(|&x| x == 0));
+            buf.as_mut_slice()[n - 1] = 7;
+            assert_eq!(buf.as_slice()[n - 1], 7);
+        }
     }
 }

@@ -4,7 +4,7 @@
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::isa;
-use kt_core::kernels::{DotKind, KernelSet};
+use kt_core::kernels::{KernelSet, BF16_MIN_ROWS};
 use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
@@ -42,7 +42,11 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("amx_permission", sel.features.amx_permission)?;
     let topo = Topology::global();
     d.set_item("topology", topo.describe())?;
-    let nodes: Vec<(u32, usize)> = topo.nodes.iter().map(|n| (n.os_index, n.cores.len())).collect();
+    let nodes: Vec<(u32, usize)> = topo
+        .nodes
+        .iter()
+        .map(|n| (n.os_index, n.cores.len()))
+        .collect();
     d.set_item("numa_nodes", nodes)?;
     d.set_item("physical_cores", topo.total_physical_cores())?;
     let kernels = PyDict::new(py);
@@ -56,8 +60,18 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    d.set_item("profile", if cfg!(debug_assertions) { "debug" } else { "release" })?;
-    d.set_item("kernels", vec!["scalar", "avx2-fma", "avx512-fma", "avx512-bf16dot"])?;
+    d.set_item(
+        "profile",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+    )?;
+    d.set_item(
+        "kernels",
+        vec!["scalar", "avx2-fma", "avx512-fma", "avx512-bf16dot"],
+    )?;
     d.set_item("hwloc", cfg!(feature = "hwloc"))?;
     Ok(d)
 }
@@ -74,9 +88,17 @@ impl Engine {
     #[new]
     #[pyo3(signature = (threads, numa_nodes, pin=true))]
     fn new(py: Python<'_>, threads: Vec<usize>, numa_nodes: Vec<u32>, pin: bool) -> PyResult<Self> {
-        let cfg = PoolConfig { numa_nodes, threads, pin };
-        let inner = py.detach(|| Pool::new(cfg).and_then(CoreEngine::new)).py()?;
-        Ok(Engine { inner: Arc::new(inner) })
+        let cfg = PoolConfig {
+            numa_nodes,
+            threads,
+            pin,
+        };
+        let inner = py
+            .detach(|| Pool::new(cfg).and_then(CoreEngine::new))
+            .py()?;
+        Ok(Engine {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Sub-pools.
@@ -119,6 +141,32 @@ impl Engine {
         self.inner.pending()
     }
 
+    /// Best-of-`repeats` DRAM read bandwidth in GB/s over `bytes`, using every thread.
+    #[pyo3(signature = (bytes=1 << 30, repeats=5))]
+    fn measure_read_bandwidth(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        repeats: usize,
+    ) -> PyResult<f64> {
+        let e = self.inner.clone();
+        py.detach(move || kt_core::probe::dram_read_gbps(e.pool(), bytes, repeats))
+            .py()
+    }
+
+    /// Peak GFLOP/s of "fma" (fp32 FMA) or "bf16" (bf16 dot) on every thread, or None.
+    #[pyo3(signature = (kind, millis=300))]
+    fn measure_peak_gflops(
+        &self,
+        py: Python<'_>,
+        kind: String,
+        millis: u64,
+    ) -> PyResult<Option<f64>> {
+        let e = self.inner.clone();
+        py.detach(move || kt_core::probe::simd_peak_gflops(e.pool(), &kind, millis))
+            .py()
+    }
+
     /// Bytes of forward scratch currently held.
     fn workspace_bytes(&self) -> usize {
         self.inner.with_workspace(|w| w.bytes())
@@ -148,7 +196,8 @@ fn run_blocking(
 fn parse_map(map_ptr: usize, map_len: usize) -> Option<Vec<i64>> {
     // SAFETY: the Python layer passes the address of a live, contiguous int64 CPU tensor of
     // `map_len` elements (it checked dtype, device and shape), or 0 for "identity".
-    (map_ptr != 0).then(|| unsafe { std::slice::from_raw_parts(map_ptr as *const i64, map_len) }.to_vec())
+    (map_ptr != 0)
+        .then(|| unsafe { std::slice::from_raw_parts(map_ptr as *const i64, map_len) }.to_vec())
 }
 
 #[pymethods]
@@ -183,15 +232,18 @@ impl MoeLayer {
         let kernels = match kernel {
             None | Some("auto") => KernelSet::best(),
             Some("fma") => KernelSet::for_level(level),
-            Some("bf16dot") => KernelSet::with_kind(level, DotKind::Bf16Dot),
-            Some("scalar") => Ok(KernelSet::scalar_twin(DotKind::Fp32Fma)),
+            Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
+            Some("scalar") => Ok(KernelSet::scalar_twin()),
             Some(other) => Err(kt_core::Error::Invalid(format!(
                 "kernel={other:?}: expected 'auto', 'fma', 'bf16dot' or 'scalar'"
             ))),
         }
         .py()?;
         let layer = CoreLayer::new(config, engine.inner.pool().parts(), kernels).py()?;
-        Ok(MoeLayer { engine: engine.inner.clone(), layer: Arc::new(RwLock::new(layer)) })
+        Ok(MoeLayer {
+            engine: engine.inner.clone(),
+            layer: Arc::new(RwLock::new(layer)),
+        })
     }
 
     /// Kernel name in use.
@@ -274,18 +326,30 @@ impl MoeLayer {
             Box::new(move |ctx| {
                 let (experts_needed, hidden, inter) = {
                     let l = layer.read().unwrap();
-                    (l.config().num_experts, l.config().hidden, l.config().intermediate)
+                    (
+                        l.config().num_experts,
+                        l.config().hidden,
+                        l.config().intermediate,
+                    )
                 };
                 let ckpt = Checkpoint::open(&path)?;
                 let naming = HfLayerSource::detect(&ckpt, layer_idx)?;
                 let _ = naming;
                 // With a map, the checkpoint may hold a different number of logical experts.
                 let experts = match &map {
-                    Some(m) => m.iter().copied().max().map_or(0, |v| v.max(0) as usize + 1).max(1),
+                    Some(m) => m
+                        .iter()
+                        .copied()
+                        .max()
+                        .map_or(0, |v| v.max(0) as usize + 1)
+                        .max(1),
                     None => experts_needed,
                 };
                 let source = HfLayerSource::new(ckpt, layer_idx, experts, hidden, inter)?;
-                let result = layer.write().unwrap().load(ctx.pool, &source, map.as_deref());
+                let result = layer
+                    .write()
+                    .unwrap()
+                    .load(ctx.pool, &source, map.as_deref());
                 drop(source); // unmap before returning: peak memory ≈ one copy of the layer
                 result
             }),
@@ -328,9 +392,16 @@ impl MoeLayer {
             residual_type: FloatType::parse(residual_dtype).py()?,
             gpu_mask: mask_ptr as *const u8,
         };
-        for (name, p) in [("hidden", hidden_ptr), ("ids", ids_ptr), ("weights", weights_ptr), ("out", out_ptr)] {
+        for (name, p) in [
+            ("hidden", hidden_ptr),
+            ("ids", ids_ptr),
+            ("weights", weights_ptr),
+            ("out", out_ptr),
+        ] {
             if p == 0 && qlen > 0 {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!("{name} pointer is null")));
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "{name} pointer is null"
+                )));
             }
         }
         let layer = self.layer.clone();

@@ -2,7 +2,7 @@
 use std::arch::x86_64::*;
 
 /// Token rows per call: 12 rows × 2 accumulators = 24 of the 32 zmm registers.
-pub const ROWS: usize = 12;
+pub const ROWS: usize = 8;
 
 /// fp32-FMA panel dot product (see [`super::PanelDotFn`]).
 ///

@@ -1,18 +1,15 @@
-//! AVX512-BF16 kernel: `vdpbf16ps` on (activation pair, weight pair). Activations are rounded to
-//! bf16 once per call into a small stack buffer per row block.
+//! AVX512-BF16 kernels: `vdpbf16ps` on (activation pair, weight pair). Activations arrive
+//! already rounded to bf16 pairs (staged once per forward by [`stage_bf16`]).
 use std::arch::x86_64::*;
 
-/// Token rows per call.
+/// Token rows per call: 12 rows × 2 accumulators.
 pub const ROWS: usize = 12;
 
-/// Longest k handled per activation-staging chunk (keeps the staging buffer on the stack).
-const K_CHUNK: usize = 512;
-
-/// bf16 dot-product panel kernel (see [`super::PanelDotFn`]).
+/// bf16 panel kernel on staged activations (see [`super::PanelDotBf16Fn`]).
 ///
 /// # Safety
-/// AVX512-BF16 (and F/BW) available; the [`super::PanelDotFn`] contract.
-pub unsafe fn panel_dot_bf16(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
+/// AVX512-BF16 (and F/BW) available; the [`super::PanelDotBf16Fn`] contract.
+pub unsafe fn panel_dot_bf16(a_rows: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
     unsafe {
         match a_rows.len() {
@@ -35,57 +32,27 @@ pub unsafe fn panel_dot_bf16(a_rows: &[*const f32], k: usize, panel: *const u16,
 
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn dot_rows<const R: usize>(
-    a_rows: &[*const f32],
+    a_rows: &[*const u32],
     k: usize,
     panel: *const u16,
     out: *mut f32,
 ) {
+    let mut a = [std::ptr::null::<u32>(); R];
+    a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    // Activation pairs as bf16, one u32 (= two bf16) per input pair.
-    let mut staged = [[0u32; K_CHUNK / 2]; R];
-    let mut k0 = 0;
-    while k0 < k {
-        let kc = K_CHUNK.min(k - k0);
-        for r in 0..R {
-            let mut i = 0;
-            while i < kc {
-                // SAFETY: k0+i+16 ≤ k0+kc ≤ k when a full vector remains; the tail is scalar.
-                unsafe {
-                    if i + 32 <= kc {
-                        let lo = _mm512_loadu_ps(a_rows[r].add(k0 + i));
-                        let hi = _mm512_loadu_ps(a_rows[r].add(k0 + i + 16));
-                        // cvtne2ps: upper half from the first operand, lower from the second.
-                        let pairs = _mm512_cvtne2ps_pbh(hi, lo);
-                        _mm512_storeu_si512(
-                            staged[r].as_mut_ptr().add(i / 2) as *mut __m512i,
-                            std::mem::transmute::<__m512bh, __m512i>(pairs),
-                        );
-                        i += 32;
-                    } else {
-                        let x0 = crate::dtype::f32_to_bf16_bits(*a_rows[r].add(k0 + i)) as u32;
-                        let x1 = crate::dtype::f32_to_bf16_bits(*a_rows[r].add(k0 + i + 1)) as u32;
-                        staged[r][i / 2] = x0 | (x1 << 16);
-                        i += 2;
-                    }
-                }
+    for q in 0..k / 2 {
+        // SAFETY: panel offset within 32*k; pair q < k/2 of every row.
+        unsafe {
+            let p = panel.add(q * 64);
+            _mm_prefetch::<_MM_HINT_T0>(p.add(512) as *const i8);
+            let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p as *const __m512i));
+            let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(p.add(32) as *const __m512i));
+            for r in 0..R {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a[r].add(q) as i32));
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
             }
         }
-        for q in 0..kc / 2 {
-            // SAFETY: panel offset within 32*k.
-            unsafe {
-                let p = panel.add((k0 / 2 + q) * 64);
-                _mm_prefetch::<_MM_HINT_T0>(p.add(512) as *const i8);
-                let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p as *const __m512i));
-                let w1: __m512bh =
-                    std::mem::transmute(_mm512_loadu_si512(p.add(32) as *const __m512i));
-                for r in 0..R {
-                    let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(staged[r][q] as i32));
-                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
-                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
-                }
-            }
-        }
-        k0 += kc;
     }
     for (r, row) in acc.iter().enumerate() {
         // SAFETY: out holds 32 floats per row.
@@ -94,4 +61,26 @@ unsafe fn dot_rows<const R: usize>(
             _mm512_storeu_ps(out.add(r * 32 + 16), row[1]);
         }
     }
+}
+
+/// Round an fp32 row to bf16 pairs (`dst[i]` = elements 2i | 2i+1 << 16), nearest even.
+///
+/// # Safety
+/// AVX512-BF16 available; `src.len() == 2 * dst.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn stage_bf16(src: &[f32], dst: &mut [u32]) {
+    let n = src.len();
+    let mut i = 0;
+    while i + 32 <= n {
+        // SAFETY: i+32 ≤ n elements of src, (i+32)/2 ≤ dst.len().
+        unsafe {
+            let lo = _mm512_loadu_ps(src.as_ptr().add(i));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(i + 16));
+            // cvtne2ps: the second operand fills the lower half.
+            let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(dst.as_mut_ptr().add(i / 2) as *mut __m512i, pairs);
+        }
+        i += 32;
+    }
+    super::scalar::stage_bf16_tail(&src[i..], &mut dst[i / 2..]);
 }

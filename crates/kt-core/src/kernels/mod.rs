@@ -26,19 +26,36 @@ pub const MAX_ROWS: usize = 16;
 /// `32*k` bf16; `out` to `32*a_rows.len()` writable f32; `k` is even; rows ≤ the kernel's block.
 pub type PanelDotFn = unsafe fn(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32);
 
+/// Like [`PanelDotFn`] but activations are staged bf16 pairs (`u32` = inputs 2q | 2q+1 << 16).
+///
+/// # Safety
+/// As [`PanelDotFn`], with each `a_rows[r]` pointing to `k/2` readable pairs.
+pub type PanelDotBf16Fn =
+    unsafe fn(a_rows: &[*const u32], k: usize, panel: *const u16, out: *mut f32);
+
+/// Round fp32 to bf16 pairs.
+///
+/// # Safety
+/// The CPU supports the kernel's ISA; `src.len() == 2 * dst.len()`.
+pub type StageFn = unsafe fn(src: &[f32], dst: &mut [u32]);
+
 /// `out[i] = act(gate[i], up[i])` for SwiGLU with optional clamp `limit` and OAI `alpha`.
 ///
 /// # Safety
 /// The CPU supports the kernel's ISA; the three slices have equal length.
 pub type SwigluFn = unsafe fn(gate: &[f32], up: &[f32], out: &mut [f32], limit: f32, alpha: f32);
 
-/// Which arithmetic the bf16 weight kernels use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DotKind {
-    /// bf16 weights widened to fp32, fp32 activations, FMA (exact products, fp32 sums).
-    Fp32Fma,
-    /// `vdpbf16ps`: activations rounded to bf16, pairs of products per instruction.
-    Bf16Dot,
+/// The bf16 dot-product path: staged activations, `vdpbf16ps` (or its scalar model).
+#[derive(Clone, Copy)]
+pub struct Bf16Path {
+    /// Kernel on staged activations.
+    pub dot: PanelDotBf16Fn,
+    /// Rows per call.
+    pub rows_per_block: usize,
+    /// fp32 → bf16 pairs.
+    pub stage: StageFn,
+    /// Use this path for experts with at least this many rows in a forward (0 = never).
+    pub min_rows: usize,
 }
 
 /// Function pointers for one ISA level, selected once.
@@ -48,28 +65,27 @@ pub struct KernelSet {
     name: &'static str,
     rows_per_block: usize,
     dot: PanelDotFn,
-    dot_kind: DotKind,
     swiglu: SwigluFn,
+    bf16: Option<Bf16Path>,
 }
 
 impl std::fmt::Debug for KernelSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KernelSet")
             .field("level", &self.level)
-            .field("name", &self.name)
+            .field("name", &self.name())
             .field("rows_per_block", &self.rows_per_block)
             .finish()
     }
 }
 
-impl KernelSet {
-    /// The kernels for `level` with fp32-FMA arithmetic. Fails if this CPU cannot run them.
-    pub fn for_level(level: Level) -> Result<KernelSet> {
-        Self::with_kind(level, DotKind::Fp32Fma)
-    }
+/// Default minimum rows per expert for the bf16 path: below it the weights dominate and the
+/// exact fp32 path costs nothing extra.
+pub const BF16_MIN_ROWS: usize = 4;
 
-    /// The kernels for `level` and a dot-product kind. `Bf16Dot` needs the avx512_bf16 level.
-    pub fn with_kind(level: Level, kind: DotKind) -> Result<KernelSet> {
+impl KernelSet {
+    /// fp32-FMA kernels for `level` (no bf16 path). Fails if this CPU cannot run them.
+    pub fn for_level(level: Level) -> Result<KernelSet> {
         let sel = isa::global()?;
         if level > sel.detected {
             return Err(Error::Unsupported(format!(
@@ -79,14 +95,8 @@ impl KernelSet {
                 sel.features.missing(level).join(", ")
             )));
         }
-        let mut set = KernelSet {
-            level,
-            name: "scalar",
-            rows_per_block: scalar::ROWS,
-            dot: scalar::panel_dot_fma,
-            dot_kind: DotKind::Fp32Fma,
-            swiglu: scalar::swiglu,
-        };
+        let mut set = KernelSet::scalar_twin();
+        set.level = level;
         #[cfg(target_arch = "x86_64")]
         {
             if level >= Level::Avx2 {
@@ -102,45 +112,71 @@ impl KernelSet {
                 set.swiglu = avx512::swiglu;
             }
         }
-        if kind == DotKind::Bf16Dot {
-            #[cfg(target_arch = "x86_64")]
-            if level >= Level::Avx512Bf16 {
-                set.name = "avx512-bf16dot";
-                set.rows_per_block = avx512_bf16::ROWS;
-                set.dot = avx512_bf16::panel_dot_bf16;
-                set.dot_kind = DotKind::Bf16Dot;
-                return Ok(set);
-            }
-            return Err(Error::Unsupported(format!(
-                "the bf16 dot-product kernel needs avx512_bf16; level {} was chosen",
-                level.name()
-            )));
-        }
         Ok(set)
     }
 
-    /// The scalar oracle with the same arithmetic as `kind`.
-    pub fn scalar_twin(kind: DotKind) -> KernelSet {
+    /// `for_level` plus the bf16 dot path for experts with at least `min_rows` rows (needs the
+    /// avx512_bf16 level).
+    pub fn with_bf16(level: Level, min_rows: usize) -> Result<KernelSet> {
+        let mut set = Self::for_level(level)?;
+        #[cfg(target_arch = "x86_64")]
+        if level >= Level::Avx512Bf16 {
+            set.bf16 = Some(Bf16Path {
+                dot: avx512_bf16::panel_dot_bf16,
+                rows_per_block: avx512_bf16::ROWS,
+                stage: avx512_bf16::stage_bf16,
+                min_rows,
+            });
+            return Ok(set);
+        }
+        Err(Error::Unsupported(format!(
+            "the bf16 dot-product kernels need avx512_bf16; level {} was chosen",
+            level.name()
+        )))
+    }
+
+    /// The scalar oracle (fp32 FMA, plus the scalar model of the bf16 path).
+    pub fn scalar_twin() -> KernelSet {
         KernelSet {
             level: Level::Generic,
             name: "scalar",
             rows_per_block: scalar::ROWS,
-            dot: match kind {
-                DotKind::Fp32Fma => scalar::panel_dot_fma,
-                DotKind::Bf16Dot => scalar::panel_dot_bf16,
-            },
-            dot_kind: kind,
+            dot: scalar::panel_dot_fma,
             swiglu: scalar::swiglu,
+            bf16: None,
         }
     }
 
-    /// Best kernels for the process's chosen level. On this generation of CPUs the fp32 FMA
-    /// peak is above the bf16 dot peak, so FMA is the default; `KT_BF16_KERNEL=bf16dot` opts in.
+    /// The scalar model of the bf16 path, used with `min_rows`.
+    pub fn scalar_twin_bf16(min_rows: usize) -> KernelSet {
+        KernelSet {
+            bf16: Some(Bf16Path {
+                dot: scalar::panel_dot_bf16,
+                rows_per_block: scalar::ROWS,
+                stage: scalar::stage_bf16,
+                min_rows,
+            }),
+            ..Self::scalar_twin()
+        }
+    }
+
+    /// Best kernels for the process's chosen level. Where AVX512-BF16 exists, the bf16 path is
+    /// used for prefill-sized experts only if it measured faster than fp32 FMA on this CPU (it
+    /// is on AMD Zen 4, it is not on Intel Sapphire/Emerald Rapids); `KT_BF16_KERNEL=fma` or
+    /// `=bf16dot` forces the choice.
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
-        let want_dot = std::env::var("KT_BF16_KERNEL").is_ok_and(|v| v == "bf16dot");
-        if want_dot && level >= Level::Avx512Bf16 {
-            Self::with_kind(level, DotKind::Bf16Dot)
+        if level < Level::Avx512Bf16 {
+            return Self::for_level(level);
+        }
+        let force = std::env::var("KT_BF16_KERNEL").unwrap_or_default();
+        let use_bf16 = match force.as_str() {
+            "fma" => false,
+            "bf16dot" => true,
+            _ => *BF16_FASTER.get_or_init(|| calibrate(level)),
+        };
+        if use_bf16 {
+            Self::with_bf16(level, BF16_MIN_ROWS)
         } else {
             Self::for_level(level)
         }
@@ -151,19 +187,23 @@ impl KernelSet {
         self.level
     }
 
-    /// Short name, e.g. "avx512-fma".
+    /// Short name, e.g. "avx512-fma" or "avx512-fma+bf16dot".
     pub fn name(&self) -> &'static str {
-        self.name
+        match (self.name, self.bf16.is_some()) {
+            ("avx512-fma", true) => "avx512-fma+bf16dot",
+            ("scalar", true) => "scalar+bf16dot",
+            (n, _) => n,
+        }
     }
 
-    /// Arithmetic of the dot kernel.
-    pub fn dot_kind(&self) -> DotKind {
-        self.dot_kind
-    }
-
-    /// Token rows per kernel call.
+    /// Token rows per fp32 kernel call.
     pub fn rows_per_block(&self) -> usize {
         self.rows_per_block
+    }
+
+    /// The bf16 path, if enabled.
+    pub fn bf16(&self) -> Option<&Bf16Path> {
+        self.bf16.as_ref()
     }
 
     /// Safe panel dot product: checks every length, then calls the ISA kernel.
@@ -183,6 +223,34 @@ impl KernelSet {
         }
         // SAFETY: lengths checked above; the constructor checked the ISA.
         unsafe { (self.dot)(&ptrs[..a_rows.len()], k, panel.as_ptr(), out.as_mut_ptr()) }
+    }
+
+    /// Safe bf16 panel dot product on staged rows (panics without a bf16 path).
+    pub fn panel_dot_bf16(&self, a_rows: &[&[u32]], panel: &[u16], out: &mut [f32]) {
+        let path = self.bf16.expect("no bf16 path in this kernel set");
+        let k = panel.len() / PANEL;
+        assert!(
+            panel.len() == k * PANEL && k % 2 == 0,
+            "panel length {} invalid",
+            panel.len()
+        );
+        assert!(!a_rows.is_empty() && a_rows.len() <= path.rows_per_block);
+        assert!(out.len() >= a_rows.len() * PANEL);
+        let mut ptrs = [std::ptr::null::<u32>(); MAX_ROWS];
+        for (p, row) in ptrs.iter_mut().zip(a_rows) {
+            assert!(row.len() >= k / 2, "staged row shorter than k/2={}", k / 2);
+            *p = row.as_ptr();
+        }
+        // SAFETY: lengths checked above; the constructor checked the ISA.
+        unsafe { (path.dot)(&ptrs[..a_rows.len()], k, panel.as_ptr(), out.as_mut_ptr()) }
+    }
+
+    /// Stage fp32 into bf16 pairs (panics without a bf16 path or on a length mismatch).
+    pub fn stage_bf16(&self, src: &[f32], dst: &mut [u32]) {
+        let path = self.bf16.expect("no bf16 path in this kernel set");
+        assert_eq!(src.len(), 2 * dst.len());
+        // SAFETY: lengths checked; ISA checked at construction.
+        unsafe { (path.stage)(src, dst) }
     }
 
     /// Unchecked panel dot product for the hot path.
@@ -207,6 +275,59 @@ impl KernelSet {
         // SAFETY: lengths checked; ISA checked at construction.
         unsafe { (self.swiglu)(gate, up, out, limit, alpha) }
     }
+}
+
+static BF16_FASTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Time the fp32-FMA and bf16 kernels on an in-cache panel (a few ms, best of three rounds
+/// each, interleaved so machine noise hits both) and report whether bf16 is clearly faster.
+fn calibrate(level: Level) -> bool {
+    let (Ok(fma), Ok(bf)) = (KernelSet::for_level(level), KernelSet::with_bf16(level, 1)) else {
+        return false;
+    };
+    let k = 1024;
+    let panel: Vec<u16> = (0..PANEL * k)
+        .map(|i| (0x3f80 + (i % 97) as u16) & 0x3fff)
+        .collect();
+    let a: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1).collect();
+    let mut staged = vec![0u32; k / 2];
+    bf.stage_bf16(&a, &mut staged);
+    let mut out = vec![0f32; MAX_ROWS * PANEL];
+    let rate = |f: &mut dyn FnMut(), rows: usize| {
+        let t = std::time::Instant::now();
+        let mut n = 0usize;
+        while t.elapsed().as_micros() < 1500 {
+            f();
+            n += 1;
+        }
+        (n * rows) as f64 / t.elapsed().as_secs_f64()
+    };
+    let (mut best_fma, mut best_bf) = (0f64, 0f64);
+    let fr = fma.rows_per_block();
+    let br = bf.bf16().map_or(1, |p| p.rows_per_block);
+    let fma_rows: Vec<&[f32]> = (0..fr).map(|_| a.as_slice()).collect();
+    let bf_rows: Vec<&[u32]> = (0..br).map(|_| staged.as_slice()).collect();
+    for _ in 0..3 {
+        best_fma = best_fma.max(rate(&mut || fma.panel_dot(&fma_rows, &panel, &mut out), fr));
+        best_bf = best_bf.max(rate(
+            &mut || bf.panel_dot_bf16(&bf_rows, &panel, &mut out),
+            br,
+        ));
+    }
+    let faster = best_bf > 1.15 * best_fma;
+    if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
+        eprintln!(
+            "[kt_kernel] bf16 calibration: fp32-FMA {:.1} vs bf16-dot {:.1} Mrow-panels/s -> {}",
+            best_fma / 1e6,
+            best_bf / 1e6,
+            if faster {
+                "bf16 dot for prefill"
+            } else {
+                "fp32 FMA everywhere"
+            }
+        );
+    }
+    faster
 }
 
 /// Levels this machine can run, for tests that compare each with the scalar twin.

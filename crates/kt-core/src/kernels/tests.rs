@@ -9,8 +9,18 @@ fn random_panel(rng: &mut Rng, k: usize) -> Vec<u16> {
         .collect()
 }
 
-fn check_against_twin(set: &KernelSet, ks: &[usize]) {
-    let twin = KernelSet::scalar_twin(set.dot_kind());
+fn reference(a: &[f32], panel: &[u16], lane: usize, k: usize) -> (f64, f64) {
+    let (mut exact, mut mag) = (0f64, 0f64);
+    for (kk, &x) in a.iter().enumerate().take(k) {
+        let w = bf16_bits_to_f32(panel[crate::pack::packed_index(lane, kk, k)]) as f64;
+        exact += x as f64 * w;
+        mag += (x as f64 * w).abs();
+    }
+    (exact, mag)
+}
+
+fn check_fma_against_twin(set: &KernelSet, ks: &[usize]) {
+    let twin = KernelSet::scalar_twin();
     let mut rng = Rng::new(7 + set.level() as u64);
     for &k in ks {
         let panel = random_panel(&mut rng, k);
@@ -33,20 +43,13 @@ fn check_against_twin(set: &KernelSet, ks: &[usize]) {
             // And close to a float64 reference (catches a twin that is wrong in the same way).
             for r in 0..rows {
                 for lane in 0..32 {
-                    let mut exact = 0f64;
-                    let mut mag = 0f64;
-                    for kk in 0..k {
-                        let w =
-                            bf16_bits_to_f32(panel[crate::pack::packed_index(lane, kk, k)]) as f64;
-                        exact += a[r][kk] as f64 * w;
-                        mag += (a[r][kk] as f64 * w).abs();
-                    }
-                    let tol = match set.dot_kind() {
-                        DotKind::Fp32Fma => 1e-5 * mag + 1e-6,
-                        DotKind::Bf16Dot => 1e-2 * mag + 1e-6,
-                    };
+                    let (exact, mag) = reference(&a[r], &panel, lane, k);
                     let g = got[r * 32 + lane] as f64;
-                    assert!((g - exact).abs() <= tol, "{}: {g} vs {exact}", set.name());
+                    assert!(
+                        (g - exact).abs() <= 1e-5 * mag + 1e-6,
+                        "{}: {g} vs {exact}",
+                        set.name()
+                    );
                 }
             }
         }
@@ -57,20 +60,58 @@ fn check_against_twin(set: &KernelSet, ks: &[usize]) {
 fn fma_kernels_match_scalar_twin_bit_exactly() {
     for level in runnable_levels() {
         let set = KernelSet::for_level(level).unwrap();
-        check_against_twin(&set, &[2, 34, 256, 1030]);
+        check_fma_against_twin(&set, &[2, 34, 256, 1030]);
     }
 }
 
 #[test]
-fn bf16_dot_kernel_matches_its_twin() {
+fn bf16_kernels_match_their_twin() {
     let detected = isa::global().unwrap().detected;
     if detected < Level::Avx512Bf16 {
         eprintln!("skipping: no avx512_bf16 here");
         return;
     }
-    let set = KernelSet::with_kind(Level::Avx512Bf16, DotKind::Bf16Dot).unwrap();
-    // 1030 crosses the 512-element staging chunk and ends in a scalar tail.
-    check_against_twin(&set, &[2, 34, 256, 1030]);
+    let set = KernelSet::with_bf16(Level::Avx512Bf16, 1).unwrap();
+    let twin = KernelSet::scalar_twin_bf16(1);
+    let mut rng = Rng::new(17);
+    for k in [2usize, 34, 64, 1030] {
+        let panel = random_panel(&mut rng, k);
+        let rows = set.bf16().unwrap().rows_per_block;
+        for nr in 1..=rows {
+            let a: Vec<Vec<f32>> = (0..nr).map(|_| rng.normals(k, 1.0)).collect();
+            // Staging: SIMD (32 at a time + scalar tail) equals the scalar twin bit for bit.
+            let staged: Vec<Vec<u32>> = a
+                .iter()
+                .map(|row| {
+                    let mut s1 = vec![0u32; k / 2];
+                    let mut s2 = vec![0u32; k / 2];
+                    set.stage_bf16(row, &mut s1);
+                    twin.stage_bf16(row, &mut s2);
+                    assert_eq!(s1, s2);
+                    s1
+                })
+                .collect();
+            let refs: Vec<&[u32]> = staged.iter().map(|r| r.as_slice()).collect();
+            let mut got = vec![0f32; nr * 32];
+            let mut want = vec![0f32; nr * 32];
+            set.panel_dot_bf16(&refs, &panel, &mut got);
+            twin.panel_dot_bf16(&refs, &panel, &mut want);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "rows={nr} k={k} idx={i}: {g} vs {w}"
+                );
+            }
+            for r in 0..nr {
+                for lane in 0..32 {
+                    let (exact, mag) = reference(&a[r], &panel, lane, k);
+                    let g = got[r * 32 + lane] as f64;
+                    assert!((g - exact).abs() <= 1e-2 * mag + 1e-6, "{g} vs {exact}");
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -85,7 +126,7 @@ fn swiglu_matches_twin_and_float64() {
             let mut out = vec![0f32; n];
             let mut twin = vec![0f32; n];
             set.swiglu(&g, &u, &mut out, limit, alpha);
-            KernelSet::scalar_twin(DotKind::Fp32Fma).swiglu(&g, &u, &mut twin, limit, alpha);
+            KernelSet::scalar_twin().swiglu(&g, &u, &mut twin, limit, alpha);
             for i in 0..n {
                 assert_eq!(out[i].to_bits(), twin[i].to_bits());
                 let (mut gg, mut uu) = (g[i] as f64, u[i] as f64);

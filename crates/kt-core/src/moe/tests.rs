@@ -126,6 +126,11 @@ fn routing_inputs(rng: &mut Rng, qlen: usize, e: usize, k: usize) -> (Vec<i64>, 
     (ids, w)
 }
 
+/// fp32 kernels of the chosen level: exact enough for 1e-5 comparisons.
+fn exact_kernels() -> KernelSet {
+    KernelSet::for_level(isa::global().unwrap().chosen).unwrap()
+}
+
 fn config(e: usize, k: usize, h: usize, i: usize, max_tokens: usize) -> MoeConfig {
     MoeConfig {
         layer_idx: 0,
@@ -179,24 +184,60 @@ fn bf16_dot_kernels_stay_within_bf16_accuracy() {
     let (e, k, h, i) = (6, 2, 64, 64);
     let wts = Weights::random(&mut rng, e, h, i);
     let pool = pool(1, 2);
-    let kern = KernelSet::with_kind(
-        crate::isa::Level::Avx512Bf16,
-        crate::kernels::DotKind::Bf16Dot,
-    )
-    .unwrap();
-    let mut layer = MoeLayer::new(config(e, k, h, i, 32), 1, kern).unwrap();
-    layer.load(&pool, &wts.source(), None).unwrap();
-    let x = rng.normals(20 * h, 1.0);
-    let (ids, w) = routing_inputs(&mut rng, 20, e, k);
-    let mut out = vec![0f32; 20 * h];
-    layer
-        .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
-        .unwrap();
-    let err = rel_l2(
-        &out,
-        &wts.reference(&x, &ids, &w, k, None, &(0..e).collect::<Vec<_>>(), 0.0, 0.0),
-    );
-    assert!(err < 1e-2, "rel err {err}");
+    // min_rows = 1: every expert takes the bf16 path; 20 tokens over 6 experts also exercise
+    // the mixed case with min_rows = 8.
+    for min_rows in [1usize, 8] {
+        let kern = KernelSet::with_bf16(crate::isa::Level::Avx512Bf16, min_rows).unwrap();
+        let mut layer = MoeLayer::new(config(e, k, h, i, 32), 1, kern).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let x = rng.normals(20 * h, 1.0);
+        let (ids, w) = routing_inputs(&mut rng, 20, e, k);
+        let mut out = vec![0f32; 20 * h];
+        layer
+            .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+            .unwrap();
+        let err = rel_l2(
+            &out,
+            &wts.reference(&x, &ids, &w, k, None, &(0..e).collect::<Vec<_>>(), 0.0, 0.0),
+        );
+        assert!(err < 1e-2, "rel err {err}");
+        assert!(err > 1e-6, "bf16 path not taken? rel err {err}");
+    }
+}
+
+#[test]
+fn scalar_bf16_twin_gives_the_same_layer_output() {
+    let level = isa::global().unwrap().detected;
+    if level < crate::isa::Level::Avx512Bf16 {
+        return;
+    }
+    let mut rng = Rng::new(13);
+    let (e, k, h, i) = (4, 2, 64, 96);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let pool = pool(1, 2);
+    let x = rng.normals(12 * h, 1.0);
+    let (ids, w) = routing_inputs(&mut rng, 12, e, k);
+    let mut outs = Vec::new();
+    for kern in [
+        KernelSet::with_bf16(level, 1).unwrap(),
+        KernelSet::scalar_twin_bf16(1),
+    ] {
+        let mut layer = MoeLayer::new(config(e, k, h, i, 16), 1, kern).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut out = vec![0f32; 12 * h];
+        layer
+            .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+            .unwrap();
+        outs.push(out);
+    }
+    // The SwiGLU and accumulation kernels differ per ISA only in vector width, so the layer
+    // outputs agree to rounding.
+    let diff: f32 = outs[0]
+        .iter()
+        .zip(&outs[1])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(diff < 1e-5, "max diff {diff}");
 }
 
 use crate::isa;
@@ -209,7 +250,7 @@ fn skips_negative_out_of_range_and_gpu_experts_and_maps_slots() {
     let pool = pool(1, 2);
     let map_i64: Vec<i64> = vec![5, 4, 3, 2, 1, 0];
     let map: Vec<usize> = map_i64.iter().map(|&v| v as usize).collect();
-    let mut layer = MoeLayer::new(config(e, k, h, i, 16), 1, KernelSet::best().unwrap()).unwrap();
+    let mut layer = MoeLayer::new(config(e, k, h, i, 16), 1, exact_kernels()).unwrap();
     layer.load(&pool, &wts.source(), Some(&map_i64)).unwrap();
     let qlen = 5;
     let x = rng.normals(qlen * h, 1.0);
@@ -337,7 +378,7 @@ fn swiglu_variants_match_reference() {
         let mut cfg = config(e, k, h, i, 8);
         cfg.swiglu_limit = limit;
         cfg.swiglu_alpha = alpha;
-        let mut layer = MoeLayer::new(cfg, 1, KernelSet::best().unwrap()).unwrap();
+        let mut layer = MoeLayer::new(cfg, 1, exact_kernels()).unwrap();
         layer.load(&pool, &wts.source(), None).unwrap();
         let x = rng.normals(8 * h, 3.0);
         let (ids, w) = routing_inputs(&mut rng, 8, e, k);
@@ -361,7 +402,7 @@ fn swiglu_variants_match_reference() {
 
 #[test]
 fn bad_configs_and_inputs_are_rejected_with_reasons() {
-    let kern = KernelSet::best().unwrap();
+    let kern = exact_kernels();
     let msg = |c: MoeConfig, parts| MoeLayer::new(c, parts, kern).err().unwrap().to_string();
     assert!(msg(config(8, 2, 100, 64, 8), 1).contains("hidden_size=100"));
     assert!(msg(config(8, 2, 64, 48, 8), 1).contains("moe_intermediate_size=48"));
