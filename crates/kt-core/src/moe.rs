@@ -18,6 +18,12 @@ use std::sync::Mutex;
 /// `chunked_prefill_size` is, while keeping enough rows per expert for the blocked GEMM.
 pub const CHUNK_TOKENS: usize = 1024;
 
+/// Forwards with at most this many (row × hidden) down outputs use the row-wise down scheme.
+const ROWWISE_DOWN_MAX: usize = 1 << 20;
+
+/// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
+const DOWN_GROUP_PANELS: usize = 4;
+
 /// Shape and options of one MoE layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
@@ -165,6 +171,7 @@ pub struct MoeLayer {
     kernels: KernelSet,
     parts: Vec<PartWeights>,
     loaded: bool,
+    rowwise_down_max: usize,
 }
 
 /// Scratch of forward calls, grown when a layer needs more, shared by the layers that one
@@ -180,6 +187,8 @@ struct PartScratch {
     x: Option<AlignedBuf<f32>>,
     act: Option<AlignedBuf<f32>>,
     partial: Option<AlignedBuf<f32>>,
+    /// Weighted down outputs per row (row-wise scheme only).
+    down_rows: Option<AlignedBuf<f32>>,
     /// bf16-pair copies of x and act for the bf16 dot path.
     x_bf16: Option<AlignedBuf<u32>>,
     act_bf16: Option<AlignedBuf<u32>>,
@@ -211,6 +220,7 @@ impl Workspace {
             grow(&mut s.x, tokens * c.hidden)?;
             grow(&mut s.act, rows * p.inter.len())?;
             grow(&mut s.partial, tokens * c.hidden)?;
+            grow(&mut s.down_rows, (rows * c.hidden).min(ROWWISE_DOWN_MAX))?;
             if layer.kernels.bf16().is_some() {
                 grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
@@ -223,7 +233,7 @@ impl Workspace {
     pub fn bytes(&self) -> usize {
         self.parts
             .iter()
-            .flat_map(|p| [&p.x, &p.act, &p.partial])
+            .flat_map(|p| [&p.x, &p.act, &p.partial, &p.down_rows])
             .map(|b| b.as_ref().map_or(0, |b| b.len() * 4))
             .sum::<usize>()
             + self
@@ -290,7 +300,15 @@ impl MoeLayer {
             kernels,
             parts,
             loaded: false,
+            rowwise_down_max: ROWWISE_DOWN_MAX,
         })
+    }
+
+    /// Forwards with at most `elems` (rows × hidden) down outputs use the row-wise down scheme
+    /// (decode-sized); larger ones the column-block scheme. Both give the same result; this
+    /// is a tuning knob (and lets tests cover both).
+    pub fn set_rowwise_down_limit(&mut self, elems: usize) {
+        self.rowwise_down_max = elems.min(ROWWISE_DOWN_MAX);
     }
 
     /// The layer's configuration.
@@ -581,12 +599,17 @@ impl MoeLayer {
         let c = &self.config;
         let (h, qlen) = (c.hidden, args.qlen);
         let routing = &ws.routing;
-        let scratch: Vec<[SyncPtr<f32>; 3]> = ws
+        let scratch: Vec<[SyncPtr<f32>; 4]> = ws
             .parts
             .iter_mut()
             .map(|s| {
                 let p = |b: &mut Option<AlignedBuf<f32>>| SyncPtr(b.as_mut().unwrap().as_mut_ptr());
-                [p(&mut s.x), p(&mut s.act), p(&mut s.partial)]
+                [
+                    p(&mut s.x),
+                    p(&mut s.act),
+                    p(&mut s.partial),
+                    p(&mut s.down_rows),
+                ]
             })
             .collect();
         let scratch_bf16: Vec<[SyncPtr<u32>; 2]> = ws
@@ -614,7 +637,7 @@ impl MoeLayer {
         pool.run_parts(&|part, team: &Team| {
             let pw = &self.parts[part];
             let ip = pw.inter.len();
-            let [x, act, partial] = scratch[part];
+            let [x, act, partial, down_rows] = scratch[part];
             let [x_bf16, act_bf16] = scratch_bf16[part];
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
@@ -701,34 +724,19 @@ impl MoeLayer {
                     r0 += nr;
                 }
             });
-            // 3. down: tasks own column blocks of the output, so the weighted sum over experts
-            //    accumulates without races; within a task, experts go outer so each expert's
-            //    act rows stay in cache across the block's panels.
+            // 3. down. `down_panels(ei, panels, sink)` computes expert ei's rows against a range
+            //    of down panels and hands each (row, panel, 32 values) to `sink`.
             let out_panels = h / PANEL;
-            let per_task = if total_rows <= 64 {
-                1
-            } else {
-                out_panels.div_ceil(team.threads() * 4).max(1)
-            };
-            let n_tasks = out_panels.div_ceil(per_task);
-            team.parallel_for(n_tasks, &|task| {
-                let panels = task * per_task..((task + 1) * per_task).min(out_panels);
-                let cols = panels.start * PANEL..panels.end * PANEL;
-                for t in 0..qlen {
-                    // SAFETY: this task owns these columns of every token's partial row.
-                    unsafe {
-                        std::ptr::write_bytes(partial.get().add(t * h + cols.start), 0, cols.len());
-                    }
-                }
-                let mut o = [0f32; MAX_ROWS * PANEL];
-                let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
-                let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
-                for ei in 0..n_experts {
+            let down_panels =
+                |ei: usize, panels: Range<usize>, sink: &mut dyn FnMut(usize, usize, &[f32])| {
                     let e = routing.experts[ei] as usize;
                     let rows = routing.offsets[ei]..routing.offsets[ei + 1];
                     let bf = bf16.filter(|_| use_bf16(rows.len()));
                     let block = bf.map_or(rows_per_block, |b| b.rows_per_block);
-                    for p in panels.clone() {
+                    let mut o = [0f32; MAX_ROWS * PANEL];
+                    let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
+                    let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
+                    for p in panels {
                         let off = e * h * ip + p * panel_len(ip);
                         let panel = &pw.down.as_slice()[off..off + panel_len(ip)];
                         let mut r0 = rows.start;
@@ -759,24 +767,91 @@ impl MoeLayer {
                                 }
                             }
                             for i in 0..nr {
-                                let t = routing.row_token[r0 + i] as usize;
-                                let w = routing.row_weight[r0 + i];
-                                // SAFETY: columns of panel p in token t's partial row: ours.
-                                let dst = unsafe {
-                                    std::slice::from_raw_parts_mut(
-                                        partial.get().add(t * h + p * PANEL),
-                                        PANEL,
-                                    )
-                                };
-                                for (d, v) in dst.iter_mut().zip(&o[i * PANEL..(i + 1) * PANEL]) {
-                                    *d += w * v;
-                                }
+                                sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                             }
                             r0 += nr;
                         }
                     }
+                };
+            let zero_columns = |cols: Range<usize>| {
+                for t in 0..qlen {
+                    // SAFETY: the calling task owns these columns of every token's partial row.
+                    unsafe {
+                        std::ptr::write_bytes(partial.get().add(t * h + cols.start), 0, cols.len())
+                    };
                 }
-            });
+            };
+            if total_rows * h <= self.rowwise_down_max {
+                // Few rows (decode): tasks are (expert, run of panels), so each streams one
+                // contiguous piece of an expert's down matrix; weighted rows go to `down_rows`,
+                // then a column-parallel pass sums them per token.
+                let group = DOWN_GROUP_PANELS.min(out_panels);
+                let per_expert = out_panels.div_ceil(group);
+                team.parallel_for(n_experts * per_expert, &|task| {
+                    let (ei, g) = (task / per_expert, task % per_expert);
+                    let panels = g * group..((g + 1) * group).min(out_panels);
+                    down_panels(ei, panels, &mut |row, p, vals| {
+                        let w = routing.row_weight[row];
+                        // SAFETY: (row, panel p) of down_rows is written by this task only.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                down_rows.get().add(row * h + p * PANEL),
+                                PANEL,
+                            )
+                        };
+                        for (d, v) in dst.iter_mut().zip(vals) {
+                            *d = w * v;
+                        }
+                    });
+                });
+                team.parallel_for(per_expert, &|g| {
+                    let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
+                    zero_columns(cols.clone());
+                    for row in 0..total_rows {
+                        let t = routing.row_token[row] as usize;
+                        // SAFETY: columns `cols` of token t's partial row belong to this task.
+                        unsafe {
+                            let dst = std::slice::from_raw_parts_mut(
+                                partial.get().add(t * h + cols.start),
+                                cols.len(),
+                            );
+                            let src = std::slice::from_raw_parts(
+                                down_rows.get().add(row * h + cols.start),
+                                cols.len(),
+                            );
+                            for (d, v) in dst.iter_mut().zip(src) {
+                                *d += v;
+                            }
+                        }
+                    }
+                });
+            } else {
+                // Many rows (prefill): tasks own column blocks of the output, so the weighted
+                // sum over experts accumulates without races; experts go outer so each
+                // expert's act rows stay in cache across the block's panels.
+                let per_task = out_panels.div_ceil(team.threads() * 4).max(1);
+                let n_tasks = out_panels.div_ceil(per_task);
+                team.parallel_for(n_tasks, &|task| {
+                    let panels = task * per_task..((task + 1) * per_task).min(out_panels);
+                    zero_columns(panels.start * PANEL..panels.end * PANEL);
+                    for ei in 0..n_experts {
+                        down_panels(ei, panels.clone(), &mut |row, p, vals| {
+                            let t = routing.row_token[row] as usize;
+                            let w = routing.row_weight[row];
+                            // SAFETY: columns of panel p in token t's partial row: this task's.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    partial.get().add(t * h + p * PANEL),
+                                    PANEL,
+                                )
+                            };
+                            for (d, v) in dst.iter_mut().zip(vals) {
+                                *d += w * v;
+                            }
+                        });
+                    }
+                });
+            }
             // 4. With one part, finish here: add the residual, convert to the output type.
             if single {
                 team.parallel_for(qlen, &|t| {

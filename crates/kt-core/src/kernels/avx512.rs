@@ -44,8 +44,6 @@ unsafe fn dot_rows<const R: usize>(
         // SAFETY: q*64+64 ≤ 32*k elements of the panel; 2q+1 < k for each row.
         unsafe {
             let p = panel.add(q * 64);
-            // Streaming panels: ask for the line ~1 KiB ahead so decode keeps DRAM busy.
-            _mm_prefetch::<_MM_HINT_T0>(p.add(512) as *const i8);
             for h in 0..2 {
                 let w = _mm512_loadu_si512(p.add(h * 32) as *const __m512i);
                 let w_even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));

@@ -44,7 +44,6 @@ unsafe fn dot_rows<const R: usize>(
         // SAFETY: panel offset within 32*k; pair q < k/2 of every row.
         unsafe {
             let p = panel.add(q * 64);
-            _mm_prefetch::<_MM_HINT_T0>(p.add(512) as *const i8);
             let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p as *const __m512i));
             let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(p.add(32) as *const __m512i));
             for r in 0..R {

@@ -157,7 +157,15 @@ fn matches_float64_reference_on_every_level_and_part_count() {
             let mut layer = MoeLayer::new(config(e, k, h, i, 64), parts, kern).unwrap();
             layer.load(&pool, &wts.source(), None).unwrap();
             let mut ws = Workspace::new();
-            for qlen in [1, 2, 7, 40] {
+            for (qlen, rowwise) in [
+                (1, true),
+                (2, false),
+                (7, true),
+                (7, false),
+                (40, true),
+                (40, false),
+            ] {
+                layer.set_rowwise_down_limit(if rowwise { usize::MAX } else { 0 });
                 let x = rng.normals(qlen * h, 1.0);
                 let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
                 let mut out = vec![0f32; qlen * h];
@@ -304,6 +312,8 @@ fn nan_in_one_token_stays_in_that_token_and_residual_and_dtypes_work() {
         let mut layer =
             MoeLayer::new(config(e, k, h, i, 1200), parts, KernelSet::best().unwrap()).unwrap();
         layer.load(&pool, &wts.source(), None).unwrap();
+        // Two parts also run the column-block down scheme.
+        layer.set_rowwise_down_limit(if parts == 2 { 0 } else { usize::MAX });
         // More tokens than one internal chunk, all sharing the same experts.
         let qlen = CHUNK_TOKENS + 37;
         let mut x = rng.normals(qlen * h, 1.0);
