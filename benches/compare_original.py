@@ -84,6 +84,12 @@ def parse_args(argv=None):
         default=1.5,
         help="seconds of timed calls per token count",
     )
+    p.add_argument(
+        "--noisy-retries",
+        type=int,
+        default=2,
+        help="re-measure a token count up to N times when other processes used CPU",
+    )
     p.add_argument("--ids-dtype", choices=("int32", "int64"), default="int64")
     p.add_argument(
         "--gguf-type",
@@ -495,6 +501,29 @@ def cpu_counters():
     return time.perf_counter(), busy / CLK_TCK, own.ru_utime + own.ru_stime
 
 
+def timed_window(torch, args, tokens, gen, wrappers, xs, call):
+    """Timed calls with fresh routing, cycling layers, until both the rep and
+    time minimums are met. Returns (seconds per call, distinct experts per
+    call, cores used by other processes meanwhile)."""
+    n = len(wrappers)
+    times, touched = [], []
+    spent = 0.0
+    start = cpu_counters()
+    while len(times) < args.max_reps and (len(times) < args.min_reps or spent < args.min_time):
+        _, ids, wts = make_inputs(torch, args, tokens, gen)
+        w, x = wrappers[call % n], xs[call % 2]
+        t0 = time.perf_counter()
+        call_forward(w, x, ids, wts)
+        dt = time.perf_counter() - t0
+        call += 1
+        spent += dt
+        times.append(dt)
+        touched.append(torch.unique(ids).numel())
+    end = cpu_counters()
+    foreign = max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+    return times, touched, foreign
+
+
 def bench_method(torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, report, save):
     wrappers, load_s = build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch)
     report["load_seconds"][method] = round(load_s, 3)
@@ -526,21 +555,16 @@ def bench_method(torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, repo
             _, ids_w, wts_w = make_inputs(torch, args, tokens, gen)
             call_forward(wrappers[call % n], xs[call % 2], ids_w, wts_w)
             call += 1
-        times, touched = [], []
-        spent = 0.0
-        start = cpu_counters()
-        while len(times) < args.max_reps and (len(times) < args.min_reps or spent < args.min_time):
-            _, ids_t, wts_t = make_inputs(torch, args, tokens, gen)
-            w, xt = wrappers[call % n], xs[call % 2]
-            t0 = time.perf_counter()
-            call_forward(w, xt, ids_t, wts_t)
-            dt = time.perf_counter() - t0
-            call += 1
-            spent += dt
-            times.append(dt)
-            touched.append(torch.unique(ids_t).numel())
-        end = cpu_counters()
-        foreign = max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+        # On a shared box, redo a window that other processes disturbed and
+        # keep the quietest attempt.
+        attempts = []
+        for _ in range(1 + args.noisy_retries):
+            attempt = timed_window(torch, args, tokens, gen, wrappers, xs, call)
+            call += len(attempt[0])
+            attempts.append(attempt)
+            if attempt[2] <= NOISY_CORES:
+                break
+        times, touched, foreign = min(attempts, key=lambda a: a[2])
         med, best = statistics.median(times), min(times)
         distinct = statistics.fmean(touched)
         row = {
@@ -556,12 +580,13 @@ def bench_method(torch, kt_kernel, args, method, ckpt, wdir, scratch, refs, repo
             "gflops": round(tokens * args.top_k * flop_pair / med / 1e9, 3),
             "rel_l2": rel,
             "foreign_load_cores": round(foreign, 2),
+            "attempts": len(attempts),
         }
         report["results"].append(row)
         print(
             f"[bench] {method:9s} T={tokens:<4d} median {row['median_ms']:9.3f} ms  "
             f"{row['gbps']:7.2f} GB/s  {row['gflops']:8.2f} GFLOP/s  rel {rel:.2e}"
-            f"  (others {foreign:.2f} cores)",
+            f"  (others {foreign:.2f} cores, attempt {len(attempts)})",
             flush=True,
         )
         save()  # partial results survive a crash at a later token count
@@ -704,6 +729,7 @@ def main(argv=None):
             "ids_dtype": args.ids_dtype,
             "min_reps": args.min_reps,
             "min_time_s": args.min_time,
+            "noisy_retries": args.noisy_retries,
             "seed": args.seed,
             "gguf_type": args.gguf_type.upper(),
             "isolated": not (args.in_process or args.worker),

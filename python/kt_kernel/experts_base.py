@@ -205,9 +205,7 @@ class BaseMoEWrapper:
         if m.dtype.is_floating_point or m.dtype == torch.bool or m.is_complex():
             raise TypeError(f"physical_to_logical_map_cpu must hold integers, got {m.dtype}")
         if m.dim() != 1:
-            raise ValueError(
-                f"physical_to_logical_map_cpu must be 1-D, got shape {tuple(m.shape)}"
-            )
+            raise ValueError(f"physical_to_logical_map_cpu must be 1-D, got shape {tuple(m.shape)}")
         m = m.to("cpu", torch.int64).contiguous()
         return m.data_ptr(), m.numel(), m
 

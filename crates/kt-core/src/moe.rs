@@ -62,13 +62,13 @@ impl MoeConfig {
             self.num_experts
         );
         kt_ensure!(
-            self.hidden > 0 && self.hidden % PANEL == 0,
+            self.hidden > 0 && self.hidden.is_multiple_of(PANEL),
             Invalid,
             "layer {l}: hidden_size={} must be a positive multiple of {PANEL}",
             self.hidden
         );
         kt_ensure!(
-            self.intermediate > 0 && self.intermediate % PANEL == 0,
+            self.intermediate > 0 && self.intermediate.is_multiple_of(PANEL),
             Invalid,
             "layer {l}: moe_intermediate_size={} must be a positive multiple of {PANEL}",
             self.intermediate

@@ -259,7 +259,7 @@ pub unsafe fn pack_panel(src: &MatrixView, p: usize, dst: &mut [u16]) {
 
 /// Pack a whole matrix (test and tool helper; layers pack panel by panel in parallel).
 pub fn pack_matrix(src: &MatrixView) -> Result<Vec<u16>> {
-    if src.rows % PANEL != 0 || src.cols % 2 != 0 {
+    if !src.rows.is_multiple_of(PANEL) || !src.cols.is_multiple_of(2) {
         return Err(Error::Invalid(format!(
             "cannot pack a {}x{} matrix: rows must be a multiple of {PANEL} and columns even",
             src.rows, src.cols

@@ -141,8 +141,8 @@ mod x86 {
         // SAFETY: __m512bh and __m512i are both 64 plain bytes.
         let (a, b): (__m512bh, __m512bh) = unsafe {
             (
-                std::mem::transmute(_mm512_set1_epi16(0x3f80)),
-                std::mem::transmute(_mm512_set1_epi16(0x3f00)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3f80)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3f00)),
             )
         };
         for _ in 0..iters {

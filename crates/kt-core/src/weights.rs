@@ -137,7 +137,7 @@ impl Checkpoint {
         );
         let bytes = &self.maps[t.file][t.offset..t.offset + t.len];
         let cols = *t.shape.last().unwrap_or(&1);
-        let rows = if cols == 0 { 0 } else { elems / cols };
+        let rows = elems.checked_div(cols).unwrap_or(0);
         Ok((
             MatrixView::from_bytes(bytes, dtype, rows, cols)?,
             t.shape.clone(),

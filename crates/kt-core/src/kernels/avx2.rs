@@ -23,6 +23,7 @@ pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, 
 
 /// One half (16 outputs) of the panel per pass keeps the accumulators in registers.
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn dot_rows<const R: usize>(
     a_rows: &[*const f32],
     k: usize,

@@ -30,6 +30,7 @@ pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, 
 }
 
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn dot_rows<const R: usize>(
     a_rows: &[*const f32],
     k: usize,

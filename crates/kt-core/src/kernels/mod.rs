@@ -210,7 +210,7 @@ impl KernelSet {
     pub fn panel_dot(&self, a_rows: &[&[f32]], panel: &[u16], out: &mut [f32]) {
         let k = panel.len() / PANEL;
         assert!(
-            panel.len() == k * PANEL && k % 2 == 0,
+            panel.len() == k * PANEL && k.is_multiple_of(2),
             "panel length {} invalid",
             panel.len()
         );
@@ -230,7 +230,7 @@ impl KernelSet {
         let path = self.bf16.expect("no bf16 path in this kernel set");
         let k = panel.len() / PANEL;
         assert!(
-            panel.len() == k * PANEL && k % 2 == 0,
+            panel.len() == k * PANEL && k.is_multiple_of(2),
             "panel length {} invalid",
             panel.len()
         );

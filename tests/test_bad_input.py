@@ -1,0 +1,144 @@
+"""Bad input raises a clear Python exception, never a crash."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_wrapper, random_experts, random_routing
+
+
+def test_bad_shapes_at_construction():
+    with pytest.raises(ValueError, match="hidden_size=100"):
+        make_wrapper(h=100)
+    with pytest.raises(ValueError, match="moe_intermediate_size=40"):
+        make_wrapper(i=40)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        make_wrapper(e=4, k=5)
+    with pytest.raises(ValueError, match="gpu_experts_mask"):
+        make_wrapper(e=8, gpu_experts_mask=torch.zeros(7, dtype=torch.bool))
+    with pytest.raises(TypeError):
+        make_wrapper(layer_idx="0")
+    with pytest.raises(ValueError, match="numa_nodes"):
+        make_wrapper(numa_nodes=[0, 1])
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        make_wrapper(swiglu_limit=float("nan"))
+
+
+def test_bad_weight_tensors():
+    w = make_wrapper(e=8, h=64, i=96)
+    g, u, d = random_experts(8, 64, 96)
+    with pytest.raises(ValueError, match="down_proj"):
+        w.load_weights_from_tensors(g, u, g)  # [E, I, H] given where [E, H, I] belongs
+    g2, u2, d2 = random_experts(8, 128, 96)  # wrong hidden size
+    with pytest.raises(ValueError, match="gate_proj"):
+        w.load_weights_from_tensors(g2, u2, d2)
+    with pytest.raises(TypeError, match="dtype"):
+        w.load_weights_from_tensors(g, u, d.to(torch.float32))
+    with pytest.raises(TypeError):
+        w.load_weights_from_tensors(g.to(torch.int8), u.to(torch.int8), d.to(torch.int8))
+    with pytest.raises(ValueError, match="num_experts"):
+        w.load_weights_from_tensors(g[:4], u[:4], d[:4])
+    with pytest.raises(TypeError, match="physical_to_logical_map"):
+        w.load_weights_from_tensors(g, u, d, {"a": 1})
+    with pytest.raises(ValueError, match="physical_to_logical_map"):
+        w.load_weights_from_tensors(g, u, d, torch.arange(7))
+    with pytest.raises(ValueError, match=r"map\[7\]=8"):
+        w.load_weights_from_tensors(g, u, d, torch.arange(1, 9))
+
+
+def test_forward_before_load_and_sync_without_submit():
+    w = make_wrapper()
+    x = torch.randn(2, 64)
+    ids, wt = random_routing(2, 8, 2)
+    with pytest.raises(RuntimeError, match="load_weights"):
+        w.forward(x, ids, wt, None)
+    with pytest.raises(RuntimeError, match="submit_forward"):
+        w.sync_forward(x, None)
+
+
+def test_bad_forward_arguments(small_layer):
+    w, _ = small_layer
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    ids, wt = random_routing(3, 8, 2)
+    cases = [
+        ((torch.randn(3, 65), ids, wt), ValueError, "hidden_size=64"),
+        ((x.to(torch.int32), ids, wt), TypeError, "floating point"),
+        ((x, ids.float(), wt), TypeError, "integer"),
+        ((x, ids[:, :1], wt), ValueError, "topk_ids"),
+        ((x, ids, wt[:2]), ValueError, "topk_weights"),
+        ((x, ids, wt.to(torch.int64)), TypeError, "topk_weights"),
+        ((torch.randn(65, 64), *random_routing(65, 8, 2)), ValueError, "chunked_prefill_size=64"),
+        (("x", ids, wt), TypeError, "torch.Tensor"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            w.forward(*args, None)
+    # A rebound mask of the wrong size is caught at the next forward.
+    saved = w.gpu_experts_mask
+    w.gpu_experts_mask = torch.zeros(3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gpu_experts_mask"):
+        w.forward(x, ids, wt, None)
+    w.gpu_experts_mask = saved
+    w.forward(x, ids, wt, None)  # still healthy
+
+
+def test_missing_weight_path():
+    w = make_wrapper(weight_path="/nonexistent/kt")
+    with pytest.raises(FileNotFoundError):
+        w.load_weights(torch.arange(8))
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env
+    )
+
+
+def test_cpu_variant_cap_can_only_lower():
+    ok = _run("import kt_kernel; print(kt_kernel.__cpu_variant__)", KT_KERNEL_CPU_VARIANT="avx2")
+    assert ok.returncode == 0 and ok.stdout.strip() == "avx2", ok.stderr
+    bad = _run("import kt_kernel", KT_KERNEL_CPU_VARIANT="avx9000")
+    assert bad.returncode != 0 and "not a known variant" in bad.stderr
+    import kt_kernel
+
+    if kt_kernel.cpu_info()["detected_variant"] != "amx":
+        high = _run("import kt_kernel", KT_KERNEL_CPU_VARIANT="amx")
+        assert high.returncode != 0 and "missing" in high.stderr and "amx" in high.stderr
+
+
+LOWER_LEVEL_CHECK = """
+import torch, sys
+sys.path.insert(0, {tests!r})
+from conftest import make_wrapper, random_experts, random_routing, reference_moe, rel_l2
+import kt_kernel
+g, u, d = random_experts(8, 64, 96, seed=11)
+w = make_wrapper(e=8, k=2, i=96, threadpool_count={parts}, cpuinfer_threads=2)
+w.load_weights_from_tensors(g, u, d)
+x = torch.randn(9, 64)
+ids, wt = random_routing(9, 8, 2)
+err = rel_l2(w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d))
+kernel = kt_kernel.cpu_info()["kernels"]["BF16"]
+print(kt_kernel.__cpu_variant__, kernel, w.cpu_infer.engine.parts, err)
+assert err < 5e-3, err
+"""
+
+
+@pytest.mark.parametrize("variant", ["generic", "avx2", "avx512_base"])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_every_runnable_variant_and_two_subpools_end_to_end(variant, parts):
+    import kt_kernel
+
+    order = ["generic", "avx2", "avx512_base", "avx512_vnni", "avx512_vbmi", "avx512_bf16", "amx"]
+    if order.index(variant) > order.index(kt_kernel.cpu_info()["detected_variant"]):
+        pytest.skip(f"{variant} not available on this CPU")
+    tests = os.path.dirname(__file__)
+    r = _run(LOWER_LEVEL_CHECK.format(tests=tests, parts=parts), KT_KERNEL_CPU_VARIANT=variant)
+    assert r.returncode == 0, r.stderr
+    got_variant, _kernel, got_parts, _ = r.stdout.split()
+    assert got_variant == variant and int(got_parts) == parts
