@@ -144,8 +144,9 @@ pub trait ExpertSource: Sync {
 
 struct PartWeights {
     inter: Range<usize>,
-    gate: AlignedBuf<u16>,
-    up: AlignedBuf<u16>,
+    /// Per expert, per panel p: gate panel p then up panel p, so the gate/up task of a panel
+    /// streams one contiguous run.
+    gate_up: AlignedBuf<u16>,
     down: AlignedBuf<u16>,
 }
 
@@ -289,8 +290,7 @@ impl MoeLayer {
                 let n = config.num_experts * config.hidden * inter.len();
                 Ok(PartWeights {
                     inter,
-                    gate: AlignedBuf::zeroed(n)?,
-                    up: AlignedBuf::zeroed(n)?,
+                    gate_up: AlignedBuf::zeroed(2 * n)?,
                     down: AlignedBuf::zeroed(n)?,
                 })
             })
@@ -403,8 +403,8 @@ impl MoeLayer {
             .iter_mut()
             .map(|p| {
                 [
-                    SyncPtr(p.gate.as_mut_ptr()),
-                    SyncPtr(p.up.as_mut_ptr()),
+                    SyncPtr(p.gate_up.as_mut_ptr()),
+                    SyncPtr(p.gate_up.as_mut_ptr()),
                     SyncPtr(p.down.as_mut_ptr()),
                 ]
             })
@@ -440,9 +440,14 @@ impl MoeLayer {
                     };
                     let base = dst[which].0;
                     for p in 0..n / PANEL {
-                        let off = slot * n * k + p * panel_len(k);
-                        // SAFETY: each (slot, which, p) owns a disjoint panel inside the buffer
-                        // allocated with E*n*k elements; the view's shape was checked above.
+                        // gate panel p at slot 2p, up panel p at 2p+1 of the expert's gate_up run.
+                        let off = match which {
+                            0 => slot * 2 * n * k + 2 * p * panel_len(k),
+                            1 => slot * 2 * n * k + (2 * p + 1) * panel_len(k),
+                            _ => slot * n * k + p * panel_len(k),
+                        };
+                        // SAFETY: each (slot, which, p) owns a disjoint panel inside its buffer
+                        // (2*E*n*k elements for gate_up, E*n*k for down); shapes checked above.
                         unsafe {
                             let panel = std::slice::from_raw_parts_mut(base.add(off), panel_len(k));
                             pack_panel(&view, p, panel);
@@ -664,9 +669,9 @@ impl MoeLayer {
                 let (ei, p) = (task / gate_panels, task % gate_panels);
                 let e = routing.experts[ei] as usize;
                 let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                let off = e * ip * h + p * panel_len(h);
-                let gate = &pw.gate.as_slice()[off..off + panel_len(h)];
-                let up = &pw.up.as_slice()[off..off + panel_len(h)];
+                let off = e * 2 * ip * h + 2 * p * panel_len(h);
+                let gate = &pw.gate_up.as_slice()[off..off + panel_len(h)];
+                let up = &pw.gate_up.as_slice()[off + panel_len(h)..off + 2 * panel_len(h)];
                 let mut g = [0f32; MAX_ROWS * PANEL];
                 let mut u = [0f32; MAX_ROWS * PANEL];
                 let mut a = [0f32; MAX_ROWS * PANEL];
