@@ -87,6 +87,28 @@ def test_bad_forward_arguments(small_layer):
     w.forward(x, ids, wt, None)  # still healthy
 
 
+def test_error_inside_a_task_surfaces_at_sync(small_layer):
+    w, _ = small_layer
+    x = torch.randn(65, 64)
+    ids, wt = random_routing(65, 8, 2)
+    out = torch.empty_like(x)
+    # The low-level call skips the Python checks: the native task fails, and the failure comes
+    # back from the wait on its ticket, as a Python exception.
+    ticket = w.moe.submit_forward(
+        65,
+        x.data_ptr(),
+        "float32",
+        ids.data_ptr(),
+        "int64",
+        wt.data_ptr(),
+        out.data_ptr(),
+        "float32",
+    )
+    with pytest.raises(ValueError, match="exceed chunked_prefill_size=64"):
+        w.cpu_infer.engine.wait(ticket)
+    w.forward(x[:3], ids[:3], wt[:3], None)  # the engine keeps working
+
+
 def test_missing_weight_path():
     w = make_wrapper(weight_path="/nonexistent/kt")
     with pytest.raises(FileNotFoundError):

@@ -181,6 +181,19 @@ pub struct MoeLayer {
 pub struct Workspace {
     routing: Routing,
     parts: Vec<PartScratch>,
+    /// Addresses of `parts`' buffers, refreshed by `reserve` (so forward allocates nothing).
+    ptrs: Vec<PartPtrs>,
+}
+
+/// Buffer addresses of one part's scratch (null where a buffer is not needed).
+#[derive(Clone, Copy)]
+struct PartPtrs {
+    x: SyncPtr<f32>,
+    act: SyncPtr<f32>,
+    partial: SyncPtr<f32>,
+    down_rows: SyncPtr<f32>,
+    x_bf16: SyncPtr<u32>,
+    act_bf16: SyncPtr<u32>,
 }
 
 #[derive(Default)]
@@ -226,6 +239,20 @@ impl Workspace {
                 grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
+        }
+        fn addr<T: Copy>(b: &mut Option<AlignedBuf<T>>) -> SyncPtr<T> {
+            SyncPtr(b.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()))
+        }
+        self.ptrs.clear();
+        for s in &mut self.parts {
+            self.ptrs.push(PartPtrs {
+                x: addr(&mut s.x),
+                act: addr(&mut s.act),
+                partial: addr(&mut s.partial),
+                down_rows: addr(&mut s.down_rows),
+                x_bf16: addr(&mut s.x_bf16),
+                act_bf16: addr(&mut s.act_bf16),
+            });
         }
         Ok(())
     }
@@ -604,29 +631,7 @@ impl MoeLayer {
         let c = &self.config;
         let (h, qlen) = (c.hidden, args.qlen);
         let routing = &ws.routing;
-        let scratch: Vec<[SyncPtr<f32>; 4]> = ws
-            .parts
-            .iter_mut()
-            .map(|s| {
-                let p = |b: &mut Option<AlignedBuf<f32>>| SyncPtr(b.as_mut().unwrap().as_mut_ptr());
-                [
-                    p(&mut s.x),
-                    p(&mut s.act),
-                    p(&mut s.partial),
-                    p(&mut s.down_rows),
-                ]
-            })
-            .collect();
-        let scratch_bf16: Vec<[SyncPtr<u32>; 2]> = ws
-            .parts
-            .iter_mut()
-            .map(|s| {
-                let p = |b: &mut Option<AlignedBuf<u32>>| {
-                    SyncPtr(b.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()))
-                };
-                [p(&mut s.x_bf16), p(&mut s.act_bf16)]
-            })
-            .collect();
+        let scratch = &ws.ptrs;
         let single = self.parts.len() == 1;
         let kern = &self.kernels;
         let rows_per_block = kern.rows_per_block();
@@ -642,8 +647,14 @@ impl MoeLayer {
         pool.run_parts(&|part, team: &Team| {
             let pw = &self.parts[part];
             let ip = pw.inter.len();
-            let [x, act, partial, down_rows] = scratch[part];
-            let [x_bf16, act_bf16] = scratch_bf16[part];
+            let PartPtrs {
+                x,
+                act,
+                partial,
+                down_rows,
+                x_bf16,
+                act_bf16,
+            } = scratch[part];
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
@@ -861,29 +872,15 @@ impl MoeLayer {
             if single {
                 team.parallel_for(qlen, &|t| {
                     // SAFETY: token t's rows of partial, residual and out belong to this task.
-                    unsafe {
-                        finish_row(
-                            &[partial.get().add(t * h) as *const f32],
-                            h,
-                            t,
-                            args,
-                            residual,
-                            out,
-                        )
-                    };
+                    unsafe { finish_row(&scratch[..1], h, t, args, residual, out) };
                 });
             }
         })?;
         if !single {
             // Sum the parts' partials (reading every node's memory once), add the residual.
-            let parts: Vec<SyncPtr<f32>> = scratch.iter().map(|s| s[2]).collect();
             let merge = |t: usize| {
-                let rows: Vec<*const f32> = parts
-                    .iter()
-                    .map(|p| unsafe { p.get().add(t * h) } as *const f32)
-                    .collect();
                 // SAFETY: as in the single-part case.
-                unsafe { finish_row(&rows, h, t, args, residual, out) };
+                unsafe { finish_row(scratch, h, t, args, residual, out) };
             };
             if qlen * h <= 1 << 16 {
                 (0..qlen).for_each(merge);
@@ -895,12 +892,12 @@ impl MoeLayer {
     }
 }
 
-/// out[t] = Σ rows + residual[t], converted to the output type.
+/// out[t] = Σ over parts of partial[t] + residual[t], converted to the output type.
 ///
 /// # Safety
-/// Each of `rows` points to `h` floats; `out`/`residual` rows `t` exist with `h` elements.
+/// Each part's partial buffer has row `t` of `h` floats; `out`/`residual` rows `t` exist.
 unsafe fn finish_row(
-    rows: &[*const f32],
+    parts: &[PartPtrs],
     h: usize,
     t: usize,
     args: &ForwardArgs,
@@ -915,10 +912,15 @@ unsafe fn finish_row(
         let n = STRIP.min(h - c0);
         // SAFETY: per the contract, all reads/writes are inside row t.
         unsafe {
-            std::ptr::copy_nonoverlapping(rows[0].add(c0), acc.as_mut_ptr(), n);
-            for r in &rows[1..] {
+            std::ptr::copy_nonoverlapping(
+                parts[0].partial.get().add(t * h + c0),
+                acc.as_mut_ptr(),
+                n,
+            );
+            for p in &parts[1..] {
+                let r = p.partial.get().add(t * h + c0);
                 for (a, i) in acc[..n].iter_mut().zip(0..n) {
-                    *a += *r.add(c0 + i);
+                    *a += *r.add(i);
                 }
             }
             if !residual.0.is_null() {

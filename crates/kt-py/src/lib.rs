@@ -240,6 +240,8 @@ impl MoeLayer {
         }
         .py()?;
         let layer = CoreLayer::new(config, engine.inner.pool().parts(), kernels).py()?;
+        // Plan the forward scratch now (shared by all layers of the engine), not on first use.
+        engine.inner.with_workspace(|w| w.reserve(&layer)).py()?;
         Ok(MoeLayer {
             engine: engine.inner.clone(),
             layer: Arc::new(RwLock::new(layer)),
