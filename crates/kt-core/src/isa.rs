@@ -70,64 +70,26 @@ impl Level {
             })
     }
 
-    /// Feature names this level needs (as in /proc/cpuinfo).
-    pub fn required_features(self) -> &'static [&'static str] {
+    /// Features this level adds to the one below it (names as in /proc/cpuinfo).
+    fn added_features(self) -> &'static [&'static str] {
         match self {
             Level::Generic => &[],
             Level::Avx2 => &["avx2", "fma", "f16c"],
-            Level::Avx512Base => &[
-                "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-            ],
-            Level::Avx512Vnni => &[
-                "avx2",
-                "fma",
-                "f16c",
-                "avx512f",
-                "avx512bw",
-                "avx512vl",
-                "avx512dq",
-                "avx512_vnni",
-            ],
-            Level::Avx512Vbmi => &[
-                "avx2",
-                "fma",
-                "f16c",
-                "avx512f",
-                "avx512bw",
-                "avx512vl",
-                "avx512dq",
-                "avx512_vnni",
-                "avx512vbmi",
-            ],
-            Level::Avx512Bf16 => &[
-                "avx2",
-                "fma",
-                "f16c",
-                "avx512f",
-                "avx512bw",
-                "avx512vl",
-                "avx512dq",
-                "avx512_vnni",
-                "avx512vbmi",
-                "avx512_bf16",
-            ],
-            Level::Amx => &[
-                "avx2",
-                "fma",
-                "f16c",
-                "avx512f",
-                "avx512bw",
-                "avx512vl",
-                "avx512dq",
-                "avx512_vnni",
-                "avx512vbmi",
-                "avx512_bf16",
-                "amx_tile",
-                "amx_int8",
-                "amx_bf16",
-                "amx_permission",
-            ],
+            Level::Avx512Base => &["avx512f", "avx512bw", "avx512vl", "avx512dq"],
+            Level::Avx512Vnni => &["avx512_vnni"],
+            Level::Avx512Vbmi => &["avx512vbmi"],
+            Level::Avx512Bf16 => &["avx512_bf16"],
+            Level::Amx => &["amx_tile", "amx_int8", "amx_bf16", "amx_permission"],
         }
+    }
+
+    /// Every feature this level needs: levels are cumulative, like the original's chain.
+    pub fn required_features(self) -> Vec<&'static str> {
+        LEVELS
+            .iter()
+            .take_while(|l| **l <= self)
+            .flat_map(|l| l.added_features().iter().copied())
+            .collect()
     }
 }
 
@@ -167,8 +129,7 @@ impl Features {
     pub fn missing(&self, level: Level) -> Vec<&'static str> {
         level
             .required_features()
-            .iter()
-            .copied()
+            .into_iter()
             .filter(|f| !self.has(f))
             .collect()
     }

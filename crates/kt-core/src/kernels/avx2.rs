@@ -10,15 +10,7 @@ pub const ROWS: usize = 4;
 /// AVX2 and FMA available; the [`super::PanelDotFn`] contract.
 pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
-    unsafe {
-        match a_rows.len() {
-            1 => dot_rows::<1>(a_rows, k, panel, out),
-            2 => dot_rows::<2>(a_rows, k, panel, out),
-            3 => dot_rows::<3>(a_rows, k, panel, out),
-            4 => dot_rows::<4>(a_rows, k, panel, out),
-            n => panic!("avx2 panel_dot_fma takes 1..={ROWS} rows, got {n}"),
-        }
-    }
+    unsafe { super::dispatch_rows!(dot_rows, "avx2 panel_dot_fma", a_rows, k, panel, out; 1 2 3 4) }
 }
 
 /// One half (16 outputs) of the panel per pass keeps the accumulators in registers.

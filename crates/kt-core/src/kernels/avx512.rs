@@ -11,21 +11,7 @@ pub const ROWS: usize = 8;
 pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
     unsafe {
-        match a_rows.len() {
-            1 => dot_rows::<1>(a_rows, k, panel, out),
-            2 => dot_rows::<2>(a_rows, k, panel, out),
-            3 => dot_rows::<3>(a_rows, k, panel, out),
-            4 => dot_rows::<4>(a_rows, k, panel, out),
-            5 => dot_rows::<5>(a_rows, k, panel, out),
-            6 => dot_rows::<6>(a_rows, k, panel, out),
-            7 => dot_rows::<7>(a_rows, k, panel, out),
-            8 => dot_rows::<8>(a_rows, k, panel, out),
-            9 => dot_rows::<9>(a_rows, k, panel, out),
-            10 => dot_rows::<10>(a_rows, k, panel, out),
-            11 => dot_rows::<11>(a_rows, k, panel, out),
-            12 => dot_rows::<12>(a_rows, k, panel, out),
-            n => panic!("avx512 panel_dot_fma takes 1..={ROWS} rows, got {n}"),
-        }
+        super::dispatch_rows!(dot_rows, "avx512 panel_dot_fma", a_rows, k, panel, out; 1 2 3 4 5 6 7 8)
     }
 }
 

@@ -14,6 +14,18 @@ pub mod avx2;
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_bf16;
+/// Dispatch a row count known at run time to a `const R` kernel instance, so each block size
+/// gets its own fully unrolled register allocation.
+macro_rules! dispatch_rows {
+    ($kernel:ident, $name:literal, $a:expr, $k:expr, $panel:expr, $out:expr; $($r:literal)+) => {
+        match $a.len() {
+            $($r => $kernel::<$r>($a, $k, $panel, $out),)+
+            n => panic!("{} takes at most {} rows, got {n}", $name, [$($r),+].len()),
+        }
+    };
+}
+pub(crate) use dispatch_rows;
+
 pub mod scalar;
 
 /// Largest row block any kernel takes.
