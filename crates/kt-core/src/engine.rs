@@ -41,6 +41,7 @@ pub struct Engine {
     pool: Arc<Pool>,
     workspace: Arc<Mutex<Workspace>>,
     thread: Option<JoinHandle<()>>,
+    pid: u32,
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -82,6 +83,7 @@ impl Engine {
             pool,
             workspace,
             thread: Some(thread),
+            pid: std::process::id(),
         })
     }
 
@@ -105,8 +107,21 @@ impl Engine {
         ticket
     }
 
+    /// After fork() the worker thread does not exist in the child: waiting would hang forever.
+    fn check_not_forked(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Err(Error::Runtime(
+                "this engine was created before fork(); its worker thread does not exist in the \
+                 child process (create the layers in the child)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Block until task `ticket` has run; return its error, if any.
     pub fn wait(&self, ticket: u64) -> Result<()> {
+        self.check_not_forked()?;
         let mut st = self.shared.state.lock().unwrap();
         while st.completed < ticket {
             st = self.shared.done.wait(st).unwrap();
@@ -117,6 +132,7 @@ impl Engine {
     /// Block until at most `allow_pending` tasks are queued or running (the original's
     /// `sync(allow_n_pending)`); return the first error of the tasks finished so far.
     pub fn sync(&self, allow_pending: usize) -> Result<()> {
+        self.check_not_forked()?;
         let mut st = self.shared.state.lock().unwrap();
         while st.submitted - st.completed > allow_pending as u64 {
             st = self.shared.done.wait(st).unwrap();
@@ -172,6 +188,11 @@ fn worker(shared: Arc<Shared>, pool: Arc<Pool>, workspace: Arc<Mutex<Workspace>>
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            // A forked child: the thread is not ours to join (it does not exist here).
+            std::mem::forget(self.thread.take());
+            return;
+        }
         if let Ok(mut st) = self.shared.state.lock() {
             st.shutdown = true;
         }
