@@ -5,9 +5,15 @@ Runs ``kt_kernel.KTMoEWrapper`` from whatever interpreter executes this script,
 so the same file measures both the original PyPI kt-kernel (in its own venv,
 see ``setup_original_venv.sh``) and our reimplementation:
 
+    bash benches/setup_original_venv.sh
     /root/.cache/kt-kernel/orig-venv/bin/python benches/compare_original.py \
-        --original --json orig.json
-    python benches/compare_original.py --json ours.json
+        --original --weights-dir /root/.cache/kt-kernel/bench-ckpt --json orig.json
+    python benches/compare_original.py \
+        --weights-dir /root/.cache/kt-kernel/bench-ckpt --json ours.json
+
+Each method runs in its own child process (one at a time). Every timed
+window records how much CPU other processes used ("others"); a disturbed
+window is re-measured (--noisy-retries) because the box may be shared.
 
 A synthetic Hugging Face style checkpoint (bf16 experts named
 ``model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight``) is written to
@@ -69,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", choices=METHODS, default=["BF16", "AMXINT8", "AMXINT4"])
     p.add_argument("--threads", type=int, default=2, help="cpuinfer_threads")
     p.add_argument("--threadpool-count", type=int, default=1)
-    p.add_argument("--chunked-prefill-size", type=int, help="default: max(--tokens)")
+    p.add_argument("--chunked-prefill-size", type=int, help="default: max(512, --tokens)")
     p.add_argument(
         "--warmup",
         type=int,
@@ -142,7 +148,9 @@ def parse_args(argv=None):
             f"need ~{2 * layer_bytes * args.layers / 1e9:.1f} GB, only "
             f"{avail / 1e9:.1f} GB available; lower --layers or --experts"
         )
-    args.chunked_prefill_size = args.chunked_prefill_size or max(args.tokens)
+    if args.chunked_prefill_size is None:
+        # The original's AMX buffers need a multiple of 32 rows (max_m % M_STEP).
+        args.chunked_prefill_size = max(512, -(-max(args.tokens) // 64) * 64)
     return args
 
 
@@ -263,32 +271,47 @@ def expert_key(layer, expert, proj):
 
 def checkpoint_meta(args):
     return {
-        "format": 1,
+        "format": 2,
         "experts": args.experts,
         "hidden": args.hidden,
         "intermediate": args.intermediate,
-        "layers": args.layers,
         "seed": args.seed,
     }
 
 
+def layer_file(wdir: Path, layer: int) -> Path:
+    return wdir / f"layer-{layer:05d}.safetensors"
+
+
 def ensure_checkpoint(torch, args, wdir: Path):
-    """Write one safetensors file per layer unless a matching one exists."""
+    """Write one safetensors file per layer, reusing layers already there.
+
+    Layer L depends only on (shape, seed, L), so a directory made for more
+    layers serves any smaller --layers and a smaller one is extended.
+    """
     from safetensors.torch import save_file
 
     meta = checkpoint_meta(args)
     meta_path = wdir / META_NAME
-    if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
+    have = 0
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        layers_there = old.pop("layers", 0)
+        if old == meta:
+            have = layers_there
+    if have >= args.layers:
         if not args.worker:
             print(f"[bench] reusing checkpoint in {wdir}")
         return
     wdir.mkdir(parents=True, exist_ok=True)
-    for stale in wdir.glob("*.safetensors"):
-        stale.unlink()
-    meta_path.unlink(missing_ok=True)
+    if have == 0:
+        for stale in wdir.glob("*.safetensors"):
+            stale.unlink()
+        for stale in wdir.glob("gguf_*"):
+            shutil.rmtree(stale)
     h, inter = args.hidden, args.intermediate
     t0 = time.perf_counter()
-    for layer in range(args.layers):
+    for layer in range(have, args.layers):
         gen = torch.Generator().manual_seed(args.seed * 1000 + layer)
         tensors = {}
         for e in range(args.experts):
@@ -301,13 +324,13 @@ def ensure_checkpoint(torch, args, wdir: Path):
             ):
                 w = torch.randn(shape, generator=gen).mul_(fan_in**-0.5).bfloat16()
                 tensors[expert_key(layer, e, proj)] = w
-        save_file(tensors, str(wdir / f"model-{layer:05d}-of-{args.layers:05d}.safetensors"))
+        save_file(tensors, str(layer_file(wdir, layer)))
         del tensors
+        meta_path.write_text(json.dumps(dict(meta, layers=layer + 1)))
         print(
             f"[bench] wrote layer {layer + 1}/{args.layers} ({time.perf_counter() - t0:.1f}s)",
             flush=True,
         )
-    meta_path.write_text(json.dumps(meta))
 
 
 class Checkpoint:
@@ -317,11 +340,7 @@ class Checkpoint:
         from safetensors import safe_open
 
         self.files = [
-            safe_open(
-                str(wdir / f"model-{layer:05d}-of-{layers:05d}.safetensors"),
-                framework="pt",
-            )
-            for layer in range(layers)
+            safe_open(str(layer_file(wdir, layer)), framework="pt") for layer in range(layers)
         ]
 
     def get(self, layer, expert, proj):
@@ -337,7 +356,7 @@ def ensure_gguf(torch, args, ckpt: Checkpoint, wdir: Path):
 
     qtype = gguf.GGMLQuantizationType[args.gguf_type.upper()]
     gdir = wdir / f"gguf_{qtype.name.lower()}"
-    meta = dict(checkpoint_meta(args), gguf_type=qtype.name)
+    meta = dict(checkpoint_meta(args), layers=args.layers, gguf_type=qtype.name)
     meta_path = gdir / META_NAME
     if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
         return gdir
