@@ -15,7 +15,7 @@ echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
 "$VENV/bin/python" -m kt_kernel bench --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
 
 echo "[benchmarks] cargo bench"
-cargo bench -p kt-benches -- --warm-up-time 1 --measurement-time 4 \
+cargo bench -p kt-benches --bench kernels --bench pool_vs_rayon -- --warm-up-time 1 --measurement-time 4 \
   2>&1 | tee "$OUT/cargo.txt" >/dev/null
 
 ORIG_OK=0
