@@ -207,3 +207,12 @@ def test_any_chunked_prefill_size(chunk):
     x = torch.randn(tokens, 64)
     ids, wt = random_routing(tokens, 8, 2)
     assert rel_l2(w.forward(x, ids, wt, None), reference_moe(x, ids, wt, gate, up, down)) < 5e-3
+
+
+def test_zero_tokens_give_an_empty_output(small_layer):
+    # The original fails here ("not enough values to unpack").
+    w, _ = small_layer
+    out = w.forward(
+        torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), None
+    )
+    assert out.shape == (0, 64)
