@@ -26,6 +26,7 @@ pub mod moe;
 pub mod pack;
 pub mod pool;
 pub mod probe;
+pub mod quant;
 pub mod rng;
 pub mod routing;
 pub mod topology;

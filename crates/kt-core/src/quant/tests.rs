@@ -1,0 +1,159 @@
+//! The quantiser and byte order against files written by the original kt-kernel 0.7.2.
+use super::*;
+use crate::rng::Rng;
+use std::path::PathBuf;
+
+#[test]
+fn layouts_are_bijections_and_round_trip() {
+    let (n, k) = (64, 256);
+    let mut rng = Rng::new(4);
+    let q8: Vec<i8> = (0..n * k)
+        .map(|_| (rng.below(256) as i32 - 128) as i8)
+        .collect();
+    assert_eq!(
+        unpack_amx_int8(&pack_amx_int8(&q8, n, k).unwrap(), n, k).unwrap(),
+        q8
+    );
+    let q4: Vec<i8> = (0..n * k)
+        .map(|_| (rng.below(16) as i32 - 8) as i8)
+        .collect();
+    assert_eq!(
+        unpack_amx_int4(&pack_amx_int4(&q4, n, k).unwrap(), n, k).unwrap(),
+        q4
+    );
+    let mut seen = vec![false; n * k];
+    for r in 0..n {
+        for c in 0..k {
+            let o = amx_int8_offset(r, c, k);
+            assert!(!seen[o]);
+            seen[o] = true;
+        }
+    }
+    // Every 64-byte line holds 16 rows x 4 consecutive inputs (the vpdpbusd operand).
+    assert_eq!(
+        amx_int8_offset(0, 0, k) / 64,
+        amx_int8_offset(15, 3, k) / 64
+    );
+    // Wider than the original files show (column blocking unknown): refused, not guessed.
+    assert!(pack_amx_int8(&vec![0; 32 * 4096], 32, 4096).is_err());
+}
+
+#[test]
+fn quantisers_follow_the_rules() {
+    let row = [0.5f32, -1.0, 0.25, 1.0 / 127.0];
+    let mut q = [0i8; 4];
+    let d = quantize_row_int8(&row, &mut q);
+    assert_eq!(d, 1.0 * (1.0f32 / 127.0));
+    assert_eq!(q, [64, -127, 32, 1]); // 63.5 rounds half to even: 64
+    let mut v = [0i8; 4];
+    let d4 = quantize_row_int4(&row, &mut v);
+    assert_eq!(d4, (1.0f64 / 112.0) as f32);
+    assert_eq!(v, [4, -7, 2, 0]); // 56/16 = 3.5 -> 4 (away from zero), 28/16 = 1.75 -> 2
+    let mut z = [5i8; 3];
+    assert_eq!(quantize_row_int8(&[0.0; 3], &mut z), 0.0);
+    assert_eq!(z, [0; 3]);
+}
+
+fn fixtures() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/amx");
+    p.is_dir().then_some(p)
+}
+
+fn tensor_bytes(file: &std::path::Path, name: &str) -> (Vec<u8>, String, Vec<usize>) {
+    let data = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+    let t = st
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("{name} missing in {}", file.display()));
+    (
+        t.data().to_vec(),
+        format!("{:?}", t.dtype()),
+        t.shape().to_vec(),
+    )
+}
+
+fn bf16_matrix(hf: &std::path::Path, name: &str) -> (Vec<f32>, usize, usize) {
+    let (bytes, dtype, shape) = tensor_bytes(hf, name);
+    assert_eq!(dtype, "BF16");
+    let vals = bytes
+        .chunks_exact(2)
+        .map(|b| crate::dtype::bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    (vals, shape[0], shape[1])
+}
+
+/// Quantise `[n][k]` columns `c0..c0+kc` row by row like the converter does for one NUMA part.
+fn quantise(
+    w: &[f32],
+    k: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    int4: bool,
+) -> (Vec<i8>, Vec<f32>) {
+    let kc = cols.len();
+    let mut q = vec![0i8; rows.len() * kc];
+    let mut scales = Vec::new();
+    for (i, r) in rows.enumerate() {
+        let row = &w[r * k + cols.start..r * k + cols.end];
+        let out = &mut q[i * kc..(i + 1) * kc];
+        scales.push(if int4 {
+            quantize_row_int4(row, out)
+        } else {
+            quantize_row_int8(row, out)
+        });
+    }
+    (q, scales)
+}
+
+#[test]
+fn converted_files_of_the_original_are_reproduced_byte_for_byte() {
+    let Some(dir) = fixtures() else {
+        eprintln!("shared/fixtures not present; skipped");
+        return;
+    };
+    let hf = dir.join("hf/model.safetensors");
+    for (set, int4, tp) in [
+        ("int8-tp1", false, 1),
+        ("int8-tp2", false, 2),
+        ("int4-tp1", true, 1),
+        ("int4-tp2", true, 2),
+    ] {
+        let merged = dir.join(format!("{set}-merged/model-00001-of-00002.safetensors"));
+        for e in 0..4 {
+            for proj in ["gate", "up", "down"] {
+                let (w, n, k) = bf16_matrix(
+                    &hf,
+                    &format!("model.layers.1.mlp.experts.{e}.{proj}_proj.weight"),
+                );
+                for part in 0..tp {
+                    // gate/up: a block of rows; down: a block of columns, re-quantised per part.
+                    let (rows, cols) = if proj == "down" {
+                        (0..n, part * k / tp..(part + 1) * k / tp)
+                    } else {
+                        (part * n / tp..(part + 1) * n / tp, 0..k)
+                    };
+                    let (pn, pk) = (rows.len(), cols.len());
+                    let (q, scales) = quantise(&w, k, rows, cols, int4);
+                    let bytes = if int4 {
+                        pack_amx_int4(&q, pn, pk)
+                    } else {
+                        pack_amx_int8(&q, pn, pk)
+                    }
+                    .unwrap();
+                    let key = format!("blk.1.ffn_{proj}_exps.{e}.numa.{part}");
+                    let (want, dtype, _) = tensor_bytes(&merged, &format!("{key}.weight"));
+                    assert_eq!(dtype, "I8");
+                    assert!(bytes == want, "{set} {key}: quantised bytes differ");
+                    let (want_scale, _, _) = tensor_bytes(&merged, &format!("{key}.scale"));
+                    let got_scale: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+                    assert!(got_scale == want_scale, "{set} {key}: scales differ");
+                    // And the .kt folder holds the same bytes.
+                    let kt = dir.join(format!("{set}-kt/_layer_1/_numa_{part}"));
+                    let tag = if int4 { "INT4" } else { "INT8" };
+                    let f = kt.join(format!("{tag}_{proj}_{e}_{}Byte_quant_.kt", want.len()));
+                    assert_eq!(std::fs::read(&f).unwrap(), want, "{}", f.display());
+                }
+            }
+        }
+    }
+}
