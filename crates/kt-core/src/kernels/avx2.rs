@@ -10,7 +10,9 @@ pub const ROWS: usize = 4;
 /// AVX2 and FMA available; the [`super::PanelDotFn`] contract.
 pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
-    unsafe { super::dispatch_rows!(dot_rows, "avx2 panel_dot_fma", a_rows, k, panel, out; 1 2 3 4) }
+    unsafe {
+        super::dispatch_rows!(dot_rows, "avx2 panel_dot_fma", a_rows, (a_rows, k, panel, out); 1 2 3 4)
+    }
 }
 
 /// One half (16 outputs) of the panel per pass keeps the accumulators in registers.

@@ -11,7 +11,7 @@ pub const ROWS: usize = 8;
 pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
     unsafe {
-        super::dispatch_rows!(dot_rows, "avx512 panel_dot_fma", a_rows, k, panel, out; 1 2 3 4 5 6 7 8)
+        super::dispatch_rows!(dot_rows, "avx512 panel_dot_fma", a_rows, (a_rows, k, panel, out); 1 2 3 4 5 6 7 8)
     }
 }
 

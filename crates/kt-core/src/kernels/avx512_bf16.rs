@@ -12,7 +12,7 @@ pub const ROWS: usize = 12;
 pub unsafe fn panel_dot_bf16(a_rows: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
     // SAFETY: forwarded; each arm passes exactly R pointers.
     unsafe {
-        super::dispatch_rows!(dot_rows, "avx512_bf16 panel kernel", a_rows, k, panel, out; 1 2 3 4 5 6 7 8 9 10 11 12)
+        super::dispatch_rows!(dot_rows, "avx512_bf16 panel kernel", a_rows, (a_rows, k, panel, out); 1 2 3 4 5 6 7 8 9 10 11 12)
     }
 }
 

@@ -17,15 +17,16 @@ pub mod avx512_bf16;
 /// Dispatch a row count known at run time to a `const R` kernel instance, so each block size
 /// gets its own fully unrolled register allocation.
 macro_rules! dispatch_rows {
-    ($kernel:ident, $name:literal, $a:expr, $k:expr, $panel:expr, $out:expr; $($r:literal)+) => {
+    ($kernel:ident, $name:literal, $a:expr, $args:tt; $($r:literal)+) => {
         match $a.len() {
-            $($r => $kernel::<$r>($a, $k, $panel, $out),)+
+            $($r => $kernel::<$r> $args,)+
             n => panic!("{} takes at most {} rows, got {n}", $name, [$($r),+].len()),
         }
     };
 }
 pub(crate) use dispatch_rows;
 
+pub mod int8;
 pub mod scalar;
 
 /// Largest row block any kernel takes.

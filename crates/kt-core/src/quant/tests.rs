@@ -157,3 +157,16 @@ fn converted_files_of_the_original_are_reproduced_byte_for_byte() {
         }
     }
 }
+
+#[test]
+fn quantised_values_never_reach_minus_128() {
+    // The AVX2 int8 kernel's sign trick relies on |q| ≤ 127.
+    let mut rng = Rng::new(8);
+    for _ in 0..200 {
+        let row = rng.normals(257, 3.0);
+        let mut q = vec![0i8; row.len()];
+        quantize_row_int8(&row, &mut q);
+        assert!(q.iter().all(|&v| v >= -127));
+        assert!(q.contains(&127) || q.contains(&-127));
+    }
+}

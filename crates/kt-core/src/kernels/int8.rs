@@ -1,0 +1,248 @@
+//! Integer dot products for AMXINT8 weights, read straight from the original's tiled layout
+//! (see [`crate::quant`]): a 32-row group of a `[n][k]` matrix is `k/64` tiles of 2048 bytes; in
+//! tile `t`, line `w` of half `h` (64 bytes at `t*2048 + h*1024 + w*64`) holds rows `16h..16h+16`
+//! × inputs `64t + 4w .. +4`. That is the `vpdpbusd` operand shape, so no repacking is needed.
+//!
+//! Activations arrive quantised per token row and biased to unsigned (`a + 128`), which
+//! `vpdpbusd` needs; `out = Σ a_u8·w − 128·Σ w` (the row sums are precomputed at load) is the
+//! exact signed dot product. Every variant returns the same i32 values as the scalar twin.
+
+/// `out[r*32 + j] = Σ_kk (a_rows[r][kk] − 128) · W[j][kk]` for one 32-row group.
+///
+/// Values are those the quantiser produces: weights in [−127, 127], activations in [1, 255]
+/// (signed [−127, 127] biased by 128); within that range every variant is exact.
+///
+/// # Safety
+/// The CPU supports the variant; each `a_rows[r]` points to `k` bytes; `group` to `32*k` bytes
+/// in the tiled layout; `row_sums` to 32 values `Σ_kk W[j][kk]`; `out` to `32*rows` i32;
+/// `k % 64 == 0`; rows ≤ the variant's block.
+pub type Int8DotFn = unsafe fn(
+    a_rows: &[*const u8],
+    k: usize,
+    group: *const u8,
+    row_sums: *const i32,
+    out: *mut i32,
+);
+
+/// Row sums `Σ_kk W[j][kk]` of a 32-row group in the tiled layout (for the unsigned-bias fix-up).
+pub fn group_row_sums(group: &[u8], k: usize) -> [i32; 32] {
+    let mut sums = [0i32; 32];
+    for (j, s) in sums.iter_mut().enumerate() {
+        for kk in 0..k {
+            *s += group[crate::quant::amx_int8_offset(j, kk, k)] as i8 as i32;
+        }
+    }
+    sums
+}
+
+/// Scalar twin: index arithmetic through the layout's own offset function.
+///
+/// # Safety
+/// See [`Int8DotFn`].
+pub unsafe fn dot_scalar(
+    a_rows: &[*const u8],
+    k: usize,
+    group: *const u8,
+    _row_sums: *const i32,
+    out: *mut i32,
+) {
+    for (r, &a) in a_rows.iter().enumerate() {
+        for j in 0..32 {
+            let mut acc = 0i32;
+            for kk in 0..k {
+                // SAFETY: offsets < 32*k, kk < k by the contract.
+                unsafe {
+                    let w = *group.add(crate::quant::amx_int8_offset(j, kk, k)) as i8 as i32;
+                    acc += (*a.add(kk) as i32 - 128) * w;
+                }
+            }
+            // SAFETY: out holds 32 per row.
+            unsafe { *out.add(r * 32 + j) = acc };
+        }
+    }
+}
+
+/// Rows per call of the SIMD variants.
+pub const ROWS: usize = 8;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// AVX512-VNNI: one `vpdpbusd` per (row, half, input quad).
+    ///
+    /// # Safety
+    /// AVX512-F/BW/VNNI available; [`super::Int8DotFn`] contract.
+    pub unsafe fn dot_avx512vnni(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(vnni512, "avx512vnni int8 dot", a, (a, k, g, s, o); 1 2 3 4 5 6 7 8)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+    unsafe fn vnni512<const R: usize>(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        let mut acc = [[_mm512_setzero_si512(); 2]; R];
+        for t in 0..k / 64 {
+            for w in 0..16 {
+                // SAFETY: tile t, line w inside the group; quad 16t+w inside each row.
+                unsafe {
+                    let line = g.add(t * 2048 + w * 64);
+                    let w0 = _mm512_loadu_si512(line as *const __m512i);
+                    let w1 = _mm512_loadu_si512(line.add(1024) as *const __m512i);
+                    for r in 0..R {
+                        let quad = (a[r].add(t * 64 + w * 4) as *const i32).read_unaligned();
+                        let x = _mm512_set1_epi32(quad);
+                        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
+                        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
+                    }
+                }
+            }
+        }
+        // SAFETY: 32 row sums; out holds 32 per row.
+        unsafe {
+            let bias = [
+                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
+                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
+            ];
+            for r in 0..R {
+                for h in 0..2 {
+                    let v = _mm512_sub_epi32(acc[r][h], bias[h]);
+                    _mm512_storeu_si512(o.add(r * 32 + h * 16) as *mut __m512i, v);
+                }
+            }
+        }
+    }
+
+    /// AVX2 without VNNI: `vpmaddubsw` on |a| and sign-adjusted weights, then `vpmaddwd` with
+    /// ones. With |a|, |w| ≤ 127 every i16 pair sum (≤ 32258) is exact; −128 would overflow,
+    /// which is why the quantisers never produce it.
+    ///
+    /// # Safety
+    /// AVX2 available; [`super::Int8DotFn`] contract.
+    pub unsafe fn dot_avx2(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(avx2, "avx2 int8 dot", a, (a, k, g, s, o); 1 2 3 4)
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn avx2<const R: usize>(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        _s: *const i32,
+        o: *mut i32,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        // Four 8-row quarters of the 32 outputs per pass keep 4R accumulators in registers.
+        let mut acc = [[_mm256_setzero_si256(); 4]; R];
+        for t in 0..k / 64 {
+            for w in 0..16 {
+                // SAFETY: as in the AVX-512 variant; each 32-byte half-line is 8 rows × 4 inputs.
+                unsafe {
+                    let line = g.add(t * 2048 + w * 64);
+                    let ws = [
+                        _mm256_loadu_si256(line as *const __m256i),
+                        _mm256_loadu_si256(line.add(32) as *const __m256i),
+                        _mm256_loadu_si256(line.add(1024) as *const __m256i),
+                        _mm256_loadu_si256(line.add(1056) as *const __m256i),
+                    ];
+                    for r in 0..R {
+                        let quad = (a[r].add(t * 64 + w * 4) as *const i32).read_unaligned();
+                        // Back to signed activations, then |a| and the sign moved onto w.
+                        let x = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+                        let ax = _mm256_abs_epi8(x);
+                        for q in 0..4 {
+                            let sw = _mm256_sign_epi8(ws[q], x);
+                            let p16 = _mm256_maddubs_epi16(ax, sw);
+                            acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(p16, ones));
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for q in 0..4 {
+                // SAFETY: out holds 32 per row; quarter q = outputs 8q..8q+8.
+                unsafe { _mm256_storeu_si256(o.add(r * 32 + q * 8) as *mut __m256i, acc[r][q]) };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{dot_avx2, dot_avx512vnni};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::pack_amx_int8;
+    use crate::rng::Rng;
+
+    fn check(f: Int8DotFn, rows_max: usize, name: &str) {
+        let mut rng = Rng::new(99);
+        for k in [64usize, 192, 1024] {
+            // The quantisers' whole range, extremes included (-128 never occurs).
+            let w: Vec<i8> = (0..32 * k)
+                .map(|_| (rng.below(255) as i32 - 127) as i8)
+                .collect();
+            let group = pack_amx_int8(&w, 32, k).unwrap();
+            let sums = group_row_sums(&group, k);
+            for rows in 1..=rows_max {
+                let a: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                    .collect();
+                let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
+                let mut got = vec![0i32; rows * 32];
+                let mut want = vec![0i32; rows * 32];
+                unsafe {
+                    f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
+                    dot_scalar(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
+                }
+                assert_eq!(got, want, "{name} rows={rows} k={k}");
+                // The twin itself against plain row-major arithmetic.
+                for r in 0..rows {
+                    for j in 0..32 {
+                        let exact: i64 = (0..k)
+                            .map(|kk| (a[r][kk] as i64 - 128) * w[j * k + kk] as i64)
+                            .sum();
+                        assert_eq!(want[r * 32 + j] as i64, exact);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_variants_match_the_scalar_twin_exactly() {
+        check(dot_scalar, 3, "scalar");
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                check(dot_avx2, 4, "avx2");
+            }
+            if std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512bw")
+            {
+                check(dot_avx512vnni, ROWS, "avx512vnni");
+            }
+        }
+    }
+}
