@@ -15,7 +15,7 @@ __version__: str = _kt_core.__version__
 
 # Raises here (at import) if KT_KERNEL_CPU_VARIANT is unknown or asks for more than the CPU has.
 __cpu_variant__: str = _kt_core.cpu_variant()
-__int8_kernel__: str = "unsupported"  # AMXINT8 arrives with the quantized-experts work
+__int8_kernel__: str = _kt_core.cpu_info()["kernels"]["AMXINT8"]
 __int8_weight_layout__: str = "kt-int8-n32-k64-vnni-v1"
 
 from . import kt_kernel_ext  # noqa: E402

@@ -47,7 +47,7 @@ SFT_METHODS = frozenset(
     }
 )
 # Methods this build computes; the rest are recognised and refused with NotImplementedError.
-IMPLEMENTED_METHODS = frozenset({"BF16"})
+IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8"})
 
 
 class KTMoEWrapper:
@@ -121,9 +121,10 @@ class KTMoEWrapper:
                 f"method {method!r} is recognised but not built into this kt_kernel yet "
                 f"(available: {sorted(IMPLEMENTED_METHODS)})"
             )
-        from .utils.native import NativeMoEWrapper
+        from .utils.native import AMXMoEWrapper, NativeMoEWrapper
 
-        return NativeMoEWrapper(
+        backend = AMXMoEWrapper if method == "AMXINT8" else NativeMoEWrapper
+        return backend(
             layer_idx=layer_idx,
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,

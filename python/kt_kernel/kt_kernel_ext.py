@@ -7,7 +7,7 @@ from __future__ import annotations
 from . import _kt_core
 
 __cpu_variant__ = _kt_core.cpu_variant()
-__int8_kernel__ = "unsupported"
+__int8_kernel__ = _kt_core.cpu_info()["kernels"]["AMXINT8"]
 __int8_weight_layout__ = "kt-int8-n32-k64-vnni-v1"
 
 

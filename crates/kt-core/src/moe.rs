@@ -104,11 +104,16 @@ impl MoeConfig {
     /// Slice of the intermediate dimension owned by each part, in whole panels, as even as
     /// possible (earlier parts take the remainder).
     pub fn part_ranges(&self, parts: usize) -> Vec<Range<usize>> {
-        let blocks = self.intermediate / PANEL;
+        self.part_ranges_in_units(parts, PANEL)
+    }
+
+    /// Like [`MoeConfig::part_ranges`] in blocks of `unit`.
+    pub fn part_ranges_in_units(&self, parts: usize, unit: usize) -> Vec<Range<usize>> {
+        let blocks = self.intermediate / unit;
         let mut start = 0;
         (0..parts)
             .map(|i| {
-                let n = (blocks / parts + usize::from(i < blocks % parts)) * PANEL;
+                let n = (blocks / parts + usize::from(i < blocks % parts)) * unit;
                 let r = start..start + n;
                 start += n;
                 r
@@ -142,12 +147,40 @@ pub trait ExpertSource: Sync {
     fn matrix(&self, expert: usize, proj: Proj) -> Result<MatrixView>;
 }
 
+/// How expert weights are stored in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// bf16 panels (method BF16).
+    Bf16,
+    /// Per-row symmetric int8 in the original's tiled AMXINT8 layout (method AMXINT8).
+    Int8,
+}
+
+impl WeightFormat {
+    /// Granularity of the intermediate split and required divisor of H: whole 32-output panels
+    /// for bf16; for int8 also whole 64-input tiles (down's inputs are the part's slice).
+    pub fn unit(self) -> usize {
+        match self {
+            WeightFormat::Bf16 => PANEL,
+            WeightFormat::Int8 => 64,
+        }
+    }
+}
+
 struct PartWeights {
     inter: Range<usize>,
-    /// Per expert, per panel p: gate panel p then up panel p, so the gate/up task of a panel
-    /// streams one contiguous run.
+    /// bf16: per expert, per panel p: gate panel p then up panel p, so the gate/up task of a
+    /// panel streams one contiguous run.
     gate_up: AlignedBuf<u16>,
     down: AlignedBuf<u16>,
+    /// int8: gate, up, down matrices of every expert (tiled), their per-row scales and row sums.
+    q: Option<Int8Part>,
+}
+
+struct Int8Part {
+    mats: [AlignedBuf<u8>; 3],
+    scales: [AlignedBuf<f32>; 3],
+    sums: [AlignedBuf<i32>; 3],
 }
 
 /// Raw pointer that tasks share to write disjoint ranges.
@@ -166,6 +199,65 @@ impl<T> SyncPtr<T> {
     }
 }
 
+/// Where one int8 matrix of every expert of a part goes (tiled bytes, row scales, row sums).
+#[derive(Clone, Copy)]
+struct Int8Target {
+    mat: SyncPtr<u8>,
+    scale: SyncPtr<f32>,
+    sum: SyncPtr<i32>,
+}
+
+/// Quantise `view` (`n × k`) as expert `slot` of `t`: per-row INT8 with the original's rule,
+/// written in its tiled layout, 32 rows at a time.
+///
+/// # Safety
+/// `t`'s buffers hold at least `slot + 1` experts of `n × k`; no other thread writes expert
+/// `slot` of this matrix; `view` is alive.
+unsafe fn quantise_into(view: &MatrixView, n: usize, k: usize, slot: usize, t: Int8Target) {
+    let mut row = vec![0f32; k];
+    let mut q = vec![0i8; k];
+    for r in 0..n {
+        // SAFETY: row r of the view has k elements.
+        unsafe {
+            row_to_f32(
+                view.ptr.add(r * view.row_stride * view.dtype.size()),
+                view.dtype,
+                &mut row,
+            )
+        };
+        let d = crate::quant::quantize_row_int8(&row, &mut q);
+        let (group, local) = (r / PANEL, r % PANEL);
+        let base = slot * n * k + group * PANEL * k;
+        // SAFETY: offsets stay inside expert `slot`'s n*k bytes / n scales (contract).
+        unsafe {
+            for (c, &v) in q.iter().enumerate() {
+                *t.mat
+                    .get()
+                    .add(base + crate::quant::amx_int8_offset(local, c, k)) = v as u8;
+            }
+            *t.scale.get().add(slot * n + r) = d;
+            *t.sum.get().add(slot * n + r) = q.iter().map(|&v| v as i32).sum();
+        }
+    }
+}
+
+/// Quantise an fp32 row to biased unsigned int8 (`q + 128`) for the int8 kernels; returns the
+/// row's scale.
+fn quantise_activation(row: &[f32], out: &mut [u8]) -> f32 {
+    // SAFETY: i8 and u8 have the same layout; the slice covers exactly `out`.
+    let signed = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut i8, out.len()) };
+    let d = crate::quant::quantize_row_int8(row, signed);
+    for b in out.iter_mut() {
+        *b ^= 0x80;
+    }
+    // A NaN would quantise to 0 silently; a NaN scale keeps it visible in this row's output.
+    if row.iter().any(|v| v.is_nan()) {
+        f32::NAN
+    } else {
+        d
+    }
+}
+
 /// One MoE layer with its packed weights.
 pub struct MoeLayer {
     config: MoeConfig,
@@ -173,6 +265,7 @@ pub struct MoeLayer {
     parts: Vec<PartWeights>,
     loaded: bool,
     rowwise_down_max: usize,
+    format: WeightFormat,
 }
 
 /// Scratch of forward calls, grown when a layer needs more, shared by the layers that one
@@ -194,6 +287,10 @@ struct PartPtrs {
     down_rows: SyncPtr<f32>,
     x_bf16: SyncPtr<u32>,
     act_bf16: SyncPtr<u32>,
+    x_q: SyncPtr<u8>,
+    x_scale: SyncPtr<f32>,
+    act_q: SyncPtr<u8>,
+    act_scale: SyncPtr<f32>,
 }
 
 #[derive(Default)]
@@ -206,6 +303,11 @@ struct PartScratch {
     /// bf16-pair copies of x and act for the bf16 dot path.
     x_bf16: Option<AlignedBuf<u32>>,
     act_bf16: Option<AlignedBuf<u32>>,
+    /// Quantised (biased u8) x and act with per-row scales, for int8 weights.
+    x_q: Option<AlignedBuf<u8>>,
+    x_scale: Option<AlignedBuf<f32>>,
+    act_q: Option<AlignedBuf<u8>>,
+    act_scale: Option<AlignedBuf<f32>>,
 }
 
 fn grow<T: Copy>(buf: &mut Option<AlignedBuf<T>>, len: usize) -> Result<()> {
@@ -239,6 +341,12 @@ impl Workspace {
                 grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
+            if layer.format == WeightFormat::Int8 {
+                grow(&mut s.x_q, tokens * c.hidden)?;
+                grow(&mut s.x_scale, tokens)?;
+                grow(&mut s.act_q, rows * p.inter.len())?;
+                grow(&mut s.act_scale, rows)?;
+            }
         }
         fn addr<T: Copy>(b: &mut Option<AlignedBuf<T>>) -> SyncPtr<T> {
             SyncPtr(b.as_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr()))
@@ -252,6 +360,10 @@ impl Workspace {
                 down_rows: addr(&mut s.down_rows),
                 x_bf16: addr(&mut s.x_bf16),
                 act_bf16: addr(&mut s.act_bf16),
+                x_q: addr(&mut s.x_q),
+                x_scale: addr(&mut s.x_scale),
+                act_q: addr(&mut s.act_q),
+                act_scale: addr(&mut s.act_scale),
             });
         }
         Ok(())
@@ -309,16 +421,70 @@ unsafe impl Sync for ForwardArgs {}
 impl MoeLayer {
     /// An unloaded layer for a pool with `parts` sub-pools, using `kernels`.
     pub fn new(config: MoeConfig, parts: usize, kernels: KernelSet) -> Result<MoeLayer> {
+        Self::with_format(config, parts, kernels, WeightFormat::Bf16)
+    }
+
+    /// An unloaded layer storing its experts in `format`.
+    pub fn with_format(
+        config: MoeConfig,
+        parts: usize,
+        kernels: KernelSet,
+        format: WeightFormat,
+    ) -> Result<MoeLayer> {
         config.validate(parts)?;
-        let ranges = config.part_ranges(parts);
+        let unit = format.unit();
+        let l = config.layer_idx;
+        kt_ensure!(
+            config.hidden.is_multiple_of(unit) && config.intermediate.is_multiple_of(unit),
+            Invalid,
+            "layer {l}: {format:?} weights need hidden_size ({}) and moe_intermediate_size ({}) to be \
+             multiples of {unit}",
+            config.hidden,
+            config.intermediate
+        );
+        kt_ensure!(
+            config.intermediate / unit >= parts,
+            Invalid,
+            "layer {l}: moe_intermediate_size={} has {} blocks of {unit}, fewer than \
+             threadpool_count={parts}; every NUMA part needs at least one block",
+            config.intermediate,
+            config.intermediate / unit
+        );
+        let ranges = config.part_ranges_in_units(parts, unit);
+        let e = config.num_experts;
         let parts = ranges
             .into_iter()
             .map(|inter| {
-                let n = config.num_experts * config.hidden * inter.len();
+                let n = e * config.hidden * inter.len();
+                let (bf, q) = match format {
+                    WeightFormat::Bf16 => (n, None),
+                    WeightFormat::Int8 => {
+                        let rows = [e * inter.len(), e * inter.len(), e * config.hidden];
+                        let q = Int8Part {
+                            mats: [
+                                AlignedBuf::zeroed(n)?,
+                                AlignedBuf::zeroed(n)?,
+                                AlignedBuf::zeroed(n)?,
+                            ],
+                            scales: [
+                                AlignedBuf::zeroed(rows[0])?,
+                                AlignedBuf::zeroed(rows[1])?,
+                                AlignedBuf::zeroed(rows[2])?,
+                            ],
+                            sums: [
+                                AlignedBuf::zeroed(rows[0])?,
+                                AlignedBuf::zeroed(rows[1])?,
+                                AlignedBuf::zeroed(rows[2])?,
+                            ],
+                        };
+                        (0, Some(q))
+                    }
+                };
                 Ok(PartWeights {
                     inter,
-                    gate_up: AlignedBuf::zeroed(2 * n)?,
-                    down: AlignedBuf::zeroed(n)?,
+                    gate_up: AlignedBuf::zeroed(2 * bf)?,
+                    down: AlignedBuf::zeroed(bf)?,
+                    q,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -328,7 +494,13 @@ impl MoeLayer {
             parts,
             loaded: false,
             rowwise_down_max: ROWWISE_DOWN_MAX,
+            format,
         })
+    }
+
+    /// How the experts are stored.
+    pub fn format(&self) -> WeightFormat {
+        self.format
     }
 
     /// Forwards with at most `elems` (rows × hidden) down outputs use the row-wise down scheme
@@ -436,6 +608,20 @@ impl MoeLayer {
                 ]
             })
             .collect();
+        let int8_targets: Vec<Option<[Int8Target; 3]>> = self
+            .parts
+            .iter_mut()
+            .map(|p| {
+                p.q.as_mut().map(|q| {
+                    let mk = |i: usize, q: &mut Int8Part| Int8Target {
+                        mat: SyncPtr(q.mats[i].as_mut_ptr()),
+                        scale: SyncPtr(q.scales[i].as_mut_ptr()),
+                        sum: SyncPtr(q.sums[i].as_mut_ptr()),
+                    };
+                    [mk(0, q), mk(1, q), mk(2, q)]
+                })
+            })
+            .collect();
         let ranges = self.part_ranges();
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
         let (h, e_count) = (c.hidden, c.num_experts);
@@ -465,6 +651,11 @@ impl MoeLayer {
                             ip,
                         ),
                     };
+                    if let Some(q) = &int8_targets[part] {
+                        // SAFETY: the task owns expert `slot` of matrix `which` in this part.
+                        unsafe { quantise_into(&view, n, k, slot, q[which]) };
+                        return Ok(());
+                    }
                     let base = dst[which].0;
                     for p in 0..n / PANEL {
                         // gate panel p at slot 2p, up panel p at 2p+1 of the expert's gate_up run.
@@ -654,7 +845,12 @@ impl MoeLayer {
                 down_rows,
                 x_bf16,
                 act_bf16,
+                x_q,
+                x_scale,
+                act_q,
+                act_scale,
             } = scratch[part];
+            let q = pw.q.as_ref();
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
@@ -671,6 +867,10 @@ impl MoeLayer {
                             std::slice::from_raw_parts_mut(x_bf16.get().add(t * h / 2), h / 2);
                         kern.stage_bf16(dst, staged);
                     }
+                    if q.is_some() {
+                        let xq = std::slice::from_raw_parts_mut(x_q.get().add(t * h), h);
+                        *x_scale.get().add(t) = quantise_activation(dst, xq);
+                    }
                 }
             });
             // 2. gate & up for each (expert, panel of this part's intermediate slice), SwiGLU.
@@ -680,30 +880,72 @@ impl MoeLayer {
                 let (ei, p) = (task / gate_panels, task % gate_panels);
                 let e = routing.experts[ei] as usize;
                 let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                let off = e * 2 * ip * h + 2 * p * panel_len(h);
-                let gate = &pw.gate_up.as_slice()[off..off + panel_len(h)];
-                let up = &pw.gate_up.as_slice()[off + panel_len(h)..off + 2 * panel_len(h)];
+                let (gate, up) = if q.is_none() {
+                    let off = e * 2 * ip * h + 2 * p * panel_len(h);
+                    let gu = pw.gate_up.as_slice();
+                    (
+                        &gu[off..off + panel_len(h)],
+                        &gu[off + panel_len(h)..off + 2 * panel_len(h)],
+                    )
+                } else {
+                    (&[][..], &[][..])
+                };
+                // int8: this panel's 32 rows of gate and up (tiled), their scales and row sums.
+                let qrow = e * ip + p * PANEL;
+                let mut acc = [0i32; MAX_ROWS * PANEL];
+                let mut ptrs_q = [std::ptr::null::<u8>(); MAX_ROWS];
                 let mut g = [0f32; MAX_ROWS * PANEL];
                 let mut u = [0f32; MAX_ROWS * PANEL];
                 let mut a = [0f32; MAX_ROWS * PANEL];
                 let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
                 let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
-                let bf = bf16.filter(|_| use_bf16(rows.len()));
-                let block = bf.map_or(rows_per_block, |b| b.rows_per_block);
+                let bf = bf16.filter(|_| q.is_none() && use_bf16(rows.len()));
+                let block = match (q, bf) {
+                    (Some(_), _) => kern.int8_rows(),
+                    (None, Some(b)) => b.rows_per_block,
+                    (None, None) => rows_per_block,
+                };
                 let mut r0 = rows.start;
                 while r0 < rows.end {
                     let nr = block.min(rows.end - r0);
                     for i in 0..nr {
                         let t = routing.row_token[r0 + i] as usize;
-                        // SAFETY: token index < qlen rows of x / x_bf16.
+                        // SAFETY: token index < qlen rows of x / x_bf16 / x_q.
                         unsafe {
                             ptrs[i] = x.get().add(t * h);
                             ptrs_bf16[i] = x_bf16.get().add(t * h / 2);
+                            ptrs_q[i] = x_q.get().add(t * h);
+                        }
+                    }
+                    if let Some(qw) = q {
+                        for (which, dst) in [(0usize, &mut g), (1, &mut u)] {
+                            // SAFETY: panel rows qrow..qrow+32 of an E*ip x h matrix; x_q rows
+                            // hold h bytes; acc holds nr*32.
+                            unsafe {
+                                kern.int8_dot_raw(
+                                    &ptrs_q[..nr],
+                                    h,
+                                    qw.mats[which].as_ptr().add(qrow * h),
+                                    qw.sums[which].as_ptr().add(qrow),
+                                    acc.as_mut_ptr(),
+                                );
+                            }
+                            let sw = &qw.scales[which].as_slice()[qrow..qrow + PANEL];
+                            for i in 0..nr {
+                                // SAFETY: x_scale has a value per token.
+                                let sa = unsafe {
+                                    *x_scale.get().add(routing.row_token[r0 + i] as usize)
+                                };
+                                for j in 0..PANEL {
+                                    dst[i * PANEL + j] = (acc[i * PANEL + j] as f32 * sw[j]) * sa;
+                                }
+                            }
                         }
                     }
                     // SAFETY: rows of x have h floats (h/2 pairs staged); panels panel_len(h).
                     unsafe {
                         match bf {
+                            _ if q.is_some() => {}
                             Some(b) => {
                                 (b.dot)(&ptrs_bf16[..nr], h, gate.as_ptr(), g.as_mut_ptr());
                                 (b.dot)(&ptrs_bf16[..nr], h, up.as_ptr(), u.as_mut_ptr());
@@ -740,6 +982,17 @@ impl MoeLayer {
                     r0 += nr;
                 }
             });
+            // 2b. int8: quantise each act row (its scale spans every panel, hence a phase).
+            if q.is_some() {
+                team.parallel_for(total_rows, &|row| {
+                    // SAFETY: row `row` of act / act_q / act_scale belongs to this task.
+                    unsafe {
+                        let src = std::slice::from_raw_parts(act.get().add(row * ip), ip);
+                        let dst = std::slice::from_raw_parts_mut(act_q.get().add(row * ip), ip);
+                        *act_scale.get().add(row) = quantise_activation(src, dst);
+                    }
+                });
+            }
             // 3. down. `down_panels(ei, panels, sink)` computes expert ei's rows against a range
             //    of down panels and hands each (row, panel, 32 values) to `sink`.
             let out_panels = h / PANEL;
@@ -747,14 +1000,24 @@ impl MoeLayer {
                 |ei: usize, panels: Range<usize>, sink: &mut dyn FnMut(usize, usize, &[f32])| {
                     let e = routing.experts[ei] as usize;
                     let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                    let bf = bf16.filter(|_| use_bf16(rows.len()));
-                    let block = bf.map_or(rows_per_block, |b| b.rows_per_block);
+                    let bf = bf16.filter(|_| q.is_none() && use_bf16(rows.len()));
+                    let block = match (q, bf) {
+                        (Some(_), _) => kern.int8_rows(),
+                        (None, Some(b)) => b.rows_per_block,
+                        (None, None) => rows_per_block,
+                    };
                     let mut o = [0f32; MAX_ROWS * PANEL];
+                    let mut acc = [0i32; MAX_ROWS * PANEL];
                     let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
                     let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
+                    let mut ptrs_q = [std::ptr::null::<u8>(); MAX_ROWS];
                     for p in panels {
-                        let off = e * h * ip + p * panel_len(ip);
-                        let panel = &pw.down.as_slice()[off..off + panel_len(ip)];
+                        let panel = if q.is_none() {
+                            let off = e * h * ip + p * panel_len(ip);
+                            &pw.down.as_slice()[off..off + panel_len(ip)]
+                        } else {
+                            &[][..]
+                        };
                         let mut r0 = rows.start;
                         while r0 < rows.end {
                             let nr = block.min(rows.end - r0);
@@ -763,11 +1026,35 @@ impl MoeLayer {
                                 unsafe {
                                     ptrs[i] = act.get().add((r0 + i) * ip);
                                     ptrs_bf16[i] = act_bf16.get().add((r0 + i) * ip / 2);
+                                    ptrs_q[i] = act_q.get().add((r0 + i) * ip);
+                                }
+                            }
+                            if let Some(qw) = q {
+                                let qrow = e * h + p * PANEL;
+                                // SAFETY: down rows qrow..qrow+32 of an E*h x ip matrix; act_q rows
+                                // hold ip bytes.
+                                unsafe {
+                                    kern.int8_dot_raw(
+                                        &ptrs_q[..nr],
+                                        ip,
+                                        qw.mats[2].as_ptr().add(qrow * ip),
+                                        qw.sums[2].as_ptr().add(qrow),
+                                        acc.as_mut_ptr(),
+                                    );
+                                }
+                                let sw = &qw.scales[2].as_slice()[qrow..qrow + PANEL];
+                                for i in 0..nr {
+                                    // SAFETY: act_scale has a value per row.
+                                    let sa = unsafe { *act_scale.get().add(r0 + i) };
+                                    for j in 0..PANEL {
+                                        o[i * PANEL + j] = (acc[i * PANEL + j] as f32 * sw[j]) * sa;
+                                    }
                                 }
                             }
                             // SAFETY: act rows have ip floats (ip/2 staged pairs); panel_len(ip).
                             unsafe {
                                 match bf {
+                                    _ if q.is_some() => {}
                                     Some(b) => (b.dot)(
                                         &ptrs_bf16[..nr],
                                         ip,

@@ -5,7 +5,7 @@ use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::isa;
 use kt_core::kernels::{KernelSet, BF16_MIN_ROWS};
-use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource};
+use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
 use kt_core::weights::{Checkpoint, HfLayerSource};
@@ -51,6 +51,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("physical_cores", topo.total_physical_cores())?;
     let kernels = PyDict::new(py);
     kernels.set_item("BF16", KernelSet::best().py()?.name())?;
+    kernels.set_item("AMXINT8", KernelSet::best().py()?.int8_name())?;
     d.set_item("kernels", kernels)?;
     Ok(d)
 }
@@ -204,7 +205,8 @@ fn parse_map(map_ptr: usize, map_len: usize) -> Option<Vec<i64>> {
 impl MoeLayer {
     #[new]
     #[pyo3(signature = (engine, layer_idx, num_experts, top_k, hidden_size, intermediate_size,
-                        max_tokens, swiglu_limit=0.0, swiglu_alpha=0.0, kernel=None))]
+                        max_tokens, swiglu_limit=0.0, swiglu_alpha=0.0, kernel=None,
+                        format="bf16"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine: &Engine,
@@ -217,7 +219,17 @@ impl MoeLayer {
         swiglu_limit: f32,
         swiglu_alpha: f32,
         kernel: Option<&str>,
+        format: &str,
     ) -> PyResult<Self> {
+        let format = match format {
+            "bf16" => WeightFormat::Bf16,
+            "int8" => WeightFormat::Int8,
+            other => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "format={other:?}: expected 'bf16' or 'int8'"
+                )))
+            }
+        };
         let config = MoeConfig {
             layer_idx,
             num_experts,
@@ -239,7 +251,8 @@ impl MoeLayer {
             ))),
         }
         .py()?;
-        let layer = CoreLayer::new(config, engine.inner.pool().parts(), kernels).py()?;
+        let layer =
+            CoreLayer::with_format(config, engine.inner.pool().parts(), kernels, format).py()?;
         // Plan the forward scratch now (shared by all layers of the engine), not on first use.
         engine.inner.with_workspace(|w| w.reserve(&layer)).py()?;
         Ok(MoeLayer {
@@ -251,7 +264,11 @@ impl MoeLayer {
     /// Kernel name in use.
     #[getter]
     fn kernel(&self) -> &'static str {
-        self.layer.read().unwrap().kernels().name()
+        let l = self.layer.read().unwrap();
+        match l.format() {
+            WeightFormat::Bf16 => l.kernels().name(),
+            WeightFormat::Int8 => l.kernels().int8_name(),
+        }
     }
 
     /// Bytes of packed weights.

@@ -1,4 +1,5 @@
-"""Backends that read weights in their native precision (``BF16``)."""
+"""Backends built on the native layer: ``BF16`` (weights kept in bf16) and ``AMXINT8``
+(weights quantised per row to int8 with the original's rule and layout)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ class NativeMoEWrapper(BaseMoEWrapper):
     """BF16 experts: loaded from a Hugging Face safetensors checkpoint (``load_weights``) or
     from tensors (``load_weights_from_tensors``), packed once into the kernels' layout."""
 
+    _format = "bf16"
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.moe = _kt_core.MoeLayer(
@@ -27,6 +30,7 @@ class NativeMoEWrapper(BaseMoEWrapper):
             self.swiglu_limit,
             self.swiglu_alpha,
             os.environ.get("KT_BF16_KERNEL"),
+            self._format,
         )
 
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
@@ -82,11 +86,34 @@ class NativeMoEWrapper(BaseMoEWrapper):
         del keep, gate, up, down
 
 
-class AMXMoEWrapper(BaseMoEWrapper):
-    """AMXINT4/AMXINT8 converted weights: not built yet."""
+class AMXMoEWrapper(NativeMoEWrapper):
+    """AMXINT8 experts: quantised per output row to int8 (the original's rule, so values and
+    scales equal its converted files) from tensors or from a Hugging Face checkpoint, and run
+    with int8 dot products (AVX512-VNNI, AVX2 or scalar; AMX tiles are not built yet)."""
 
-    def __init__(self, **kwargs) -> None:
-        raise NotImplementedError("AMXINT4/AMXINT8 are not built into this kt_kernel yet")
+    _format = "int8"
+
+    def load_weights(self, physical_to_logical_map_cpu=None) -> None:
+        """Quantise this layer's experts from the Hugging Face checkpoint at ``weight_path``.
+        Files already converted by the original (``blk.*`` safetensors, ``_layer_*`` folders)
+        cannot be read yet."""
+        path = os.fspath(self.weight_path) if self.weight_path else ""
+        if os.path.isdir(path) and (
+            any(n.startswith("_layer_") for n in os.listdir(path)) or _has_converted_keys(path)
+        ):
+            raise NotImplementedError(
+                f"{path!r} holds weights converted by the original (AMXINT8 layout); reading them "
+                "is not built yet. Point weight_path at the Hugging Face checkpoint instead."
+            )
+        super().load_weights(physical_to_logical_map_cpu)
+
+
+def _has_converted_keys(path: str) -> bool:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return '"blk.' in f.read()
+    return False
 
 
 class LlamafileMoEWrapper(BaseMoEWrapper):

@@ -80,6 +80,8 @@ pub struct KernelSet {
     dot: PanelDotFn,
     swiglu: SwigluFn,
     bf16: Option<Bf16Path>,
+    int8: int8::Int8DotFn,
+    int8_rows: usize,
 }
 
 impl std::fmt::Debug for KernelSet {
@@ -117,12 +119,18 @@ impl KernelSet {
                 set.rows_per_block = avx2::ROWS;
                 set.dot = avx2::panel_dot_fma;
                 set.swiglu = avx2::swiglu;
+                set.int8 = int8::dot_avx2;
+                set.int8_rows = 4;
             }
             if level >= Level::Avx512Base {
                 set.name = "avx512-fma";
                 set.rows_per_block = avx512::ROWS;
                 set.dot = avx512::panel_dot_fma;
                 set.swiglu = avx512::swiglu;
+            }
+            if level >= Level::Avx512Vnni {
+                set.int8 = int8::dot_avx512vnni;
+                set.int8_rows = int8::ROWS;
             }
         }
         Ok(set)
@@ -157,6 +165,8 @@ impl KernelSet {
             dot: scalar::panel_dot_fma,
             swiglu: scalar::swiglu,
             bf16: None,
+            int8: int8::dot_scalar,
+            int8_rows: int8::ROWS,
         }
     }
 
@@ -280,6 +290,39 @@ impl KernelSet {
     ) {
         // SAFETY: forwarded.
         unsafe { (self.dot)(a_rows, k, panel, out) }
+    }
+
+    /// Token rows per int8 kernel call.
+    pub fn int8_rows(&self) -> usize {
+        self.int8_rows
+    }
+
+    /// Name of the int8 kernel ("avx512-vnni", "avx2", "scalar"), as `__int8_kernel__` reports.
+    pub fn int8_name(&self) -> &'static str {
+        if self.level >= Level::Avx512Vnni {
+            "avx512-vnni"
+        } else if self.level >= Level::Avx2 {
+            "avx2"
+        } else {
+            "scalar"
+        }
+    }
+
+    /// Unchecked int8 dot product for the hot path.
+    ///
+    /// # Safety
+    /// The [`int8::Int8DotFn`] contract (the ISA part is guaranteed by construction).
+    #[inline(always)]
+    pub unsafe fn int8_dot_raw(
+        &self,
+        a_rows: &[*const u8],
+        k: usize,
+        group: *const u8,
+        sums: *const i32,
+        out: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { (self.int8)(a_rows, k, group, sums, out) }
     }
 
     /// SwiGLU over equal-length slices.
