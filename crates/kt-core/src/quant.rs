@@ -48,7 +48,20 @@ fn fill_q8(row: &[f32], d: f32, q: &mut [i8]) {
     }
     let inv = 1.0f32 / d;
     for (o, &w) in q.iter_mut().zip(row) {
-        *o = (w * inv).round_ties_even().clamp(-128.0, 127.0) as i8;
+        *o = round_half_even(w * inv).clamp(-128.0, 127.0) as i8;
+    }
+}
+
+/// Round half to even with plain arithmetic (`f32::round_ties_even` becomes a libm call on
+/// baseline x86-64, which made quantisation slow). Exact for |x| < 2^22; larger values only
+/// occur beyond the int8 range, where the caller saturates anyway.
+#[inline(always)]
+fn round_half_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    if x.abs() < 4_194_304.0 {
+        (x + MAGIC) - MAGIC
+    } else {
+        x
     }
 }
 
@@ -149,3 +162,18 @@ pub fn unpack_amx_int4(bytes: &[u8], n: usize, k: usize) -> Result<Vec<i8>> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod rounding_tests {
+    #[test]
+    fn round_half_even_matches_std() {
+        let mut x = -300.0f32;
+        while x < 300.0 {
+            assert_eq!(super::round_half_even(x), x.round_ties_even(), "{x}");
+            x += 0.125;
+        }
+        for v in [1e7f32, -1e9, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.5] {
+            assert_eq!(super::round_half_even(v), v.round_ties_even(), "{v}");
+        }
+    }
+}

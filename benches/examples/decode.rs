@@ -1,0 +1,94 @@
+//! Diagnostic: decode latency of one layer per weight format, alternating two layers so the
+//! weights come from DRAM. `cargo run --release -p kt-benches --example decode`
+use kt_core::kernels::KernelSet;
+use kt_core::moe::{WeightFormat, Workspace};
+use kt_core::rng::Rng;
+use std::time::Instant;
+
+fn main() {
+    let pool = kt_benches::pool(2);
+    let (e, k, h, i) = (128, 8, 2048, 768);
+    let mut rng = Rng::new(2);
+    let formats: Vec<WeightFormat> = match std::env::args().nth(1).as_deref() {
+        Some("int8") => vec![WeightFormat::Int8],
+        Some("bf16") => vec![WeightFormat::Bf16],
+        _ => vec![WeightFormat::Bf16, WeightFormat::Int8],
+    };
+    for format in formats {
+        let layers: Vec<_> = (0..2)
+            .map(|_| {
+                kt_benches::synthetic_layer_as(
+                    &pool,
+                    e,
+                    k,
+                    h,
+                    i,
+                    64,
+                    KernelSet::best().unwrap(),
+                    format,
+                )
+            })
+            .collect();
+        let mut ws = Workspace::new();
+        let x = rng.normals(h, 1.0);
+        let mut out = vec![0f32; h];
+        let mut best = f64::MAX;
+        let mut times = Vec::new();
+        let iters = std::env::var("ITERS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200);
+        for it in 0..iters {
+            let (ids, w) = kt_benches::routing(&mut rng, 1, e, k);
+            let t = Instant::now();
+            layers[it % 2]
+                .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
+                .unwrap();
+            let dt = t.elapsed().as_secs_f64();
+            best = best.min(dt);
+            times.push(dt);
+        }
+        times.sort_by(f64::total_cmp);
+        let bytes = match format {
+            WeightFormat::Bf16 => 8 * 3 * h * i * 2,
+            WeightFormat::Int8 => 8 * 3 * h * i,
+        };
+        println!(
+            "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",
+            times[iters / 2] * 1e3,
+            bytes as f64 / times[iters / 2] / 1e9,
+            best * 1e3
+        );
+    }
+    println!(
+        "probe {:.1} GB/s",
+        kt_core::probe::dram_read_gbps(&pool, 1 << 30, 3).unwrap()
+    );
+    // Kernel alone: one 32-row int8 group (k = 2048) from cache, 1 row.
+    let set = KernelSet::best().unwrap();
+    let kk = 2048;
+    let group = vec![1u8; 32 * kk];
+    let sums = [0i32; 32];
+    let a = vec![129u8; kk];
+    let mut out = [0i32; 32];
+    let t = Instant::now();
+    for _ in 0..20000 {
+        // SAFETY: sizes as the kernel contract requires.
+        unsafe {
+            set.int8_dot_raw(
+                &[a.as_ptr()],
+                kk,
+                group.as_ptr(),
+                sums.as_ptr(),
+                out.as_mut_ptr(),
+            )
+        };
+        std::hint::black_box(&out);
+    }
+    let dt = t.elapsed().as_secs_f64() / 20000.0;
+    println!(
+        "int8 kernel, 1 row x 32 x {kk} from cache: {:.2} us ({:.1} GB/s)",
+        dt * 1e6,
+        (32 * kk) as f64 / dt / 1e9
+    );
+}
