@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, help="override the preset's expert count")
     p.add_argument("--layers", type=int, help="layers to cycle through (default: per preset)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
-    p.add_argument("--methods", nargs="+", default=["BF16"])
+    p.add_argument("--methods", nargs="+", default=["BF16", "AMXINT8"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=0, help="timed calls per size (0 = auto)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     bytes_per_expert = 3 * hidden * inter * 2
+    # AMXINT8: one byte per weight plus an fp32 scale (and our i32 row sum) per output row.
+    int8_bytes_per_expert = 3 * hidden * inter + (2 * inter + hidden) * 8
     info = kt_kernel.cpu_info()
     print(
         f"kt_kernel {kt_kernel.__version__} | variant {info['variant']} | BF16 kernel "
@@ -223,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             times = all_times[name]
             err = _rel_l2(fn(check_layer, cx, cids, cw), ref)
             med, best = statistics.median(times), min(times)
-            gbps = distinct * bytes_per_expert / med / 1e9
+            method_bytes = int8_bytes_per_expert if name == "AMXINT8" else bytes_per_expert
+            gbps = distinct * method_bytes / med / 1e9
             gflops = 2 * 3 * hidden * inter * tokens * k / med / 1e9
             row = {
                 "impl": name,
@@ -237,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                 "frac_dram": gbps / limits["dram_read_gbps"],
                 "dram_now_gbps": dram_median,
                 "frac_dram_now": gbps / dram_median,
-                "best_weight_gbps": distinct * bytes_per_expert / best / 1e9,
+                "best_weight_gbps": distinct * method_bytes / best / 1e9,
                 "frac_fma_peak": gflops / limits["fp32_fma_gflops"]
                 if limits["fp32_fma_gflops"]
                 else None,
