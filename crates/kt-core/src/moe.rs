@@ -73,14 +73,7 @@ impl MoeConfig {
             "layer {l}: moe_intermediate_size={} must be a positive multiple of {PANEL}",
             self.intermediate
         );
-        kt_ensure!(
-            self.intermediate / PANEL >= parts,
-            Invalid,
-            "layer {l}: moe_intermediate_size={} has {} blocks of {PANEL}, fewer than \
-             threadpool_count={parts}; every NUMA part needs at least one block",
-            self.intermediate,
-            self.intermediate / PANEL
-        );
+        self.check_blocks(parts, PANEL)?;
         kt_ensure!(
             self.max_tokens > 0,
             Invalid,
@@ -97,6 +90,20 @@ impl MoeConfig {
             Invalid,
             "layer {l}: swiglu_alpha must be a finite value ≥ 0, got {}",
             self.swiglu_alpha
+        );
+        Ok(())
+    }
+
+    /// Every NUMA part needs at least one block of `unit` intermediate rows.
+    fn check_blocks(&self, parts: usize, unit: usize) -> Result<()> {
+        let l = self.layer_idx;
+        kt_ensure!(
+            self.intermediate / unit >= parts,
+            Invalid,
+            "layer {l}: moe_intermediate_size={} has {} blocks of {unit}, fewer than \
+             threadpool_count={parts}; every NUMA part needs at least one block",
+            self.intermediate,
+            self.intermediate / unit
         );
         Ok(())
     }
@@ -442,14 +449,7 @@ impl MoeLayer {
             config.hidden,
             config.intermediate
         );
-        kt_ensure!(
-            config.intermediate / unit >= parts,
-            Invalid,
-            "layer {l}: moe_intermediate_size={} has {} blocks of {unit}, fewer than \
-             threadpool_count={parts}; every NUMA part needs at least one block",
-            config.intermediate,
-            config.intermediate / unit
-        );
+        config.check_blocks(parts, unit)?;
         let ranges = config.part_ranges_in_units(parts, unit);
         let e = config.num_experts;
         let parts = ranges
