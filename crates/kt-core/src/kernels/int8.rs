@@ -62,6 +62,55 @@ pub unsafe fn dot_scalar(
     }
 }
 
+/// Like [`Int8DotFn`] for AMXINT4 groups (`32*k/2` bytes in the original's nibble layout; each
+/// weight is `16·v`, `v ∈ [−7, 7]`); `row_sums` are sums of `16·v`.
+pub type Int4DotFn = Int8DotFn;
+
+/// Row sums `Σ_kk 16·v[j][kk]` of a 32-row AMXINT4 group.
+pub fn group_row_sums_int4(group: &[u8], k: usize) -> [i32; 32] {
+    let mut sums = [0i32; 32];
+    for (j, s) in sums.iter_mut().enumerate() {
+        for kk in 0..k {
+            *s += int4_weight(group, j, kk, k);
+        }
+    }
+    sums
+}
+
+/// The weight `16·v` of (row `j`, column `kk`) in an AMXINT4 group.
+fn int4_weight(group: &[u8], j: usize, kk: usize, k: usize) -> i32 {
+    let (off, nib) = crate::quant::amx_int4_position(j, kk, k);
+    let b = group[off];
+    // The nibble moved to the top of a byte is 16·v as a signed byte.
+    (if nib == 0 { b << 4 } else { b & 0xF0 }) as i8 as i32
+}
+
+/// Scalar twin of the AMXINT4 dot product.
+///
+/// # Safety
+/// See [`Int4DotFn`].
+pub unsafe fn dot_int4_scalar(
+    a_rows: &[*const u8],
+    k: usize,
+    group: *const u8,
+    _s: *const i32,
+    out: *mut i32,
+) {
+    // SAFETY: the group holds 32*k/2 bytes by the contract.
+    let g = unsafe { std::slice::from_raw_parts(group, 32 * k / 2) };
+    for (r, &a) in a_rows.iter().enumerate() {
+        for j in 0..32 {
+            let mut acc = 0i32;
+            for kk in 0..k {
+                // SAFETY: kk < k.
+                acc += (unsafe { *a.add(kk) } as i32 - 128) * int4_weight(g, j, kk, k);
+            }
+            // SAFETY: out holds 32 per row.
+            unsafe { *out.add(r * 32 + j) = acc };
+        }
+    }
+}
+
 /// Rows per call of the SIMD variants.
 pub const ROWS: usize = 8;
 
@@ -188,10 +237,148 @@ mod x86 {
             }
         }
     }
+
+    /// AVX512-VNNI AMXINT4: each 64-byte line gives two int8 operands, the low nibbles shifted
+    /// up (columns 4w..4w+4 of the tile) and the high nibbles masked (columns 64+4w..).
+    ///
+    /// # Safety
+    /// AVX512-F/BW/VNNI available; [`super::Int4DotFn`] contract.
+    pub unsafe fn dot_int4_avx512vnni(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(int4_vnni512, "avx512vnni int4 dot", a, (a, k, g, s, o); 1 2 3 4 5 6 7 8)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn int4_vnni512<const R: usize>(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        let mut acc = [[_mm512_setzero_si512(); 2]; R];
+        let high = _mm512_set1_epi8(0xF0u8 as i8);
+        for t in 0..k / 128 {
+            for h in 0..2 {
+                for w in 0..16 {
+                    // SAFETY: tile t (2048 bytes), half h, line w inside the group; columns
+                    // 128t + 4w and 128t + 64 + 4w inside each row.
+                    unsafe {
+                        let b = _mm512_loadu_si512(
+                            g.add(t * 2048 + h * 1024 + w * 64) as *const __m512i
+                        );
+                        let lo = _mm512_and_si512(_mm512_slli_epi16::<4>(b), high);
+                        let hi = _mm512_and_si512(b, high);
+                        for r in 0..R {
+                            let base = a[r].add(t * 128 + w * 4);
+                            let q0 = _mm512_set1_epi32((base as *const i32).read_unaligned());
+                            let q1 =
+                                _mm512_set1_epi32((base.add(64) as *const i32).read_unaligned());
+                            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], q0, lo);
+                            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], q1, hi);
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: 32 row sums; out holds 32 per row.
+        unsafe {
+            let bias = [
+                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
+                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
+            ];
+            for r in 0..R {
+                for h in 0..2 {
+                    _mm512_storeu_si512(
+                        o.add(r * 32 + h * 16) as *mut __m512i,
+                        _mm512_sub_epi32(acc[r][h], bias[h]),
+                    );
+                }
+            }
+        }
+    }
+
+    /// AVX2 AMXINT4 with the sign trick (|16·v| ≤ 112 keeps the i16 pair sums exact).
+    ///
+    /// # Safety
+    /// AVX2 available; [`super::Int4DotFn`] contract.
+    pub unsafe fn dot_int4_avx2(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(int4_avx2, "avx2 int4 dot", a, (a, k, g, s, o); 1 2 3 4)
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn int4_avx2<const R: usize>(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        _s: *const i32,
+        o: *mut i32,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let high = _mm256_set1_epi8(0xF0u8 as i8);
+        let mut acc = [[_mm256_setzero_si256(); 4]; R];
+        for t in 0..k / 128 {
+            for h in 0..2 {
+                for w in 0..16 {
+                    // SAFETY: as in the AVX-512 variant, in 32-byte halves (8 rows each).
+                    unsafe {
+                        let line = g.add(t * 2048 + h * 1024 + w * 64);
+                        for half in 0..2 {
+                            let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
+                            let ops = [
+                                _mm256_and_si256(_mm256_slli_epi16::<4>(b), high),
+                                _mm256_and_si256(b, high),
+                            ];
+                            for r in 0..R {
+                                let base = a[r].add(t * 128 + w * 4);
+                                for (c, wv) in ops.iter().enumerate() {
+                                    let quad = (base.add(64 * c) as *const i32).read_unaligned();
+                                    let x = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+                                    let p16 = _mm256_maddubs_epi16(
+                                        _mm256_abs_epi8(x),
+                                        _mm256_sign_epi8(*wv, x),
+                                    );
+                                    let q = 2 * h + half;
+                                    acc[r][q] =
+                                        _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(p16, ones));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for q in 0..4 {
+                // SAFETY: out holds 32 per row; quarter q = outputs 8q..8q+8.
+                unsafe { _mm256_storeu_si256(o.add(r * 32 + q * 8) as *mut __m256i, acc[r][q]) };
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_avx2, dot_avx512vnni};
+pub use x86::{dot_avx2, dot_avx512vnni, dot_int4_avx2, dot_int4_avx512vnni};
 
 #[cfg(test)]
 mod tests {
@@ -229,6 +416,54 @@ mod tests {
                         assert_eq!(want[r * 32 + j] as i64, exact);
                     }
                 }
+            }
+        }
+    }
+
+    fn check_int4(f: Int4DotFn, rows_max: usize, name: &str) {
+        let mut rng = Rng::new(77);
+        for k in [128usize, 384] {
+            let v: Vec<i8> = (0..32 * k)
+                .map(|_| (rng.below(15) as i32 - 7) as i8)
+                .collect();
+            let group = crate::quant::pack_amx_int4(&v, 32, k).unwrap();
+            let sums = group_row_sums_int4(&group, k);
+            for rows in 1..=rows_max {
+                let a: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                    .collect();
+                let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
+                let mut got = vec![0i32; rows * 32];
+                let mut want = vec![0i32; rows * 32];
+                unsafe {
+                    f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
+                    dot_int4_scalar(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
+                }
+                assert_eq!(got, want, "{name} rows={rows} k={k}");
+                for r in 0..rows {
+                    for j in 0..32 {
+                        let exact: i64 = (0..k)
+                            .map(|kk| (a[r][kk] as i64 - 128) * 16 * v[j * k + kk] as i64)
+                            .sum();
+                        assert_eq!(want[r * 32 + j] as i64, exact);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int4_variants_match_the_scalar_twin_exactly() {
+        check_int4(dot_int4_scalar, 2, "scalar");
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                check_int4(dot_int4_avx2, 4, "avx2");
+            }
+            if std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512bw")
+            {
+                check_int4(dot_int4_avx512vnni, ROWS, "avx512vnni");
             }
         }
     }
