@@ -22,9 +22,9 @@ ORIG_OK=0
 if [ "${KT_SKIP_ORIGINAL:-0}" != 1 ] && bash benches/setup_original_venv.sh >"$OUT/orig-setup.log" 2>&1; then
   ORIG="${KT_ORIG_VENV:-/root/.cache/kt-kernel/orig-venv}"
   echo "[benchmarks] original kt-kernel 0.7.2 (black box)"
-  if "$ORIG/bin/python" benches/compare_original.py --original --methods BF16 AMXINT8 \
+  if "$ORIG/bin/python" benches/compare_original.py --original --methods BF16 AMXINT8 AMXINT4 \
       --json "$OUT/original.json" >"$OUT/original.log" 2>&1 &&
-     "$VENV/bin/python" benches/compare_original.py --methods BF16 AMXINT8 \
+     "$VENV/bin/python" benches/compare_original.py --methods BF16 AMXINT8 AMXINT4 \
       --json "$OUT/ours.json" >"$OUT/ours.log" 2>&1; then
     ORIG_OK=1
   else

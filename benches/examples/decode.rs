@@ -12,7 +12,8 @@ fn main() {
     let formats: Vec<WeightFormat> = match std::env::args().nth(1).as_deref() {
         Some("int8") => vec![WeightFormat::Int8],
         Some("bf16") => vec![WeightFormat::Bf16],
-        _ => vec![WeightFormat::Bf16, WeightFormat::Int8],
+        Some("int4") => vec![WeightFormat::Int4],
+        _ => vec![WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Int4],
     };
     for format in formats {
         let layers: Vec<_> = (0..2)
@@ -52,6 +53,7 @@ fn main() {
         let bytes = match format {
             WeightFormat::Bf16 => 8 * 3 * h * i * 2,
             WeightFormat::Int8 => 8 * 3 * h * i,
+            WeightFormat::Int4 => 8 * 3 * h * i / 2,
         };
         println!(
             "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",

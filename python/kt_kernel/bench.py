@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, help="override the preset's expert count")
     p.add_argument("--layers", type=int, help="layers to cycle through (default: per preset)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
-    p.add_argument("--methods", nargs="+", default=["BF16", "AMXINT8"])
+    p.add_argument("--methods", nargs="+", default=["BF16", "AMXINT8", "AMXINT4"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=0, help="timed calls per size (0 = auto)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     bytes_per_expert = 3 * hidden * inter * 2
     # AMXINT8: one byte per weight plus an fp32 scale (and our i32 row sum) per output row.
     int8_bytes_per_expert = 3 * hidden * inter + (2 * inter + hidden) * 8
+    int4_bytes_per_expert = 3 * hidden * inter // 2 + (2 * inter + hidden) * 8
     info = kt_kernel.cpu_info()
     print(
         f"kt_kernel {kt_kernel.__version__} | variant {info['variant']} | BF16 kernel "
@@ -225,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
             times = all_times[name]
             err = _rel_l2(fn(check_layer, cx, cids, cw), ref)
             med, best = statistics.median(times), min(times)
-            method_bytes = int8_bytes_per_expert if name == "AMXINT8" else bytes_per_expert
+            method_bytes = {"AMXINT8": int8_bytes_per_expert, "AMXINT4": int4_bytes_per_expert}.get(
+                name, bytes_per_expert
+            )
             gbps = distinct * method_bytes / med / 1e9
             gflops = 2 * 3 * hidden * inter * tokens * k / med / 1e9
             row = {

@@ -47,7 +47,7 @@ SFT_METHODS = frozenset(
     }
 )
 # Methods this build computes; the rest are recognised and refused with NotImplementedError.
-IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8"})
+IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8", "AMXINT4"})
 
 
 class KTMoEWrapper:
@@ -123,7 +123,7 @@ class KTMoEWrapper:
             )
         from .utils.native import AMXMoEWrapper, NativeMoEWrapper
 
-        backend = AMXMoEWrapper if method == "AMXINT8" else NativeMoEWrapper
+        backend = AMXMoEWrapper if method in ("AMXINT8", "AMXINT4") else NativeMoEWrapper
         return backend(
             layer_idx=layer_idx,
             num_experts=num_experts,

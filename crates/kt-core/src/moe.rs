@@ -161,6 +161,8 @@ pub enum WeightFormat {
     Bf16,
     /// Per-row symmetric int8 in the original's tiled AMXINT8 layout (method AMXINT8).
     Int8,
+    /// Per-row symmetric int4 (`16·v`) in the original's AMXINT4 nibble layout (method AMXINT4).
+    Int4,
 }
 
 impl WeightFormat {
@@ -170,6 +172,20 @@ impl WeightFormat {
         match self {
             WeightFormat::Bf16 => PANEL,
             WeightFormat::Int8 => 64,
+            WeightFormat::Int4 => 128,
+        }
+    }
+
+    /// True for the quantised formats.
+    pub fn is_quantised(self) -> bool {
+        self != WeightFormat::Bf16
+    }
+
+    /// Bytes of a quantised `n × k` matrix.
+    fn matrix_bytes(self, n: usize, k: usize) -> usize {
+        match self {
+            WeightFormat::Int4 => n * k / 2,
+            _ => n * k,
         }
     }
 }
@@ -220,7 +236,14 @@ struct Int8Target {
 /// # Safety
 /// `t`'s buffers hold at least `slot + 1` experts of `n × k`; no other thread writes expert
 /// `slot` of this matrix; `view` is alive.
-unsafe fn quantise_into(view: &MatrixView, n: usize, k: usize, slot: usize, t: Int8Target) {
+unsafe fn quantise_into(
+    view: &MatrixView,
+    n: usize,
+    k: usize,
+    slot: usize,
+    t: Int8Target,
+    format: WeightFormat,
+) {
     let mut row = vec![0f32; k];
     let mut q = vec![0i8; k];
     for r in 0..n {
@@ -232,18 +255,31 @@ unsafe fn quantise_into(view: &MatrixView, n: usize, k: usize, slot: usize, t: I
                 &mut row,
             )
         };
-        let d = crate::quant::quantize_row_int8(&row, &mut q);
         let (group, local) = (r / PANEL, r % PANEL);
-        let base = slot * n * k + group * PANEL * k;
-        // SAFETY: offsets stay inside expert `slot`'s n*k bytes / n scales (contract).
+        let base = format.matrix_bytes(slot * n + group * PANEL, k);
+        // SAFETY: offsets stay inside expert `slot`'s matrix bytes / n scales (contract); the
+        // nibble bytes of a row are only written by this row's loop.
         unsafe {
-            for (c, &v) in q.iter().enumerate() {
-                *t.mat
-                    .get()
-                    .add(base + crate::quant::amx_int8_offset(local, c, k)) = v as u8;
-            }
+            let (d, sum) = if format == WeightFormat::Int4 {
+                let d = crate::quant::quantize_row_int4(&row, &mut q);
+                for (c, &v) in q.iter().enumerate() {
+                    let (off, nib) = crate::quant::amx_int4_position(local, c, k);
+                    let byte = t.mat.get().add(base + off);
+                    let keep = if nib == 0 { 0xF0 } else { 0x0F };
+                    *byte = (*byte & keep) | (((v as u8) & 0x0F) << (4 * nib));
+                }
+                (d, q.iter().map(|&v| 16 * v as i32).sum())
+            } else {
+                let d = crate::quant::quantize_row_int8(&row, &mut q);
+                for (c, &v) in q.iter().enumerate() {
+                    *t.mat
+                        .get()
+                        .add(base + crate::quant::amx_int8_offset(local, c, k)) = v as u8;
+                }
+                (d, q.iter().map(|&v| v as i32).sum())
+            };
             *t.scale.get().add(slot * n + r) = d;
-            *t.sum.get().add(slot * n + r) = q.iter().map(|&v| v as i32).sum();
+            *t.sum.get().add(slot * n + r) = sum;
         }
     }
 }
@@ -348,7 +384,7 @@ impl Workspace {
                 grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
-            if layer.format == WeightFormat::Int8 {
+            if layer.format.is_quantised() {
                 grow(&mut s.x_q, tokens * c.hidden)?;
                 grow(&mut s.x_scale, tokens)?;
                 grow(&mut s.act_q, rows * p.inter.len())?;
@@ -458,13 +494,14 @@ impl MoeLayer {
                 let n = e * config.hidden * inter.len();
                 let (bf, q) = match format {
                     WeightFormat::Bf16 => (n, None),
-                    WeightFormat::Int8 => {
+                    WeightFormat::Int8 | WeightFormat::Int4 => {
                         let rows = [e * inter.len(), e * inter.len(), e * config.hidden];
+                        let bytes = format.matrix_bytes(n, 1);
                         let q = Int8Part {
                             mats: [
-                                AlignedBuf::zeroed(n)?,
-                                AlignedBuf::zeroed(n)?,
-                                AlignedBuf::zeroed(n)?,
+                                AlignedBuf::zeroed(bytes)?,
+                                AlignedBuf::zeroed(bytes)?,
+                                AlignedBuf::zeroed(bytes)?,
                             ],
                             scales: [
                                 AlignedBuf::zeroed(rows[0])?,
@@ -625,6 +662,7 @@ impl MoeLayer {
         let ranges = self.part_ranges();
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
         let (h, e_count) = (c.hidden, c.num_experts);
+        let fmt = self.format;
         pool.run_parts(&|part, team: &Team| {
             let inter = ranges[part].clone();
             let ip = inter.len();
@@ -653,7 +691,7 @@ impl MoeLayer {
                     };
                     if let Some(q) = &int8_targets[part] {
                         // SAFETY: the task owns expert `slot` of matrix `which` in this part.
-                        unsafe { quantise_into(&view, n, k, slot, q[which]) };
+                        unsafe { quantise_into(&view, n, k, slot, q[which], fmt) };
                         return Ok(());
                     }
                     let base = dst[which].0;
@@ -828,6 +866,11 @@ impl MoeLayer {
         let rows_per_block = kern.rows_per_block();
         let total_rows = routing.rows();
         let bf16 = kern.bf16().copied();
+        // The integer kernel of a quantised format (same contract for int8 and int4 groups).
+        let qdot = match self.format {
+            WeightFormat::Int4 => kern.int4_fn(),
+            _ => kern.int8_fn(),
+        };
         // The bf16 path serves experts with enough rows to be compute-bound.
         let use_bf16 = |rows: usize| bf16.is_some_and(|b| b.min_rows > 0 && rows >= b.min_rows);
         let any_bf16 = routing.offsets.windows(2).any(|w| use_bf16(w[1] - w[0]));
@@ -922,10 +965,12 @@ impl MoeLayer {
                             // SAFETY: panel rows qrow..qrow+32 of an E*ip x h matrix; x_q rows
                             // hold h bytes; acc holds nr*32.
                             unsafe {
-                                kern.int8_dot_raw(
+                                qdot(
                                     &ptrs_q[..nr],
                                     h,
-                                    qw.mats[which].as_ptr().add(qrow * h),
+                                    qw.mats[which]
+                                        .as_ptr()
+                                        .add(self.format.matrix_bytes(qrow, h)),
                                     qw.sums[which].as_ptr().add(qrow),
                                     acc.as_mut_ptr(),
                                 );
@@ -1034,10 +1079,10 @@ impl MoeLayer {
                                 // SAFETY: down rows qrow..qrow+32 of an E*h x ip matrix; act_q rows
                                 // hold ip bytes.
                                 unsafe {
-                                    kern.int8_dot_raw(
+                                    qdot(
                                         &ptrs_q[..nr],
                                         ip,
-                                        qw.mats[2].as_ptr().add(qrow * ip),
+                                        qw.mats[2].as_ptr().add(self.format.matrix_bytes(qrow, ip)),
                                         qw.sums[2].as_ptr().add(qrow),
                                         acc.as_mut_ptr(),
                                     );

@@ -224,9 +224,10 @@ impl MoeLayer {
         let format = match format {
             "bf16" => WeightFormat::Bf16,
             "int8" => WeightFormat::Int8,
+            "int4" => WeightFormat::Int4,
             other => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "format={other:?}: expected 'bf16' or 'int8'"
+                    "format={other:?}: expected 'bf16', 'int8' or 'int4'"
                 )))
             }
         };
@@ -267,7 +268,7 @@ impl MoeLayer {
         let l = self.layer.read().unwrap();
         match l.format() {
             WeightFormat::Bf16 => l.kernels().name(),
-            WeightFormat::Int8 => l.kernels().int8_name(),
+            WeightFormat::Int8 | WeightFormat::Int4 => l.kernels().int8_name(),
         }
     }
 

@@ -87,11 +87,13 @@ class NativeMoEWrapper(BaseMoEWrapper):
 
 
 class AMXMoEWrapper(NativeMoEWrapper):
-    """AMXINT8 experts: quantised per output row to int8 (the original's rule, so values and
-    scales equal its converted files) from tensors or from a Hugging Face checkpoint, and run
-    with int8 dot products (AVX512-VNNI, AVX2 or scalar; AMX tiles are not built yet)."""
+    """AMXINT8 / AMXINT4 experts: quantised per output row (the original's rules, so values
+    and scales equal its converted files) from tensors or from a Hugging Face checkpoint, and
+    run with integer dot products (AVX512-VNNI, AVX2 or scalar; AMX tiles are not built yet)."""
 
-    _format = "int8"
+    @property
+    def _format(self) -> str:
+        return "int4" if self.method == "AMXINT4" else "int8"
 
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
         """Quantise this layer's experts from the Hugging Face checkpoint at ``weight_path``.

@@ -81,6 +81,7 @@ pub struct KernelSet {
     swiglu: SwigluFn,
     bf16: Option<Bf16Path>,
     int8: int8::Int8DotFn,
+    int4: int8::Int4DotFn,
     int8_rows: usize,
 }
 
@@ -120,6 +121,7 @@ impl KernelSet {
                 set.dot = avx2::panel_dot_fma;
                 set.swiglu = avx2::swiglu;
                 set.int8 = int8::dot_avx2;
+                set.int4 = int8::dot_int4_avx2;
                 set.int8_rows = 4;
             }
             if level >= Level::Avx512Base {
@@ -130,6 +132,7 @@ impl KernelSet {
             }
             if level >= Level::Avx512Vnni {
                 set.int8 = int8::dot_avx512vnni;
+                set.int4 = int8::dot_int4_avx512vnni;
                 set.int8_rows = int8::ROWS;
             }
         }
@@ -166,6 +169,7 @@ impl KernelSet {
             swiglu: scalar::swiglu,
             bf16: None,
             int8: int8::dot_scalar,
+            int4: int8::dot_int4_scalar,
             int8_rows: int8::ROWS,
         }
     }
@@ -306,6 +310,16 @@ impl KernelSet {
         } else {
             "scalar"
         }
+    }
+
+    /// The int8 kernel (its contract: [`int8::Int8DotFn`]; the ISA is guaranteed).
+    pub fn int8_fn(&self) -> int8::Int8DotFn {
+        self.int8
+    }
+
+    /// The int4 kernel (its contract: [`int8::Int4DotFn`]; the ISA is guaranteed).
+    pub fn int4_fn(&self) -> int8::Int4DotFn {
+        self.int4
     }
 
     /// Unchecked int8 dot product for the hot path.

@@ -457,11 +457,26 @@ fn bad_configs_and_inputs_are_rejected_with_reasons() {
 
 #[test]
 fn int8_layers_agree_across_levels_and_stay_accurate() {
+    quantised_layers_agree_across_levels(WeightFormat::Int8, 192, 3, 0.027);
+}
+
+#[test]
+fn int4_layers_agree_across_levels_and_stay_accurate() {
+    // The original measures 0.27 for AMXINT4 on random data.
+    quantised_layers_agree_across_levels(WeightFormat::Int4, 256, 2, 0.27);
+}
+
+fn quantised_layers_agree_across_levels(
+    format: WeightFormat,
+    i: usize,
+    max_parts: usize,
+    bound: f64,
+) {
     let mut rng = Rng::new(31);
-    let (e, k, h, i) = (6, 2, 128, 192);
+    let (e, k, h) = (6, 2, 128);
     let wts = Weights::random(&mut rng, e, h, i);
     let map: Vec<usize> = (0..e).collect();
-    for parts in [1, 3] {
+    for parts in [1, max_parts] {
         let pool = pool(parts, 2.max(parts));
         let mut outputs: Vec<Vec<f32>> = Vec::new();
         let x = rng.normals(9 * h, 1.0);
@@ -469,8 +484,7 @@ fn int8_layers_agree_across_levels_and_stay_accurate() {
         for level in runnable_levels() {
             let kern = KernelSet::for_level(level).unwrap();
             let mut layer =
-                MoeLayer::with_format(config(e, k, h, i, 16), parts, kern, WeightFormat::Int8)
-                    .unwrap();
+                MoeLayer::with_format(config(e, k, h, i, 16), parts, kern, format).unwrap();
             layer.load(&pool, &wts.source(), None).unwrap();
             for rowwise in [true, false] {
                 layer.set_rowwise_down_limit(if rowwise { usize::MAX } else { 0 });
@@ -494,8 +508,7 @@ fn int8_layers_agree_across_levels_and_stay_accurate() {
             &outputs[0],
             &wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0),
         );
-        // The original measures 0.027 for AMXINT8 on random data.
-        assert!(err < 0.027, "parts={parts}: rel err {err}");
+        assert!(err < bound, "{format:?} parts={parts}: rel err {err}");
         assert!(err > 1e-4, "quantisation should show: {err}");
     }
 }
