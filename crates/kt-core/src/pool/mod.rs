@@ -137,6 +137,8 @@ struct Slot<J> {
     job: AtomicPtr<J>,
     sleeping: AtomicBool,
     thread: OnceLock<Thread>,
+    /// Linux thread id, for per-thread CPU accounting.
+    tid: OnceLock<i64>,
 }
 
 impl<J> Slot<J> {
@@ -145,6 +147,7 @@ impl<J> Slot<J> {
             job: AtomicPtr::new(std::ptr::null_mut()),
             sleeping: AtomicBool::new(false),
             thread: OnceLock::new(),
+            tid: OnceLock::new(),
         }
     }
 
@@ -354,10 +357,14 @@ impl Pool {
                         if pin_node {
                             let _ = crate::affinity::prefer_node_for_current_thread(node);
                         }
+                        // SAFETY: gettid has no preconditions.
+                        let tid = unsafe { libc::syscall(libc::SYS_gettid) } as i64;
                         if t == 0 {
+                            let _ = sh.leader.tid.set(tid);
                             let _ = sh.leader.thread.set(thread::current());
                             leader_loop(sh)
                         } else {
+                            let _ = sh.helpers[t].tid.set(tid);
                             let _ = sh.helpers[t].thread.set(thread::current());
                             helper_loop(sh, t)
                         }
@@ -421,6 +428,16 @@ impl Pool {
     /// Planned CPU of every thread, per sub-pool (None = not pinned).
     pub fn pinning(&self) -> &[Vec<Option<u32>>] {
         &self.pinning
+    }
+
+    /// Linux thread ids of the pool's own threads (not the caller's).
+    pub fn thread_ids(&self) -> Vec<i64> {
+        let mut v = Vec::new();
+        for s in &self.subs {
+            v.extend(s.leader.tid.get().copied());
+            v.extend(s.helpers.iter().filter_map(|h| h.tid.get().copied()));
+        }
+        v
     }
 
     /// Notes from pinning (oversubscription, unknown nodes).
