@@ -1,9 +1,9 @@
 //! `cargo bench`: the BF16 panel kernels (per ISA, GFLOP/s) and whole-layer decode/prefill on
 //! the Qwen3-30B-A3B shape (GB/s of expert weights, GFLOP/s).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kt_benches::{pool, routing, synthetic_layer};
+use kt_benches::{pool, routing, synthetic_layer_as};
 use kt_core::kernels::{runnable_levels, KernelSet};
-use kt_core::moe::Workspace;
+use kt_core::moe::{WeightFormat, Workspace};
 use kt_core::rng::Rng;
 
 fn panel_kernels(c: &mut Criterion) {
@@ -45,17 +45,69 @@ fn panel_kernels(c: &mut Criterion) {
     g.finish();
 }
 
+fn int_kernels(c: &mut Criterion) {
+    let set = KernelSet::best().unwrap();
+    let k = 2048;
+    let mut rng = Rng::new(4);
+    let w8: Vec<i8> = (0..32 * k)
+        .map(|_| (rng.below(255) as i32 - 127) as i8)
+        .collect();
+    let w4: Vec<i8> = (0..32 * k)
+        .map(|_| (rng.below(15) as i32 - 7) as i8)
+        .collect();
+    let g8 = kt_core::quant::pack_amx_int8(&w8, 32, k).unwrap();
+    let g4 = kt_core::quant::pack_amx_int4(&w4, 32, k).unwrap();
+    let sums = [0i32; 32];
+    let mut grp = c.benchmark_group("int_dot_k2048");
+    for (name, f, group) in [("int8", set.int8_fn(), &g8), ("int4", set.int4_fn(), &g4)] {
+        for rows in [1, set.int8_rows()] {
+            let a: Vec<Vec<u8>> = (0..rows)
+                .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                .collect();
+            let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
+            let mut out = vec![0i32; rows * 32];
+            grp.throughput(Throughput::Elements((2 * rows * 32 * k) as u64));
+            grp.bench_function(
+                BenchmarkId::new(format!("{name}-{}", set.int8_name()), rows),
+                |b| {
+                    // SAFETY: sizes follow the kernel contract (k % 128 == 0, 32-row groups).
+                    b.iter(|| unsafe {
+                        f(&ptrs, k, group.as_ptr(), sums.as_ptr(), out.as_mut_ptr())
+                    })
+                },
+            );
+        }
+    }
+    grp.finish();
+}
+
 fn layer(c: &mut Criterion) {
-    let (e, k, h, i) = (128, 8, 2048, 768);
     let pool = pool(2);
-    // Two layers, alternated, so weights (2.4 GB) come from DRAM.
+    // Per format two layers, alternated, so weights come from DRAM.
+    for (format, name, bytes_per_weight) in [
+        (WeightFormat::Bf16, "moe_bf16_qwen3_30b_a3b", 2.0),
+        (WeightFormat::Int8, "moe_int8_qwen3_30b_a3b", 1.0),
+        (WeightFormat::Int4, "moe_int4_qwen3_30b_a3b", 0.5),
+    ] {
+        layer_format(c, &pool, format, name, bytes_per_weight);
+    }
+}
+
+fn layer_format(
+    c: &mut Criterion,
+    pool: &kt_core::pool::Pool,
+    format: WeightFormat,
+    name: &str,
+    bytes_per_weight: f64,
+) {
+    let (e, k, h, i) = (128, 8, 2048, 768);
     let layers = [
-        synthetic_layer(&pool, e, k, h, i, 512, KernelSet::best().unwrap()),
-        synthetic_layer(&pool, e, k, h, i, 512, KernelSet::best().unwrap()),
+        synthetic_layer_as(pool, e, k, h, i, 512, KernelSet::best().unwrap(), format),
+        synthetic_layer_as(pool, e, k, h, i, 512, KernelSet::best().unwrap(), format),
     ];
     let mut ws = Workspace::new();
     let mut rng = Rng::new(5);
-    let mut g = c.benchmark_group("moe_bf16_qwen3_30b_a3b");
+    let mut g = c.benchmark_group(name);
     g.sample_size(10);
     for tokens in [1usize, 32, 512] {
         let x = rng.normals(tokens * h, 1.0);
@@ -67,13 +119,15 @@ fn layer(c: &mut Criterion) {
             v.dedup();
             v.len()
         };
-        g.throughput(Throughput::Bytes((distinct * 3 * h * i * 2) as u64));
+        g.throughput(Throughput::Bytes(
+            (distinct as f64 * 3.0 * (h * i) as f64 * bytes_per_weight) as u64,
+        ));
         let mut which = 0;
         g.bench_function(BenchmarkId::new("tokens", tokens), |b| {
             b.iter(|| {
                 which ^= 1;
                 layers[which]
-                    .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
+                    .forward_f32(pool, &mut ws, &x, &ids, &w, &mut out)
                     .unwrap()
             })
         });
@@ -81,5 +135,5 @@ fn layer(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, panel_kernels, layer);
+criterion_group!(benches, panel_kernels, int_kernels, layer);
 criterion_main!(benches);
