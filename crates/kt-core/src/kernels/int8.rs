@@ -386,48 +386,44 @@ mod tests {
     use crate::quant::pack_amx_int8;
     use crate::rng::Rng;
 
-    fn check(f: Int8DotFn, rows_max: usize, name: &str) {
-        let mut rng = Rng::new(99);
-        for k in [64usize, 192, 1024] {
-            // The quantisers' whole range, extremes included (-128 never occurs).
-            let w: Vec<i8> = (0..32 * k)
-                .map(|_| (rng.below(255) as i32 - 127) as i8)
-                .collect();
-            let group = pack_amx_int8(&w, 32, k).unwrap();
-            let sums = group_row_sums(&group, k);
-            for rows in 1..=rows_max {
-                let a: Vec<Vec<u8>> = (0..rows)
-                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
-                    .collect();
-                let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
-                let mut got = vec![0i32; rows * 32];
-                let mut want = vec![0i32; rows * 32];
-                unsafe {
-                    f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
-                    dot_scalar(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
-                }
-                assert_eq!(got, want, "{name} rows={rows} k={k}");
-                // The twin itself against plain row-major arithmetic.
-                for r in 0..rows {
-                    for j in 0..32 {
-                        let exact: i64 = (0..k)
-                            .map(|kk| (a[r][kk] as i64 - 128) * w[j * k + kk] as i64)
-                            .sum();
-                        assert_eq!(want[r * 32 + j] as i64, exact);
-                    }
-                }
-            }
-        }
+    /// One integer format under test: how to draw, pack and sum its weights, and its twin.
+    struct Format {
+        ks: &'static [usize],
+        /// Drawn values (INT8: q in [-127, 127]; INT4: v in [-7, 7]).
+        draw: fn(&mut Rng) -> i8,
+        /// Multiplier from a drawn value to the weight the dot product uses.
+        weight: i64,
+        pack: fn(&[i8], usize, usize) -> crate::Result<Vec<u8>>,
+        sums: fn(&[u8], usize) -> [i32; 32],
+        twin: Int8DotFn,
     }
 
-    fn check_int4(f: Int4DotFn, rows_max: usize, name: &str) {
-        let mut rng = Rng::new(77);
-        for k in [128usize, 384] {
-            let v: Vec<i8> = (0..32 * k)
-                .map(|_| (rng.below(15) as i32 - 7) as i8)
-                .collect();
-            let group = crate::quant::pack_amx_int4(&v, 32, k).unwrap();
-            let sums = group_row_sums_int4(&group, k);
+    const INT8: Format = Format {
+        ks: &[64, 192, 1024],
+        draw: |rng| (rng.below(255) as i32 - 127) as i8, // -128 never occurs
+        weight: 1,
+        pack: pack_amx_int8,
+        sums: group_row_sums,
+        twin: dot_scalar,
+    };
+
+    const INT4: Format = Format {
+        ks: &[128, 384],
+        draw: |rng| (rng.below(15) as i32 - 7) as i8,
+        weight: 16,
+        pack: crate::quant::pack_amx_int4,
+        sums: group_row_sums_int4,
+        twin: dot_int4_scalar,
+    };
+
+    /// `f` equals the format's scalar twin exactly, and the twin equals plain row-major
+    /// arithmetic, on random data over the quantisers' whole range.
+    fn check(fmt: &Format, f: Int8DotFn, rows_max: usize, name: &str) {
+        let mut rng = Rng::new(99);
+        for &k in fmt.ks {
+            let w: Vec<i8> = (0..32 * k).map(|_| (fmt.draw)(&mut rng)).collect();
+            let group = (fmt.pack)(&w, 32, k).unwrap();
+            let sums = (fmt.sums)(&group, k);
             for rows in 1..=rows_max {
                 let a: Vec<Vec<u8>> = (0..rows)
                     .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
@@ -437,13 +433,13 @@ mod tests {
                 let mut want = vec![0i32; rows * 32];
                 unsafe {
                     f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
-                    dot_int4_scalar(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
+                    (fmt.twin)(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
                 }
                 assert_eq!(got, want, "{name} rows={rows} k={k}");
                 for r in 0..rows {
                     for j in 0..32 {
                         let exact: i64 = (0..k)
-                            .map(|kk| (a[r][kk] as i64 - 128) * 16 * v[j * k + kk] as i64)
+                            .map(|kk| (a[r][kk] as i64 - 128) * fmt.weight * w[j * k + kk] as i64)
                             .sum();
                         assert_eq!(want[r * 32 + j] as i64, exact);
                     }
@@ -454,32 +450,32 @@ mod tests {
 
     #[test]
     fn int4_variants_match_the_scalar_twin_exactly() {
-        check_int4(dot_int4_scalar, 2, "scalar");
+        check(&INT4, dot_int4_scalar, 2, "scalar");
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx2") {
-                check_int4(dot_int4_avx2, 4, "avx2");
+                check(&INT4, dot_int4_avx2, 4, "avx2");
             }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")
             {
-                check_int4(dot_int4_avx512vnni, ROWS, "avx512vnni");
+                check(&INT4, dot_int4_avx512vnni, ROWS, "avx512vnni");
             }
         }
     }
 
     #[test]
     fn int8_variants_match_the_scalar_twin_exactly() {
-        check(dot_scalar, 3, "scalar");
+        check(&INT8, dot_scalar, 3, "scalar");
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx2") {
-                check(dot_avx2, 4, "avx2");
+                check(&INT8, dot_avx2, 4, "avx2");
             }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")
             {
-                check(dot_avx512vnni, ROWS, "avx512vnni");
+                check(&INT8, dot_avx512vnni, ROWS, "avx512vnni");
             }
         }
     }
