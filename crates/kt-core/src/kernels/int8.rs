@@ -163,15 +163,27 @@ mod x86 {
             }
         }
         // SAFETY: 32 row sums; out holds 32 per row.
+        unsafe { store_unbiased(&acc, s, o) }
+    }
+
+    /// `out = acc − 128·row_sum`: undo the +128 bias of the unsigned activations.
+    ///
+    /// # Safety
+    /// AVX-512F available; `s` points to 32 row sums, `o` to `32·R` i32.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_unbiased<const R: usize>(acc: &[[__m512i; 2]; R], s: *const i32, o: *mut i32) {
+        // SAFETY: the contract above.
         unsafe {
             let bias = [
                 _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
                 _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
             ];
-            for r in 0..R {
-                for h in 0..2 {
-                    let v = _mm512_sub_epi32(acc[r][h], bias[h]);
-                    _mm512_storeu_si512(o.add(r * 32 + h * 16) as *mut __m512i, v);
+            for (r, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    _mm512_storeu_si512(
+                        o.add(r * 32 + h * 16) as *mut __m512i,
+                        _mm512_sub_epi32(*v, bias[h]),
+                    );
                 }
             }
         }
@@ -291,20 +303,7 @@ mod x86 {
             }
         }
         // SAFETY: 32 row sums; out holds 32 per row.
-        unsafe {
-            let bias = [
-                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
-                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
-            ];
-            for r in 0..R {
-                for h in 0..2 {
-                    _mm512_storeu_si512(
-                        o.add(r * 32 + h * 16) as *mut __m512i,
-                        _mm512_sub_epi32(acc[r][h], bias[h]),
-                    );
-                }
-            }
-        }
+        unsafe { store_unbiased(&acc, s, o) }
     }
 
     /// AVX2 AMXINT4 with the sign trick (|16·v| ≤ 112 keeps the i16 pair sums exact).
