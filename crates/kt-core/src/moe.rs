@@ -6,7 +6,7 @@
 //! width fp32 partial output, and the partials are summed. Weights are packed once at load by
 //! the part's own threads (so their pages live on its node); activations stay fp32 throughout.
 use crate::dtype::{row_from_f32, row_to_f32, FloatType};
-use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::kernels::{Bf16Path, KernelSet, MAX_ROWS};
 use crate::pack::{pack_panel, panel_len, AlignedBuf, MatrixView, PANEL};
 use crate::pool::{Pool, Team};
 use crate::routing::{Ids, Routing};
@@ -380,7 +380,9 @@ impl Workspace {
             grow(&mut s.act, rows * p.inter.len())?;
             grow(&mut s.partial, tokens * c.hidden)?;
             grow(&mut s.down_rows, (rows * c.hidden).min(ROWWISE_DOWN_MAX))?;
-            if layer.kernels.bf16().is_some() {
+            let bf16_staging = !layer.format.is_quantised()
+                && (layer.kernels.bf16().is_some() || layer.kernels.amx().is_some());
+            if bf16_staging {
                 grow(&mut s.x_bf16, tokens * c.hidden / 2)?;
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
@@ -871,9 +873,29 @@ impl MoeLayer {
             WeightFormat::Int4 => kern.int4_fn(),
             _ => kern.int8_fn(),
         };
-        // The bf16 path serves experts with enough rows to be compute-bound.
-        let use_bf16 = |rows: usize| bf16.is_some_and(|b| b.min_rows > 0 && rows >= b.min_rows);
-        let any_bf16 = routing.offsets.windows(2).any(|w| use_bf16(w[1] - w[0]));
+        let amx = kern.amx().copied();
+        let quantised = self.format.is_quantised();
+        // The bf16 kernel for an expert with `rows` rows on a projection with `k` inputs: AMX
+        // tiles, else the vector bf16 dot, for experts with enough rows to be compute-bound;
+        // None means the exact fp32 path (or an integer format).
+        let bf16_for = |rows: usize, k: usize| -> Option<Bf16Path> {
+            if quantised {
+                return None;
+            }
+            amx.filter(|a| a.applies(rows))
+                .and_then(|a| a.bf16_path(k))
+                .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
+        };
+        // The integer kernel and its row block for an expert with `rows` rows.
+        let int_for = |rows: usize| match amx.filter(|a| a.applies(rows)) {
+            Some(a) if self.format == WeightFormat::Int4 => (a.int4, crate::kernels::amx::ROWS),
+            Some(a) => (a.int8, crate::kernels::amx::ROWS),
+            None => (qdot, kern.int8_rows()),
+        };
+        let any_bf16 = routing
+            .offsets
+            .windows(2)
+            .any(|w| bf16_for(w[1] - w[0], h).is_some());
         let hidden_in = SyncPtr(args.hidden as *mut u8);
         let out = SyncPtr(args.out);
         let residual = SyncPtr(args.residual as *mut u8);
@@ -942,9 +964,11 @@ impl MoeLayer {
                 let mut a = [0f32; MAX_ROWS * PANEL];
                 let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
                 let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
-                let bf = bf16.filter(|_| q.is_none() && use_bf16(rows.len()));
+                let bf = bf16_for(rows.len(), h);
+                let stage_act = bf16_for(rows.len(), ip).is_some();
+                let (qfn, qblock) = int_for(rows.len());
                 let block = match (q, bf) {
-                    (Some(_), _) => kern.int8_rows(),
+                    (Some(_), _) => qblock,
                     (None, Some(b)) => b.rows_per_block,
                     (None, None) => rows_per_block,
                 };
@@ -965,7 +989,7 @@ impl MoeLayer {
                             // SAFETY: panel rows qrow..qrow+32 of an E*ip x h matrix; x_q rows
                             // hold h bytes; acc holds nr*32.
                             unsafe {
-                                qdot(
+                                qfn(
                                     &ptrs_q[..nr],
                                     h,
                                     qw.mats[which]
@@ -1015,7 +1039,7 @@ impl MoeLayer {
                         unsafe {
                             let row = (r0 + i) * ip + p * PANEL;
                             std::ptr::copy_nonoverlapping(src.as_ptr(), act.get().add(row), PANEL);
-                            if bf.is_some() {
+                            if stage_act {
                                 let dst = std::slice::from_raw_parts_mut(
                                     act_bf16.get().add(row / 2),
                                     PANEL / 2,
@@ -1045,9 +1069,10 @@ impl MoeLayer {
                 |ei: usize, panels: Range<usize>, sink: &mut dyn FnMut(usize, usize, &[f32])| {
                     let e = routing.experts[ei] as usize;
                     let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                    let bf = bf16.filter(|_| q.is_none() && use_bf16(rows.len()));
+                    let bf = bf16_for(rows.len(), ip);
+                    let (qfn, qblock) = int_for(rows.len());
                     let block = match (q, bf) {
-                        (Some(_), _) => kern.int8_rows(),
+                        (Some(_), _) => qblock,
                         (None, Some(b)) => b.rows_per_block,
                         (None, None) => rows_per_block,
                     };
@@ -1079,7 +1104,7 @@ impl MoeLayer {
                                 // SAFETY: down rows qrow..qrow+32 of an E*h x ip matrix; act_q rows
                                 // hold ip bytes.
                                 unsafe {
-                                    qdot(
+                                    qfn(
                                         &ptrs_q[..nr],
                                         ip,
                                         qw.mats[2].as_ptr().add(self.format.matrix_bytes(qrow, ip)),

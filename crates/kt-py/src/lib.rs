@@ -4,7 +4,7 @@
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::isa;
-use kt_core::kernels::{KernelSet, BF16_MIN_ROWS};
+use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
 use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
@@ -52,6 +52,11 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let kernels = PyDict::new(py);
     kernels.set_item("BF16", KernelSet::best().py()?.name())?;
     kernels.set_item("AMXINT8", KernelSet::best().py()?.int8_name())?;
+    kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
+    d.set_item(
+        "amx_min_rows",
+        kt_core::kernels::amx_min_rows_from_env().py()?,
+    )?;
     d.set_item("kernels", kernels)?;
     Ok(d)
 }
@@ -69,10 +74,17 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             "release"
         },
     )?;
-    d.set_item(
-        "kernels",
-        vec!["scalar", "avx2-fma", "avx512-fma", "avx512-bf16dot"],
-    )?;
+    let mut kernels = vec![
+        "scalar",
+        "avx2-fma",
+        "avx512-fma",
+        "avx512-bf16dot",
+        "amx-emulated",
+    ];
+    if kt_core::kernels::amx::HARDWARE_BUILT {
+        kernels.push("amx");
+    }
+    d.set_item("kernels", kernels)?;
     d.set_item("hwloc", cfg!(feature = "hwloc"))?;
     Ok(d)
 }
@@ -247,8 +259,13 @@ impl MoeLayer {
             Some("fma") => KernelSet::for_level(level),
             Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
             Some("scalar") => Ok(KernelSet::scalar_twin()),
+            Some("amx") => KernelSet::best().and_then(|k| k.with_amx(amx_min_rows_from_env()?)),
+            Some("amx-emulated") => {
+                KernelSet::best().and_then(|k| Ok(k.with_emulated_amx(amx_min_rows_from_env()?)))
+            }
             Some(other) => Err(kt_core::Error::Invalid(format!(
-                "kernel={other:?}: expected 'auto', 'fma', 'bf16dot' or 'scalar'"
+                "kernel={other:?}: expected 'auto', 'fma', 'bf16dot', 'scalar', 'amx' or \
+                 'amx-emulated'"
             ))),
         }
         .py()?;
@@ -264,11 +281,15 @@ impl MoeLayer {
 
     /// Kernel name in use.
     #[getter]
-    fn kernel(&self) -> &'static str {
+    fn kernel(&self) -> String {
         let l = self.layer.read().unwrap();
-        match l.format() {
+        let vector = match l.format() {
             WeightFormat::Bf16 => l.kernels().name(),
             WeightFormat::Int8 | WeightFormat::Int4 => l.kernels().int8_name(),
+        };
+        match l.kernels().amx_name() {
+            Some(amx) => format!("{amx}+{vector}"),
+            None => vector.to_string(),
         }
     }
 

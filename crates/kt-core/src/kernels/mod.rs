@@ -26,11 +26,12 @@ macro_rules! dispatch_rows {
 }
 pub(crate) use dispatch_rows;
 
+pub mod amx;
 pub mod int8;
 pub mod scalar;
 
-/// Largest row block any kernel takes.
-pub const MAX_ROWS: usize = 16;
+/// Largest row block any kernel takes (the AMX kernels' two 16-row tiles).
+pub const MAX_ROWS: usize = amx::ROWS;
 
 /// `out[r*32 + j] = Σ_kk a_rows[r][kk] · W[j][kk]` over one packed panel, for `r < a_rows.len()`.
 ///
@@ -71,6 +72,56 @@ pub struct Bf16Path {
     pub min_rows: usize,
 }
 
+/// The AMX tile path: experts with at least `min_rows` rows in a forward use the tile kernels,
+/// the others the vector kernels (AMX only pays off when a tile's 16 rows are mostly used).
+#[derive(Clone, Copy)]
+pub struct AmxPath {
+    /// AMXINT8 group kernel.
+    pub int8: int8::Int8DotFn,
+    /// AMXINT4 group kernel.
+    pub int4: int8::Int4DotFn,
+    /// bf16 panel kernel (`k % 32 == 0`).
+    pub bf16: PanelDotBf16Fn,
+    /// fp32 → bf16 pairs for the bf16 kernel.
+    pub stage: StageFn,
+    /// Use the tile kernels for experts with at least this many rows (0 = never).
+    pub min_rows: usize,
+    /// The kernels run on the software tile emulator (tests), not the hardware.
+    pub emulated: bool,
+}
+
+impl AmxPath {
+    /// Whether an expert with `rows` rows takes the tile kernels.
+    pub fn applies(&self, rows: usize) -> bool {
+        self.min_rows > 0 && rows >= self.min_rows
+    }
+
+    /// The bf16 tile kernel as a [`Bf16Path`] for a projection with `k` inputs, if `k` suits it.
+    pub fn bf16_path(&self, k: usize) -> Option<Bf16Path> {
+        k.is_multiple_of(amx::BF16_K_STEP).then_some(Bf16Path {
+            dot: self.bf16,
+            rows_per_block: amx::ROWS,
+            stage: self.stage,
+            min_rows: self.min_rows,
+        })
+    }
+}
+
+/// Default minimum rows per expert for the AMX tile kernels (`KT_KERNEL_AMX_MIN_ROWS`).
+pub const AMX_MIN_ROWS: usize = 4;
+
+/// The AMX threshold from `KT_KERNEL_AMX_MIN_ROWS` (0 disables AMX), or the default.
+pub fn amx_min_rows_from_env() -> Result<usize> {
+    match std::env::var("KT_KERNEL_AMX_MIN_ROWS") {
+        Err(_) => Ok(AMX_MIN_ROWS),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::Invalid(format!(
+                "KT_KERNEL_AMX_MIN_ROWS={v:?} is not a row count (use 0 to disable AMX)"
+            ))
+        }),
+    }
+}
+
 /// Function pointers for one ISA level, selected once.
 #[derive(Clone, Copy)]
 pub struct KernelSet {
@@ -83,6 +134,7 @@ pub struct KernelSet {
     int8: int8::Int8DotFn,
     int4: int8::Int4DotFn,
     int8_rows: usize,
+    amx: Option<AmxPath>,
 }
 
 impl std::fmt::Debug for KernelSet {
@@ -171,6 +223,7 @@ impl KernelSet {
             int8: int8::dot_scalar,
             int4: int8::dot_int4_scalar,
             int8_rows: int8::ROWS,
+            amx: None,
         }
     }
 
@@ -202,11 +255,95 @@ impl KernelSet {
             "bf16dot" => true,
             _ => *BF16_FASTER.get_or_init(|| calibrate(level)),
         };
-        if use_bf16 {
-            Self::with_bf16(level, BF16_MIN_ROWS)
+        let set = if use_bf16 {
+            Self::with_bf16(level, BF16_MIN_ROWS)?
         } else {
-            Self::for_level(level)
+            Self::for_level(level)?
+        };
+        set.with_best_amx()
+    }
+
+    /// Add the AMX path the process allows: emulated if `KT_KERNEL_AMX_EMULATE=1`, the hardware
+    /// kernels at the amx level, none otherwise; threshold from `KT_KERNEL_AMX_MIN_ROWS`.
+    fn with_best_amx(self) -> Result<KernelSet> {
+        let min_rows = amx_min_rows_from_env()?;
+        if std::env::var("KT_KERNEL_AMX_EMULATE").is_ok_and(|v| v == "1") {
+            Ok(self.with_emulated_amx(min_rows))
+        } else if self.level >= Level::Amx && amx::HARDWARE_BUILT {
+            self.with_amx(min_rows)
+        } else {
+            Ok(self)
         }
+    }
+
+    /// The staging kernel of this set's ISA (bit-identical across ISAs).
+    fn stage_fn(&self) -> StageFn {
+        #[cfg(target_arch = "x86_64")]
+        if self.level >= Level::Avx512Bf16 {
+            return avx512_bf16::stage_bf16;
+        }
+        scalar::stage_bf16
+    }
+
+    /// These kernels plus the hardware AMX tile kernels for experts with at least `min_rows`
+    /// rows. Fails unless AMX is usable (CPUID, XCR0 and Linux permission) and built in.
+    pub fn with_amx(self, min_rows: usize) -> Result<KernelSet> {
+        if self.level < Level::Amx {
+            let sel = isa::global()?;
+            return Err(Error::Unsupported(format!(
+                "the AMX kernels need the amx level; {} was chosen (missing: {})",
+                self.level.name(),
+                sel.features.missing(Level::Amx).join(", ")
+            )));
+        }
+        #[cfg(kt_amx_hw)]
+        {
+            Ok(KernelSet {
+                amx: Some(AmxPath {
+                    int8: amx::dot_int8,
+                    int4: amx::dot_int4,
+                    bf16: amx::panel_dot_bf16,
+                    stage: self.stage_fn(),
+                    min_rows,
+                    emulated: false,
+                }),
+                ..self
+            })
+        }
+        #[cfg(not(kt_amx_hw))]
+        {
+            let _ = min_rows;
+            Err(Error::Unsupported(
+                "this build has no AMX kernels (its C++ compiler lacked -mamx-*)".into(),
+            ))
+        }
+    }
+
+    /// These kernels plus the AMX tile programs on the software emulator (any CPU; slow). For
+    /// tests of the tile programs inside whole layers.
+    pub fn with_emulated_amx(self, min_rows: usize) -> KernelSet {
+        KernelSet {
+            amx: Some(AmxPath {
+                int8: amx::emulated::dot_int8,
+                int4: amx::emulated::dot_int4,
+                bf16: amx::emulated::panel_dot_bf16,
+                stage: self.stage_fn(),
+                min_rows,
+                emulated: true,
+            }),
+            ..self
+        }
+    }
+
+    /// The AMX path, if enabled.
+    pub fn amx(&self) -> Option<&AmxPath> {
+        self.amx.as_ref()
+    }
+
+    /// "amx", "amx-emulated", or None.
+    pub fn amx_name(&self) -> Option<&'static str> {
+        self.amx
+            .map(|a| if a.emulated { "amx-emulated" } else { "amx" })
     }
 
     /// ISA level these kernels need.
@@ -272,12 +409,16 @@ impl KernelSet {
         unsafe { (path.dot)(&ptrs[..a_rows.len()], k, panel.as_ptr(), out.as_mut_ptr()) }
     }
 
-    /// Stage fp32 into bf16 pairs (panics without a bf16 path or on a length mismatch).
+    /// Stage fp32 into bf16 pairs (panics without a bf16 or AMX path, or on a length mismatch).
     pub fn stage_bf16(&self, src: &[f32], dst: &mut [u32]) {
-        let path = self.bf16.expect("no bf16 path in this kernel set");
+        let stage = self
+            .bf16
+            .map(|p| p.stage)
+            .or(self.amx.map(|a| a.stage))
+            .expect("no bf16 path in this kernel set");
         assert_eq!(src.len(), 2 * dst.len());
         // SAFETY: lengths checked; ISA checked at construction.
-        unsafe { (path.stage)(src, dst) }
+        unsafe { stage(src, dst) }
     }
 
     /// Unchecked panel dot product for the hot path.

@@ -214,6 +214,39 @@ fn bf16_dot_kernels_stay_within_bf16_accuracy() {
 }
 
 #[test]
+fn emulated_amx_bf16_layer_stays_within_bf16_accuracy() {
+    let mut rng = Rng::new(14);
+    let (e, k, h, i) = (4, 2, 64, 96);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let pool = pool(1, 2);
+    let x = rng.normals(40 * h, 1.0);
+    let (ids, w) = routing_inputs(&mut rng, 40, e, k);
+    let want = wts.reference(&x, &ids, &w, k, None, &(0..e).collect::<Vec<_>>(), 0.0, 0.0);
+    let exact = {
+        let mut layer = MoeLayer::new(config(e, k, h, i, 40), 1, exact_kernels()).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut out = vec![0f32; 40 * h];
+        layer
+            .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+            .unwrap();
+        out
+    };
+    // Every expert on the tiles (min_rows 1), and a threshold above some experts' row counts.
+    for min_rows in [1usize, 21] {
+        let kern = exact_kernels().with_emulated_amx(min_rows);
+        let mut layer = MoeLayer::new(config(e, k, h, i, 40), 1, kern).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut out = vec![0f32; 40 * h];
+        layer
+            .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+            .unwrap();
+        let err = rel_l2(&out, &want);
+        assert!(err < 1e-2, "min_rows={min_rows}: rel err {err}");
+        assert!(out != exact, "min_rows={min_rows}: AMX bf16 path not taken");
+    }
+}
+
+#[test]
 fn scalar_bf16_twin_gives_the_same_layer_output() {
     let level = isa::global().unwrap().detected;
     if level < crate::isa::Level::Avx512Bf16 {
@@ -479,16 +512,25 @@ fn quantised_layers_agree_across_levels(
     for parts in [1, max_parts] {
         let pool = pool(parts, 2.max(parts));
         let mut outputs: Vec<Vec<f32>> = Vec::new();
-        let x = rng.normals(9 * h, 1.0);
-        let (ids, w) = routing_inputs(&mut rng, 9, e, k);
-        for level in runnable_levels() {
-            let kern = KernelSet::for_level(level).unwrap();
+        // 40 tokens: experts get 5..20 rows, so the AMX row blocks of 16 and 32 are both used.
+        let x = rng.normals(40 * h, 1.0);
+        let (ids, w) = routing_inputs(&mut rng, 40, e, k);
+        // Every vector level, then the AMX tile program on the emulator for every expert
+        // (min_rows 1) and for the busier ones only (min_rows 4).
+        let mut kernel_sets: Vec<KernelSet> = runnable_levels()
+            .into_iter()
+            .map(|level| KernelSet::for_level(level).unwrap())
+            .collect();
+        for min_rows in [1, 4] {
+            kernel_sets.push(KernelSet::best().unwrap().with_emulated_amx(min_rows));
+        }
+        for kern in kernel_sets {
             let mut layer =
-                MoeLayer::with_format(config(e, k, h, i, 16), parts, kern, format).unwrap();
+                MoeLayer::with_format(config(e, k, h, i, 40), parts, kern, format).unwrap();
             layer.load(&pool, &wts.source(), None).unwrap();
             for rowwise in [true, false] {
                 layer.set_rowwise_down_limit(if rowwise { usize::MAX } else { 0 });
-                let mut out = vec![0f32; 9 * h];
+                let mut out = vec![0f32; 40 * h];
                 layer
                     .forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
                     .unwrap();

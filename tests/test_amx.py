@@ -1,0 +1,81 @@
+"""AMX tile kernels: the machine here has no AMX, so whole layers run the tile programs on the
+software emulator (KT_KERNEL_AMX_EMULATE=1) and must equal the vector kernels (integer formats)
+or stay within bf16 accuracy (BF16)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import kt_kernel
+import pytest
+import torch
+from conftest import make_wrapper, random_experts, random_routing, reference_moe, rel_l2
+
+RUN = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_wrapper, random_experts, random_routing
+g, u, d = random_experts(6, 128, 256, seed=5)
+w = make_wrapper(e=6, k=2, h=128, i=256, method={method!r})
+w.load_weights_from_tensors(g, u, d)
+x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+ids, wt = random_routing(40, 6, 2, seed=3)
+print(w.moe.kernel)
+torch.save(w.forward(x, ids, wt, None), {out!r})
+"""
+
+
+def run_emulated(method, tmp_path, min_rows="4"):
+    out = tmp_path / f"{method}.pt"
+    env = dict(os.environ, KT_KERNEL_AMX_EMULATE="1", KT_KERNEL_AMX_MIN_ROWS=min_rows)
+    code = RUN.format(tests=os.path.dirname(__file__), method=method, out=str(out))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip(), torch.load(out)
+
+
+def run_here(method):
+    g, u, d = random_experts(6, 128, 256, seed=5)
+    w = make_wrapper(e=6, k=2, h=128, i=256, method=method)
+    w.load_weights_from_tensors(g, u, d)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    ids, wt = random_routing(40, 6, 2, seed=3)
+    return w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d)
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_emulated_tile_kernels_equal_the_vector_kernels(method, tmp_path):
+    kernel, emulated = run_emulated(method, tmp_path)
+    assert kernel.startswith("amx-emulated+"), kernel
+    vector, ref = run_here(method)
+    # Integer dot products are exact on both paths and the float epilogue is shared.
+    assert torch.equal(emulated, vector)
+    assert rel_l2(emulated, ref) < {"AMXINT8": 0.027, "AMXINT4": 0.27}[method]
+
+
+def test_emulated_bf16_tiles_stay_within_bf16_accuracy(tmp_path):
+    kernel, emulated = run_emulated("BF16", tmp_path, min_rows="1")
+    assert kernel.startswith("amx-emulated+"), kernel
+    _, ref = run_here("BF16")
+    assert rel_l2(emulated, ref) < 1e-2
+
+
+def test_amx_reported_and_refused_clearly_without_it():
+    info = kt_kernel.cpu_info()
+    assert "AMX" in info["kernels"] and info["amx_min_rows"] >= 0
+    if info["amx_permission"]:
+        pytest.skip("this CPU has AMX: the hardware kernels are in use")
+    assert info["kernels"]["AMX"] is None
+    core = kt_kernel._kt_core
+    eng = core.Engine([2], [0])
+    with pytest.raises(NotImplementedError, match="amx level"):
+        core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", format="int8")
+
+
+def test_bad_threshold_is_a_clear_error(tmp_path):
+    env = dict(os.environ, KT_KERNEL_AMX_MIN_ROWS="many")
+    code = "import kt_kernel; kt_kernel.cpu_info()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "KT_KERNEL_AMX_MIN_ROWS" in r.stderr, r.stderr
