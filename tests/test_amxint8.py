@@ -13,7 +13,7 @@ from conftest import make_wrapper, random_experts, random_routing, reference_moe
 
 
 def test_int8_kernel_is_reported():
-    assert kt_kernel.__int8_kernel__ in {"avx512-vnni", "avx2", "scalar"}
+    assert kt_kernel.__int8_kernel__ in {"avx512-vnni", "avx512bw", "avx-vnni", "avx2", "scalar"}
     assert kt_kernel.kt_kernel_ext.__int8_kernel__ == kt_kernel.__int8_kernel__
 
 

@@ -2,6 +2,7 @@
 //! the Qwen3-30B-A3B shape (GB/s of expert weights, GFLOP/s).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kt_benches::{pool, routing, synthetic_layer_as};
+use kt_core::isa::Level;
 use kt_core::kernels::{runnable_levels, KernelSet};
 use kt_core::moe::{WeightFormat, Workspace};
 use kt_core::rng::Rng;
@@ -46,7 +47,13 @@ fn panel_kernels(c: &mut Criterion) {
 }
 
 fn int_kernels(c: &mut Criterion) {
-    let set = KernelSet::best().unwrap();
+    // Every vector int8 variant this CPU runs (VNNI, AVX-512BW, AVX2), in-cache, k = 2048.
+    let detected = kt_core::isa::global().unwrap().detected;
+    let sets: Vec<KernelSet> = [Level::Avx2, Level::Avx512Base, Level::Avx512Vnni]
+        .into_iter()
+        .filter(|l| *l <= detected)
+        .map(|l| KernelSet::for_level(l).unwrap())
+        .collect();
     let k = 2048;
     let mut rng = Rng::new(4);
     let w8: Vec<i8> = (0..32 * k)
@@ -59,23 +66,25 @@ fn int_kernels(c: &mut Criterion) {
     let g4 = kt_core::quant::pack_amx_int4(&w4, 32, k).unwrap();
     let sums = [0i32; 32];
     let mut grp = c.benchmark_group("int_dot_k2048");
-    for (name, f, group) in [("int8", set.int8_fn(), &g8), ("int4", set.int4_fn(), &g4)] {
-        for rows in [1, set.int8_rows()] {
-            let a: Vec<Vec<u8>> = (0..rows)
-                .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
-                .collect();
-            let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
-            let mut out = vec![0i32; rows * 32];
-            grp.throughput(Throughput::Elements((2 * rows * 32 * k) as u64));
-            grp.bench_function(
-                BenchmarkId::new(format!("{name}-{}", set.int8_name()), rows),
-                |b| {
-                    // SAFETY: sizes follow the kernel contract (k % 128 == 0, 32-row groups).
-                    b.iter(|| unsafe {
-                        f(&ptrs, k, group.as_ptr(), sums.as_ptr(), out.as_mut_ptr())
-                    })
-                },
-            );
+    for set in &sets {
+        for (name, f, group) in [("int8", set.int8_fn(), &g8), ("int4", set.int4_fn(), &g4)] {
+            for rows in [1, set.int8_rows()] {
+                let a: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                    .collect();
+                let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
+                let mut out = vec![0i32; rows * 32];
+                grp.throughput(Throughput::Elements((2 * rows * 32 * k) as u64));
+                grp.bench_function(
+                    BenchmarkId::new(format!("{name}-{}", set.int8_name()), rows),
+                    |b| {
+                        // SAFETY: sizes follow the kernel contract (k % 128 == 0, 32-row groups).
+                        b.iter(|| unsafe {
+                            f(&ptrs, k, group.as_ptr(), sums.as_ptr(), out.as_mut_ptr())
+                        })
+                    },
+                );
+            }
         }
     }
     grp.finish();

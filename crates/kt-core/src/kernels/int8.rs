@@ -116,68 +116,222 @@ pub const ROWS: usize = 8;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    //! One loop per (format, vector width), generic over the byte multiply-accumulate: the
+    //! VNNI instruction (`vpdpbusd`, on biased unsigned activations, fixed up by the row sums
+    //! at the end) or the sign trick without VNNI (`vpmaddubsw` on |a| and sign-moved weights,
+    //! then `vpmaddwd` with ones; with |a|, |w| ≤ 127 every i16 pair sum ≤ 32258 is exact, and
+    //! −128 never occurs because the quantisers do not produce it). Each op is a few
+    //! instructions; the loops, layouts and epilogues are shared, so the variants this CPU
+    //! cannot run (AVX-VNNI here) differ from tested code only in that op.
     use std::arch::x86_64::*;
 
-    /// AVX512-VNNI: one `vpdpbusd` per (row, half, input quad).
-    ///
-    /// # Safety
-    /// AVX512-F/BW/VNNI available; [`super::Int8DotFn`] contract.
-    pub unsafe fn dot_avx512vnni(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(vnni512, "avx512vnni int8 dot", a, (a, k, g, s, o); 1 2 3 4 5 6 7 8)
+    /// The multiply-accumulate on 512-bit lanes: `acc += Σ_4 a_u8 · w_i8` per i32 lane.
+    trait Op512 {
+        /// Whether `dot` works on biased activations (then `Σ w · 128` is subtracted at the end).
+        const BIASED: bool;
+        type Act: Copy;
+        /// Prepare a broadcast activation quad (biased unsigned bytes).
+        unsafe fn prep(quad: __m512i) -> Self::Act;
+        unsafe fn dot(acc: __m512i, a: Self::Act, w: __m512i) -> __m512i;
+    }
+
+    struct Vnni512;
+    impl Op512 for Vnni512 {
+        const BIASED: bool = true;
+        type Act = __m512i;
+        #[inline(always)]
+        unsafe fn prep(quad: __m512i) -> __m512i {
+            quad
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
+            // SAFETY: only inlined into functions with avx512vnni enabled.
+            unsafe { _mm512_dpbusd_epi32(acc, a, w) }
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    /// AVX-512BW without VNNI: the sign trick (AVX-512 has no `vpsignb`: negate under a mask).
+    struct Bw512;
+    impl Op512 for Bw512 {
+        const BIASED: bool = false;
+        type Act = (__m512i, __mmask64);
+        #[inline(always)]
+        unsafe fn prep(quad: __m512i) -> Self::Act {
+            // SAFETY: only inlined into functions with avx512bw enabled.
+            unsafe {
+                let x = _mm512_xor_si512(quad, _mm512_set1_epi8(-128));
+                (_mm512_abs_epi8(x), _mm512_movepi8_mask(x))
+            }
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, (ax, neg): Self::Act, w: __m512i) -> __m512i {
+            // SAFETY: as above.
+            unsafe {
+                let sw = _mm512_mask_sub_epi8(w, neg, _mm512_setzero_si512(), w);
+                let p16 = _mm512_maddubs_epi16(ax, sw);
+                _mm512_add_epi32(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)))
+            }
+        }
+    }
+
+    /// The same on 256-bit lanes.
+    trait Op256 {
+        const BIASED: bool;
+        type Act: Copy;
+        unsafe fn prep(quad: __m256i) -> Self::Act;
+        unsafe fn dot(acc: __m256i, a: Self::Act, w: __m256i) -> __m256i;
+    }
+
+    /// AVX2: the sign trick with `vpsignb`.
+    struct Avx2Sign;
+    impl Op256 for Avx2Sign {
+        const BIASED: bool = false;
+        type Act = (__m256i, __m256i);
+        #[inline(always)]
+        unsafe fn prep(quad: __m256i) -> Self::Act {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let x = _mm256_xor_si256(quad, _mm256_set1_epi8(-128));
+                (_mm256_abs_epi8(x), x)
+            }
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, (ax, x): Self::Act, w: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe {
+                let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x));
+                _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+            }
+        }
+    }
+
+    /// AVX-VNNI (VEX-encoded `vpdpbusd`, CPUs with AVX2 but no AVX-512).
+    struct AvxVnni;
+    impl Op256 for AvxVnni {
+        const BIASED: bool = true;
+        type Act = __m256i;
+        #[inline(always)]
+        unsafe fn prep(quad: __m256i) -> __m256i {
+            quad
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avxvnni enabled.
+            unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
+        }
+    }
+
+    /// Broadcast the 4 activation bytes at `p`.
+    ///
+    /// # Safety
+    /// 4 readable bytes at `p`; AVX-512F in the caller.
+    #[inline(always)]
+    unsafe fn quad512(p: *const u8) -> __m512i {
+        // SAFETY: the contract above.
+        unsafe { _mm512_set1_epi32((p as *const i32).read_unaligned()) }
+    }
+
+    /// # Safety
+    /// 4 readable bytes at `p`; AVX2 in the caller.
+    #[inline(always)]
+    unsafe fn quad256(p: *const u8) -> __m256i {
+        // SAFETY: the contract above.
+        unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
+    }
+
+    /// AMXINT8 group, 512-bit: one multiply-accumulate per (row, half, input quad).
+    ///
+    /// # Safety
+    /// The [`super::Int8DotFn`] contract; the caller enables the op's features.
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-    unsafe fn vnni512<const R: usize>(
+    unsafe fn int8_512<const R: usize, O: Op512>(
         a: &[*const u8],
         k: usize,
         g: *const u8,
         s: *const i32,
         o: *mut i32,
     ) {
-        let mut acc = [[_mm512_setzero_si512(); 2]; R];
-        // Addresses strictly ascending (half 0's 16 lines, then half 1's): reading both halves
-        // in step made two streams 1 KiB apart and halved the DRAM rate (measured).
-        for t in 0..k / 64 {
-            for h in 0..2 {
-                for w in 0..16 {
-                    // SAFETY: tile t, half h, line w inside the group; quad 16t+w in each row.
-                    unsafe {
+        // SAFETY: tile t, half h, line w inside the group; quad 16t+w in each row.
+        unsafe {
+            let mut acc = [[_mm512_setzero_si512(); 2]; R];
+            // Addresses strictly ascending (half 0's 16 lines, then half 1's): reading both
+            // halves in step made two streams 1 KiB apart and halved the DRAM rate (measured).
+            for t in 0..k / 64 {
+                for h in 0..2 {
+                    for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
                         let wv = _mm512_loadu_si512(line as *const __m512i);
                         for r in 0..R {
-                            let quad = (a[r].add(t * 64 + w * 4) as *const i32).read_unaligned();
-                            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], _mm512_set1_epi32(quad), wv);
+                            let x = O::prep(quad512(a[r].add(t * 64 + w * 4)));
+                            acc[r][h] = O::dot(acc[r][h], x, wv);
                         }
                     }
                 }
             }
+            store512::<R, O>(&acc, s, o)
         }
-        // SAFETY: 32 row sums; out holds 32 per row.
-        unsafe { store_unbiased(&acc, s, o) }
     }
 
-    /// `out = acc − 128·row_sum`: undo the +128 bias of the unsigned activations.
+    /// AMXINT4 group, 512-bit: each 64-byte line gives two int8 operands, the low nibbles
+    /// shifted up (inputs 4w.. of the 128-input tile) and the high nibbles masked (64+4w..).
     ///
     /// # Safety
-    /// AVX-512F available; `s` points to 32 row sums, `o` to `32·R` i32.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn store_unbiased<const R: usize>(acc: &[[__m512i; 2]; R], s: *const i32, o: *mut i32) {
+    /// The [`super::Int4DotFn`] contract; the caller enables the op's features.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn int4_512<const R: usize, O: Op512>(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: tile t (2048 bytes), half h, line w inside the group; inputs 128t + 4w and
+        // 128t + 64 + 4w inside each row.
+        unsafe {
+            let mut acc = [[_mm512_setzero_si512(); 2]; R];
+            let high = _mm512_set1_epi8(0xF0u8 as i8);
+            for t in 0..k / 128 {
+                for h in 0..2 {
+                    for w in 0..16 {
+                        let b = _mm512_loadu_si512(
+                            g.add(t * 2048 + h * 1024 + w * 64) as *const __m512i
+                        );
+                        let lo = _mm512_and_si512(_mm512_slli_epi16::<4>(b), high);
+                        let hi = _mm512_and_si512(b, high);
+                        for r in 0..R {
+                            let base = a[r].add(t * 128 + w * 4);
+                            acc[r][h] = O::dot(acc[r][h], O::prep(quad512(base)), lo);
+                            acc[r][h] = O::dot(acc[r][h], O::prep(quad512(base.add(64))), hi);
+                        }
+                    }
+                }
+            }
+            store512::<R, O>(&acc, s, o)
+        }
+    }
+
+    /// Store the accumulators; for biased ops `out = acc − 128·row_sum` undoes the +128.
+    ///
+    /// # Safety
+    /// AVX-512F in the caller; `s` points to 32 row sums, `o` to `32·R` i32.
+    #[inline(always)]
+    unsafe fn store512<const R: usize, O: Op512>(
+        acc: &[[__m512i; 2]; R],
+        s: *const i32,
+        o: *mut i32,
+    ) {
         // SAFETY: the contract above.
         unsafe {
-            let bias = [
-                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
-                _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
-            ];
+            let bias = if O::BIASED {
+                [
+                    _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
+                    _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
+                ]
+            } else {
+                [_mm512_setzero_si512(); 2]
+            };
             for (r, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
                     _mm512_storeu_si512(
@@ -189,158 +343,64 @@ mod x86 {
         }
     }
 
-    /// AVX2 without VNNI: `vpmaddubsw` on |a| and sign-adjusted weights, then `vpmaddwd` with
-    /// ones. With |a|, |w| ≤ 127 every i16 pair sum (≤ 32258) is exact; −128 would overflow,
-    /// which is why the quantisers never produce it.
+    /// AMXINT8 group, 256-bit: each line is two 32-byte halves of 8 outputs × 4 inputs; four
+    /// 8-output quarters of the 32 outputs keep 4R accumulators in registers.
     ///
     /// # Safety
-    /// AVX2 available; [`super::Int8DotFn`] contract.
-    pub unsafe fn dot_avx2(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(avx2, "avx2 int8 dot", a, (a, k, g, s, o); 1 2 3 4)
-        }
-    }
-
-    #[target_feature(enable = "avx2")]
+    /// The [`super::Int8DotFn`] contract; the caller enables the op's features.
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn avx2<const R: usize>(
+    unsafe fn int8_256<const R: usize, O: Op256>(
         a: &[*const u8],
         k: usize,
         g: *const u8,
-        _s: *const i32,
+        s: *const i32,
         o: *mut i32,
     ) {
-        let ones = _mm256_set1_epi16(1);
-        let flip = _mm256_set1_epi8(-128);
-        // Four 8-row quarters of the 32 outputs per pass keep 4R accumulators in registers.
-        let mut acc = [[_mm256_setzero_si256(); 4]; R];
-        for t in 0..k / 64 {
-            for h in 0..2 {
-                for w in 0..16 {
-                    // SAFETY: as in the AVX-512 variant; each 32-byte half-line is 8 rows × 4
-                    // inputs; addresses ascend as there.
-                    unsafe {
+        // SAFETY: as in the 512-bit loop; addresses ascend as there.
+        unsafe {
+            let mut acc = [[_mm256_setzero_si256(); 4]; R];
+            for t in 0..k / 64 {
+                for h in 0..2 {
+                    for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
                         let ws = [
                             _mm256_loadu_si256(line as *const __m256i),
                             _mm256_loadu_si256(line.add(32) as *const __m256i),
                         ];
                         for r in 0..R {
-                            let quad = (a[r].add(t * 64 + w * 4) as *const i32).read_unaligned();
-                            // Back to signed activations, then |a| and the sign moved onto w.
-                            let x = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
-                            let ax = _mm256_abs_epi8(x);
+                            let x = O::prep(quad256(a[r].add(t * 64 + w * 4)));
                             for q in 0..2 {
-                                let sw = _mm256_sign_epi8(ws[q], x);
-                                let p16 = _mm256_maddubs_epi16(ax, sw);
-                                let sum = _mm256_madd_epi16(p16, ones);
-                                acc[r][2 * h + q] = _mm256_add_epi32(acc[r][2 * h + q], sum);
+                                acc[r][2 * h + q] = O::dot(acc[r][2 * h + q], x, ws[q]);
                             }
                         }
                     }
                 }
             }
-        }
-        for r in 0..R {
-            for q in 0..4 {
-                // SAFETY: out holds 32 per row; quarter q = outputs 8q..8q+8.
-                unsafe { _mm256_storeu_si256(o.add(r * 32 + q * 8) as *mut __m256i, acc[r][q]) };
-            }
+            store256::<R, O>(&acc, s, o)
         }
     }
 
-    /// AVX512-VNNI AMXINT4: each 64-byte line gives two int8 operands, the low nibbles shifted
-    /// up (columns 4w..4w+4 of the tile) and the high nibbles masked (columns 64+4w..).
+    /// AMXINT4 group, 256-bit.
     ///
     /// # Safety
-    /// AVX512-F/BW/VNNI available; [`super::Int4DotFn`] contract.
-    pub unsafe fn dot_int4_avx512vnni(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(int4_vnni512, "avx512vnni int4 dot", a, (a, k, g, s, o); 1 2 3 4 5 6 7 8)
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    /// The [`super::Int4DotFn`] contract; the caller enables the op's features.
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn int4_vnni512<const R: usize>(
+    unsafe fn int4_256<const R: usize, O: Op256>(
         a: &[*const u8],
         k: usize,
         g: *const u8,
         s: *const i32,
         o: *mut i32,
     ) {
-        let mut acc = [[_mm512_setzero_si512(); 2]; R];
-        let high = _mm512_set1_epi8(0xF0u8 as i8);
-        for t in 0..k / 128 {
-            for h in 0..2 {
-                for w in 0..16 {
-                    // SAFETY: tile t (2048 bytes), half h, line w inside the group; columns
-                    // 128t + 4w and 128t + 64 + 4w inside each row.
-                    unsafe {
-                        let b = _mm512_loadu_si512(
-                            g.add(t * 2048 + h * 1024 + w * 64) as *const __m512i
-                        );
-                        let lo = _mm512_and_si512(_mm512_slli_epi16::<4>(b), high);
-                        let hi = _mm512_and_si512(b, high);
-                        for r in 0..R {
-                            let base = a[r].add(t * 128 + w * 4);
-                            let q0 = _mm512_set1_epi32((base as *const i32).read_unaligned());
-                            let q1 =
-                                _mm512_set1_epi32((base.add(64) as *const i32).read_unaligned());
-                            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], q0, lo);
-                            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], q1, hi);
-                        }
-                    }
-                }
-            }
-        }
-        // SAFETY: 32 row sums; out holds 32 per row.
-        unsafe { store_unbiased(&acc, s, o) }
-    }
-
-    /// AVX2 AMXINT4 with the sign trick (|16·v| ≤ 112 keeps the i16 pair sums exact).
-    ///
-    /// # Safety
-    /// AVX2 available; [`super::Int4DotFn`] contract.
-    pub unsafe fn dot_int4_avx2(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        // SAFETY: forwarded.
+        // SAFETY: as in the 512-bit loop, in 32-byte halves (8 outputs each).
         unsafe {
-            crate::kernels::dispatch_rows!(int4_avx2, "avx2 int4 dot", a, (a, k, g, s, o); 1 2 3 4)
-        }
-    }
-
-    #[target_feature(enable = "avx2")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn int4_avx2<const R: usize>(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        _s: *const i32,
-        o: *mut i32,
-    ) {
-        let ones = _mm256_set1_epi16(1);
-        let flip = _mm256_set1_epi8(-128);
-        let high = _mm256_set1_epi8(0xF0u8 as i8);
-        let mut acc = [[_mm256_setzero_si256(); 4]; R];
-        for t in 0..k / 128 {
-            for h in 0..2 {
-                for w in 0..16 {
-                    // SAFETY: as in the AVX-512 variant, in 32-byte halves (8 rows each).
-                    unsafe {
+            let high = _mm256_set1_epi8(0xF0u8 as i8);
+            let mut acc = [[_mm256_setzero_si256(); 4]; R];
+            for t in 0..k / 128 {
+                for h in 0..2 {
+                    for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
                         for half in 0..2 {
                             let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
@@ -351,33 +411,119 @@ mod x86 {
                             for r in 0..R {
                                 let base = a[r].add(t * 128 + w * 4);
                                 for (c, wv) in ops.iter().enumerate() {
-                                    let quad = (base.add(64 * c) as *const i32).read_unaligned();
-                                    let x = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
-                                    let p16 = _mm256_maddubs_epi16(
-                                        _mm256_abs_epi8(x),
-                                        _mm256_sign_epi8(*wv, x),
-                                    );
+                                    let x = O::prep(quad256(base.add(64 * c)));
                                     let q = 2 * h + half;
-                                    acc[r][q] =
-                                        _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(p16, ones));
+                                    acc[r][q] = O::dot(acc[r][q], x, *wv);
                                 }
                             }
                         }
                     }
                 }
             }
+            store256::<R, O>(&acc, s, o)
         }
-        for r in 0..R {
-            for q in 0..4 {
-                // SAFETY: out holds 32 per row; quarter q = outputs 8q..8q+8.
-                unsafe { _mm256_storeu_si256(o.add(r * 32 + q * 8) as *mut __m256i, acc[r][q]) };
+    }
+
+    /// # Safety
+    /// AVX2 in the caller; `s` points to 32 row sums, `o` to `32·R` i32.
+    #[inline(always)]
+    unsafe fn store256<const R: usize, O: Op256>(
+        acc: &[[__m256i; 4]; R],
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: the contract above; quarter q = outputs 8q..8q+8.
+        unsafe {
+            for (r, row) in acc.iter().enumerate() {
+                for (q, v) in row.iter().enumerate() {
+                    let bias = if O::BIASED {
+                        _mm256_slli_epi32::<7>(_mm256_loadu_si256(s.add(q * 8) as *const __m256i))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    _mm256_storeu_si256(
+                        o.add(r * 32 + q * 8) as *mut __m256i,
+                        _mm256_sub_epi32(*v, bias),
+                    );
+                }
             }
         }
     }
+
+    /// Entry points: a `#[target_feature]` wrapper per (loop, op), dispatched on the row count.
+    macro_rules! entry {
+        ($(#[$doc:meta])* $name:ident, $inner:ident, $body:ident, $op:ty, $features:literal,
+         $label:literal; $($r:literal)+) => {
+            $(#[$doc])*
+            ///
+            /// # Safety
+            /// The CPU has the features named in the wrapper; the [`super::Int8DotFn`] contract.
+            pub unsafe fn $name(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
+                // SAFETY: forwarded.
+                unsafe {
+                    crate::kernels::dispatch_rows!($inner, $label, a, (a, k, g, s, o); $($r)+)
+                }
+            }
+
+            #[target_feature(enable = $features)]
+            unsafe fn $inner<const R: usize>(
+                a: &[*const u8],
+                k: usize,
+                g: *const u8,
+                s: *const i32,
+                o: *mut i32,
+            ) {
+                // SAFETY: forwarded; the features are enabled here.
+                unsafe { $body::<R, $op>(a, k, g, s, o) }
+            }
+        };
+    }
+
+    entry!(
+        /// AMXINT8 with AVX512-VNNI.
+        dot_avx512vnni, int8_vnni512, int8_512, Vnni512, "avx512f,avx512bw,avx512vnni",
+        "avx512vnni int8 dot"; 1 2 3 4 5 6 7 8
+    );
+    entry!(
+        /// AMXINT4 with AVX512-VNNI.
+        dot_int4_avx512vnni, int4_vnni512, int4_512, Vnni512, "avx512f,avx512bw,avx512vnni",
+        "avx512vnni int4 dot"; 1 2 3 4 5 6 7 8
+    );
+    entry!(
+        /// AMXINT8 with AVX-512BW (no VNNI).
+        dot_avx512bw, int8_bw512, int8_512, Bw512, "avx512f,avx512bw",
+        "avx512bw int8 dot"; 1 2 3 4 5 6
+    );
+    entry!(
+        /// AMXINT4 with AVX-512BW (no VNNI).
+        dot_int4_avx512bw, int4_bw512, int4_512, Bw512, "avx512f,avx512bw",
+        "avx512bw int4 dot"; 1 2 3 4 5 6
+    );
+    entry!(
+        /// AMXINT8 with AVX-VNNI (256-bit).
+        dot_avxvnni, int8_avxvnni, int8_256, AvxVnni, "avx2,avxvnni",
+        "avxvnni int8 dot"; 1 2 3 4
+    );
+    entry!(
+        /// AMXINT4 with AVX-VNNI (256-bit).
+        dot_int4_avxvnni, int4_avxvnni, int4_256, AvxVnni, "avx2,avxvnni",
+        "avxvnni int4 dot"; 1 2 3 4
+    );
+    entry!(
+        /// AMXINT8 with AVX2 (sign trick).
+        dot_avx2, int8_avx2, int8_256, Avx2Sign, "avx2", "avx2 int8 dot"; 1 2 3 4
+    );
+    entry!(
+        /// AMXINT4 with AVX2 (sign trick).
+        dot_int4_avx2, int4_avx2, int4_256, Avx2Sign, "avx2", "avx2 int4 dot"; 1 2 3 4
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{dot_avx2, dot_avx512vnni, dot_int4_avx2, dot_int4_avx512vnni};
+pub use x86::{
+    dot_avx2, dot_avx512bw, dot_avx512vnni, dot_avxvnni, dot_int4_avx2, dot_int4_avx512bw,
+    dot_int4_avx512vnni, dot_int4_avxvnni,
+};
 
 #[cfg(test)]
 mod tests {
@@ -455,6 +601,12 @@ mod tests {
             if std::is_x86_feature_detected!("avx2") {
                 check(&INT4, dot_int4_avx2, 4, "avx2");
             }
+            if std::is_x86_feature_detected!("avx512bw") {
+                check(&INT4, dot_int4_avx512bw, 6, "avx512bw");
+            }
+            if std::is_x86_feature_detected!("avxvnni") {
+                check(&INT4, dot_int4_avxvnni, 4, "avxvnni");
+            }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")
             {
@@ -470,6 +622,12 @@ mod tests {
         {
             if std::is_x86_feature_detected!("avx2") {
                 check(&INT8, dot_avx2, 4, "avx2");
+            }
+            if std::is_x86_feature_detected!("avx512bw") {
+                check(&INT8, dot_avx512bw, 6, "avx512bw");
+            }
+            if std::is_x86_feature_detected!("avxvnni") {
+                check(&INT8, dot_avxvnni, 4, "avxvnni");
             }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")

@@ -134,6 +134,7 @@ pub struct KernelSet {
     int8: int8::Int8DotFn,
     int4: int8::Int4DotFn,
     int8_rows: usize,
+    int8_name: &'static str,
     amx: Option<AmxPath>,
 }
 
@@ -175,17 +176,28 @@ impl KernelSet {
                 set.int8 = int8::dot_avx2;
                 set.int4 = int8::dot_int4_avx2;
                 set.int8_rows = 4;
+                set.int8_name = "avx2";
+                if sel.features.has("avx_vnni") && level < Level::Avx512Base {
+                    set.int8 = int8::dot_avxvnni;
+                    set.int4 = int8::dot_int4_avxvnni;
+                    set.int8_name = "avx-vnni";
+                }
             }
             if level >= Level::Avx512Base {
                 set.name = "avx512-fma";
                 set.rows_per_block = avx512::ROWS;
                 set.dot = avx512::panel_dot_fma;
                 set.swiglu = avx512::swiglu;
+                set.int8 = int8::dot_avx512bw;
+                set.int4 = int8::dot_int4_avx512bw;
+                set.int8_rows = 6;
+                set.int8_name = "avx512bw";
             }
             if level >= Level::Avx512Vnni {
                 set.int8 = int8::dot_avx512vnni;
                 set.int4 = int8::dot_int4_avx512vnni;
                 set.int8_rows = int8::ROWS;
+                set.int8_name = "avx512-vnni";
             }
         }
         Ok(set)
@@ -223,6 +235,7 @@ impl KernelSet {
             int8: int8::dot_scalar,
             int4: int8::dot_int4_scalar,
             int8_rows: int8::ROWS,
+            int8_name: "scalar",
             amx: None,
         }
     }
@@ -442,15 +455,10 @@ impl KernelSet {
         self.int8_rows
     }
 
-    /// Name of the int8 kernel ("avx512-vnni", "avx2", "scalar"), as `__int8_kernel__` reports.
+    /// Name of the vector int8 kernel ("avx512-vnni", "avx512bw", "avx-vnni", "avx2",
+    /// "scalar"), as `__int8_kernel__` reports.
     pub fn int8_name(&self) -> &'static str {
-        if self.level >= Level::Avx512Vnni {
-            "avx512-vnni"
-        } else if self.level >= Level::Avx2 {
-            "avx2"
-        } else {
-            "scalar"
-        }
+        self.int8_name
     }
 
     /// The int8 kernel (its contract: [`int8::Int8DotFn`]; the ISA is guaranteed).
