@@ -7,7 +7,12 @@ use std::time::Instant;
 
 fn main() {
     let pool = kt_benches::pool(2);
-    let (e, k, h, i) = (128, 8, 2048, 768);
+    // DECODE_I shrinks the intermediate size: with tiny experts what remains is fixed overhead.
+    let i: usize = std::env::var("DECODE_I")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(768);
+    let (e, k, h) = (128, 8, 2048);
     let mut rng = Rng::new(2);
     let formats: Vec<WeightFormat> = match std::env::args().nth(1).as_deref() {
         Some("int8") => vec![WeightFormat::Int8],

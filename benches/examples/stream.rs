@@ -68,6 +68,32 @@ fn main() {
         "R=1 int8 kernel: best {best_int8:.1} GB/s ({:.0}%)",
         100.0 * best_int8 / best_probe
     );
+    // The int4 kernel: the same bytes as 32-row int4 groups of k = 2048 (32 KiB each).
+    let groups4 = panels * panel * 2 / (32 * kk / 2);
+    let mut best_int4 = 0f64;
+    for _round in 0..6 {
+        let t = Instant::now();
+        pool.parallel_for_all(groups4, &|g| {
+            let mut out = [0i32; 32];
+            // SAFETY: group g lies inside the buffer; sizes as the kernel contract requires.
+            unsafe {
+                (set.int4_fn())(
+                    &[a.as_ptr()],
+                    kk,
+                    (base as *const u8).add(g * 16 * kk),
+                    sums.as_ptr(),
+                    out.as_mut_ptr(),
+                )
+            };
+            std::hint::black_box(out);
+        })
+        .unwrap();
+        best_int4 = best_int4.max((groups4 * 16 * kk) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    println!(
+        "R=1 int4 kernel: best {best_int4:.1} GB/s ({:.0}%)",
+        100.0 * best_int4 / best_probe
+    );
     println!("probe best {best_probe:.1} GB/s");
     println!(
         "R=1 panel kernel: best {best:.1} GB/s ({:.0}%)",
