@@ -46,26 +46,11 @@ def test_nan_token_stays_nan_and_alone():
     assert torch.isfinite(torch.cat([out[:2], out[3:]])).all()
 
 
-def test_shape_rules_and_converted_files():
+def test_shape_rules():
     with pytest.raises(ValueError, match="multiples of 64"):
         make_wrapper(e=4, k=2, h=96, i=128, method="AMXINT8")
     with pytest.raises(ValueError, match="multiples of 128"):
         make_wrapper(e=4, k=2, h=128, i=192, method="AMXINT4")
-    from pathlib import Path
-
-    fixtures = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "amx"
-    if fixtures.is_dir():
-        w = make_wrapper(
-            layer_idx=1,
-            e=4,
-            k=2,
-            h=128,
-            i=256,
-            method="AMXINT8",
-            weight_path=str(fixtures / "int8-tp1-merged"),
-        )
-        with pytest.raises(NotImplementedError, match="converted"):
-            w.load_weights(torch.arange(4))
 
 
 FIXTURE_CHECK = """
@@ -78,7 +63,7 @@ amx = tf.FIXTURES / "amx"
 with safe_open(str(amx / "io-{bits}-tp{tp}-merged.safetensors"), "pt") as f:
     io = {{k: f.get_tensor(k) for k in f.keys()}}
 w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, chunk=64, threadpool_count={tp},
-                 method={method!r}, weight_path=str(amx / "hf"))
+                 method={method!r}, weight_path=str(amx / {source!r}))
 w.load_weights(torch.arange(4))
 for t in (1, 5, 16):
     out = w.forward(io[f"T{{t}}.x"], io[f"T{{t}}.topk_ids"], io[f"T{{t}}.topk_weights"], None)
@@ -100,6 +85,46 @@ def test_quantised_from_the_hf_checkpoint_matches_the_originals_outputs(method, 
     if not FIXTURES.is_dir():
         pytest.skip("shared/fixtures not present")
     bits = "int4" if method == "AMXINT4" else "int8"
-    code = FIXTURE_CHECK.format(tests=os.path.dirname(__file__), tp=tp, bits=bits, method=method)
+    code = FIXTURE_CHECK.format(
+        tests=os.path.dirname(__file__), tp=tp, bits=bits, method=method, source="hf"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("layout", ["merged", "kt"])
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_files_converted_by_the_original_load_and_match_its_outputs(method, tp, layout):
+    from test_fixtures import FIXTURES
+
+    if not FIXTURES.is_dir():
+        pytest.skip("shared/fixtures not present")
+    bits = "int4" if method == "AMXINT4" else "int8"
+    code = FIXTURE_CHECK.format(
+        tests=os.path.dirname(__file__),
+        tp=tp,
+        bits=bits,
+        method=method,
+        source=f"{bits}-tp{tp}-{layout}",
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_converted_files_for_another_threadpool_count_are_refused():
+    from test_fixtures import FIXTURES
+
+    if not FIXTURES.is_dir():
+        pytest.skip("shared/fixtures not present")
+    w = make_wrapper(
+        layer_idx=1,
+        e=4,
+        k=2,
+        h=128,
+        i=256,
+        method="AMXINT8",
+        weight_path=str(FIXTURES / "amx" / "int8-tp2-kt"),
+    )
+    with pytest.raises(ValueError, match="threadpool-count 2"):
+        w.load_weights(torch.arange(4))

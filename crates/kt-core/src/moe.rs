@@ -586,39 +586,7 @@ impl MoeLayer {
             self.parts.len(),
             pool.parts()
         );
-        let available = source.num_experts();
-        let logical: Vec<usize> = match map {
-            None => {
-                kt_ensure!(
-                    available >= c.num_experts,
-                    Invalid,
-                    "layer {l}: the weights hold {available} experts, the layer needs {}",
-                    c.num_experts
-                );
-                (0..c.num_experts).collect()
-            }
-            Some(m) => {
-                kt_ensure!(
-                    m.len() == c.num_experts,
-                    Invalid,
-                    "layer {l}: physical_to_logical_map has {} entries, expected num_experts={}",
-                    m.len(),
-                    c.num_experts
-                );
-                m.iter()
-                    .enumerate()
-                    .map(|(p, &e)| {
-                        if e < 0 || e as u64 >= available as u64 {
-                            kt_bail!(
-                                Invalid,
-                                "layer {l}: physical_to_logical_map[{p}]={e} is outside 0..{available}"
-                            );
-                        }
-                        Ok(e as usize)
-                    })
-                    .collect::<Result<_>>()?
-            }
-        };
+        let logical = self.logical_experts(map, source.num_experts())?;
         // Check every matrix's shape before touching memory.
         for &e in &logical {
             for (proj, rows, cols) in [
@@ -723,6 +691,186 @@ impl MoeLayer {
         }
         self.loaded = true;
         Ok(())
+    }
+
+    /// Copy weights converted by the original (AMXINT8/AMXINT4 files, see
+    /// [`crate::converted`]) into this layer: physical slot `p` gets file expert `map[p]`
+    /// (identity when None). The files must be split into as many parts as this layer has.
+    pub fn load_converted(
+        &mut self,
+        pool: &Pool,
+        files: &crate::converted::ConvertedLayer,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = self.config.clone();
+        let l = c.layer_idx;
+        let shape = *files.shape();
+        kt_ensure!(
+            self.format.is_quantised() && shape.format == self.format,
+            Invalid,
+            "layer {l} stores {:?} weights; the files hold {:?}",
+            self.format,
+            shape.format
+        );
+        kt_ensure!(
+            shape.parts == self.parts.len()
+                && pool.parts() == self.parts.len()
+                && shape.hidden == c.hidden
+                && shape.intermediate == c.intermediate,
+            Invalid,
+            "layer {l}: files for H={} I={} in {} parts, layer H={} I={} in {} parts (pool {})",
+            shape.hidden,
+            shape.intermediate,
+            shape.parts,
+            c.hidden,
+            c.intermediate,
+            self.parts.len(),
+            pool.parts()
+        );
+        let ranges = self.part_ranges();
+        let even = c.intermediate / self.parts.len();
+        kt_ensure!(
+            ranges.iter().all(|r| r.len() == even),
+            Invalid,
+            "layer {l}: the original splits I={} evenly into {} parts; this layer's parts are {:?}",
+            c.intermediate,
+            self.parts.len(),
+            ranges
+        );
+        let logical = self.logical_experts(map, shape.experts)?;
+        let targets: Vec<[Int8Target; 3]> = self
+            .parts
+            .iter_mut()
+            .map(|p| {
+                let q = p.q.as_mut().expect("quantised layers have int8 parts");
+                let mk = |i: usize, q: &mut Int8Part| Int8Target {
+                    mat: SyncPtr(q.mats[i].as_mut_ptr()),
+                    scale: SyncPtr(q.scales[i].as_mut_ptr()),
+                    sum: SyncPtr(q.sums[i].as_mut_ptr()),
+                };
+                [mk(0, q), mk(1, q), mk(2, q)]
+            })
+            .collect();
+        let fmt = self.format;
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        pool.run_parts(&|part, team: &Team| {
+            team.parallel_for(c.num_experts * 3, &|task| {
+                let (slot, which) = (task / 3, task % 3);
+                let proj = crate::converted::PROJS[which].0;
+                let result = (|| -> Result<()> {
+                    let (q, s) = files.part(logical[slot], proj, part)?;
+                    let (n, k) = shape.part_dims(proj);
+                    let t = targets[part][which];
+                    let group_bytes = fmt.matrix_bytes(PANEL, k);
+                    // SAFETY: this task owns expert `slot` of matrix `which` in this part; the
+                    // buffers hold E experts of n rows (sizes checked when the files opened).
+                    unsafe {
+                        let dst = t.mat.get().add(fmt.matrix_bytes(slot * n, k));
+                        std::ptr::copy_nonoverlapping(q.as_ptr(), dst, q.len());
+                        for (r, b) in s.chunks_exact(4).enumerate() {
+                            *t.scale.get().add(slot * n + r) =
+                                f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
+                        for (g, group) in q.chunks_exact(group_bytes).enumerate() {
+                            let sums = crate::kernels::int8::row_sums_fast(
+                                group,
+                                k,
+                                fmt == WeightFormat::Int4,
+                            );
+                            let at = t.sum.get().add(slot * n + g * PANEL);
+                            std::ptr::copy_nonoverlapping(sums.as_ptr(), at, PANEL);
+                        }
+                    }
+                    Ok(())
+                })();
+                if let Err(err) = result {
+                    first_error.lock().unwrap().get_or_insert(err);
+                }
+            });
+        })?;
+        if let Some(err) = first_error.into_inner().unwrap() {
+            return Err(err);
+        }
+        self.loaded = true;
+        Ok(())
+    }
+
+    /// Logical expert of every physical slot, checked against `available` experts.
+    fn logical_experts(&self, map: Option<&[i64]>, available: usize) -> Result<Vec<usize>> {
+        let c = &self.config;
+        let l = c.layer_idx;
+        match map {
+            None => {
+                kt_ensure!(
+                    available >= c.num_experts,
+                    Invalid,
+                    "layer {l}: the weights hold {available} experts, the layer needs {}",
+                    c.num_experts
+                );
+                Ok((0..c.num_experts).collect())
+            }
+            Some(m) => {
+                kt_ensure!(
+                    m.len() == c.num_experts,
+                    Invalid,
+                    "layer {l}: physical_to_logical_map has {} entries, expected num_experts={}",
+                    m.len(),
+                    c.num_experts
+                );
+                m.iter()
+                    .enumerate()
+                    .map(|(p, &e)| {
+                        if e < 0 || e as u64 >= available as u64 {
+                            kt_bail!(
+                                Invalid,
+                                "layer {l}: physical_to_logical_map[{p}]={e} is outside 0..{available}"
+                            );
+                        }
+                        Ok(e as usize)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// One part of one slot's quantised projection in the original's file form (matrix bytes,
+    /// fp32 scale bytes), for writing converted files.
+    pub fn quantised_part(
+        &self,
+        slot: usize,
+        proj: Proj,
+        part: usize,
+    ) -> Result<(Vec<u8>, Vec<u8>)> {
+        let q = self
+            .parts
+            .get(part)
+            .and_then(|p| p.q.as_ref())
+            .ok_or_else(|| Error::Invalid(format!("no quantised part {part} in this layer")))?;
+        kt_ensure!(
+            self.loaded,
+            Invalid,
+            "layer {} is not loaded",
+            self.config.layer_idx
+        );
+        kt_ensure!(
+            slot < self.config.num_experts,
+            Invalid,
+            "expert slot {slot} out of range"
+        );
+        let ip = self.parts[part].inter.len();
+        let (which, n, k) = match proj {
+            Proj::Gate => (0, ip, self.config.hidden),
+            Proj::Up => (1, ip, self.config.hidden),
+            Proj::Down => (2, self.config.hidden, ip),
+        };
+        let start = self.format.matrix_bytes(slot * n, k);
+        let bytes =
+            q.mats[which].as_slice()[start..start + self.format.matrix_bytes(n, k)].to_vec();
+        let scales = q.scales[which].as_slice()[slot * n..(slot + 1) * n]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        Ok((bytes, scales))
     }
 
     /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights

@@ -111,6 +111,17 @@ impl Checkpoint {
         self.tensors.get(name).map(|t| t.shape.as_slice())
     }
 
+    /// Raw bytes and safetensors dtype name ("I8", "F32", ...) of a tensor.
+    pub fn raw(&self, name: &str) -> Result<(&[u8], &str)> {
+        let t = self.tensors.get(name).ok_or_else(|| {
+            Error::NotFound(format!(
+                "tensor {name} is missing from {}",
+                self.dir.display()
+            ))
+        })?;
+        Ok((&self.maps[t.file][t.offset..t.offset + t.len], &t.dtype))
+    }
+
     fn float_view(&self, name: &str) -> Result<(MatrixView, Vec<usize>)> {
         let t = self.tensors.get(name).ok_or_else(|| {
             Error::Format(format!(

@@ -4,6 +4,7 @@
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::isa;
+use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
 use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
 use kt_core::pool::{Pool, PoolConfig};
@@ -59,6 +60,12 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     )?;
     d.set_item("kernels", kernels)?;
     Ok(d)
+}
+
+/// Whether `path` holds files converted by the original for layer `layer_idx`.
+#[pyfunction]
+fn has_converted_layer(path: PathBuf, layer_idx: usize) -> bool {
+    kt_core::converted::has_converted_layer(&path, layer_idx)
 }
 
 /// Build facts: version, profile, compiled ISA paths.
@@ -397,6 +404,50 @@ impl MoeLayer {
         )
     }
 
+    /// Read this layer's experts from files converted by the original (AMXINT8/AMXINT4, merged
+    /// safetensors or `_layer_L/_numa_N/*.kt`). Blocks. The maps are released before returning.
+    #[pyo3(signature = (path, layer_idx, map_ptr=0, map_len=0))]
+    fn load_from_converted(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        layer_idx: usize,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let shape = {
+                    let l = layer.read().unwrap();
+                    let c = l.config();
+                    LayerShape {
+                        layer: layer_idx,
+                        // With a map, the files must hold every expert it names.
+                        experts: match &map {
+                            Some(m) => m.iter().copied().max().map_or(1, |v| v.max(0) as usize + 1),
+                            None => c.num_experts,
+                        },
+                        hidden: c.hidden,
+                        intermediate: c.intermediate,
+                        parts: l.part_ranges().len(),
+                        format: l.format(),
+                    }
+                };
+                let files = ConvertedLayer::open(&path, shape)?;
+                let result = layer
+                    .write()
+                    .unwrap()
+                    .load_converted(ctx.pool, &files, map.as_deref());
+                drop(files);
+                result
+            }),
+        )
+    }
+
     /// Queue a forward; returns a ticket for `Engine.wait`. All addresses must stay valid
     /// until then (the Python layer keeps the tensors referenced).
     #[pyo3(signature = (qlen, hidden_ptr, hidden_dtype, ids_ptr, ids_dtype, weights_ptr, out_ptr,
@@ -466,6 +517,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     Ok(())

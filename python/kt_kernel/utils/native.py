@@ -1,5 +1,5 @@
-"""Backends built on the native layer: ``BF16`` (weights kept in bf16) and ``AMXINT8``
-(weights quantised per row to int8 with the original's rule and layout)."""
+"""Backends built on the native layer: ``BF16`` (weights kept in bf16) and ``AMXINT8`` /
+``AMXINT4`` (per-row int8/int4 weights with the original's rule and layout)."""
 
 from __future__ import annotations
 
@@ -87,35 +87,26 @@ class NativeMoEWrapper(BaseMoEWrapper):
 
 
 class AMXMoEWrapper(NativeMoEWrapper):
-    """AMXINT8 / AMXINT4 experts: quantised per output row (the original's rules, so values
-    and scales equal its converted files) from tensors or from a Hugging Face checkpoint, and
-    run with integer dot products (AVX512-VNNI, AVX2 or scalar; AMX tiles are not built yet)."""
+    """AMXINT8 / AMXINT4 experts: per-output-row int8/int4 weights (the original's values and
+    layout), run with AMX tiles where the CPU has them and integer vector kernels elsewhere.
+    Weights come from files the original's converter wrote, from a Hugging Face checkpoint
+    (quantised while loading, to the same bytes) or from tensors."""
 
     @property
     def _format(self) -> str:
         return "int4" if self.method == "AMXINT4" else "int8"
 
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
-        """Quantise this layer's experts from the Hugging Face checkpoint at ``weight_path``.
-        Files already converted by the original (``blk.*`` safetensors, ``_layer_*`` folders)
-        cannot be read yet."""
+        """Load this layer from ``weight_path``: converted files (merged ``blk.*`` safetensors
+        or ``_layer_*/_numa_*/*.kt``, written for the same ``threadpool_count``) are copied as
+        they are; a Hugging Face checkpoint is quantised on the fly."""
         path = os.fspath(self.weight_path) if self.weight_path else ""
-        if os.path.isdir(path) and (
-            any(n.startswith("_layer_") for n in os.listdir(path)) or _has_converted_keys(path)
-        ):
-            raise NotImplementedError(
-                f"{path!r} holds weights converted by the original (AMXINT8 layout); reading them "
-                "is not built yet. Point weight_path at the Hugging Face checkpoint instead."
-            )
+        if path and os.path.isdir(path) and _kt_core.has_converted_layer(path, self.layer_idx):
+            ptr, n, keep = self._map_arg(physical_to_logical_map_cpu)
+            self.moe.load_from_converted(path, self.layer_idx, ptr, n)
+            del keep
+            return
         super().load_weights(physical_to_logical_map_cpu)
-
-
-def _has_converted_keys(path: str) -> bool:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return '"blk.' in f.read()
-    return False
 
 
 class LlamafileMoEWrapper(BaseMoEWrapper):

@@ -35,6 +35,28 @@ pub fn group_row_sums(group: &[u8], k: usize) -> [i32; 32] {
     sums
 }
 
+/// Row sums of a 32-row group straight from the bytes (for loading converted files): byte
+/// `4n + b` of every 64-byte line of half `h` belongs to row `16h + n`; an AMXINT4 byte holds
+/// two of that row's weights, `16·v` each as the nibble moved to the top of a byte.
+pub fn row_sums_fast(group: &[u8], k: usize, int4: bool) -> [i32; 32] {
+    let mut sums = [0i32; 32];
+    let bytes = if int4 { 32 * k / 2 } else { 32 * k };
+    for (l, line) in group[..bytes].chunks_exact(64).enumerate() {
+        let half = (l / 16) % 2;
+        for (n, word) in line.chunks_exact(4).enumerate() {
+            let s: i32 = if int4 {
+                word.iter()
+                    .map(|&b| ((b << 4) as i8 as i32) + ((b & 0xF0) as i8 as i32))
+                    .sum()
+            } else {
+                word.iter().map(|&b| b as i8 as i32).sum()
+            };
+            sums[16 * half + n] += s;
+        }
+    }
+    sums
+}
+
 /// Scalar twin: index arithmetic through the layout's own offset function.
 ///
 /// # Safety
@@ -600,6 +622,21 @@ mod tests {
                         assert_eq!(want[r * 32 + j] as i64, exact);
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn fast_row_sums_equal_the_layout_oracle() {
+        for fmt in [&INT8, &INT4] {
+            let mut rng = Rng::new(5);
+            for &k in fmt.ks {
+                let w: Vec<i8> = (0..32 * k).map(|_| (fmt.draw)(&mut rng)).collect();
+                let group = (fmt.pack)(&w, 32, k).unwrap();
+                assert_eq!(
+                    row_sums_fast(&group, k, fmt.weight == 16),
+                    (fmt.sums)(&group, k)
+                );
             }
         }
     }
