@@ -21,6 +21,8 @@ pub mod converted;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod ggml;
+pub mod gguf;
 pub mod isa;
 pub mod kernels;
 pub mod moe;

@@ -3,6 +3,7 @@
 //! device, contiguity).
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
+use kt_core::ggml::{self, GgmlType};
 use kt_core::isa;
 use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
@@ -11,7 +12,7 @@ use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
 use kt_core::weights::{Checkpoint, HfLayerSource};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
@@ -94,6 +95,22 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("kernels", kernels)?;
     d.set_item("hwloc", cfg!(feature = "hwloc"))?;
     Ok(d)
+}
+
+/// Dequantise `n` values of ggml type `type_name` (e.g. "Q4_K", case-insensitive) from `data`;
+/// returns the values as little-endian float32 bytes. ValueError for an unknown name or a size
+/// that does not fit; NotImplementedError for a known type without a dequantiser here.
+#[pyfunction]
+fn ggml_dequantize<'py>(
+    py: Python<'py>,
+    type_name: &str,
+    data: &[u8],
+    n: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let ty = GgmlType::parse(type_name).py()?;
+    let values = py.detach(|| ggml::dequantize(ty, data, n)).py()?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
 }
 
 /// The task engine and its worker pool (the original's `CPUInfer`).
@@ -517,6 +534,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;

@@ -1,0 +1,676 @@
+//! ggml tensor types: the type table, scalar dequantisers and quantisers, activation
+//! quantisation and dot products of one quantised weight row with one quantised activation row.
+//!
+//! Everything here is written from the published block layouts (see [`blocks`]); it is the
+//! arithmetic the LLAMAFILE method needs for GGUF experts.
+//!
+//! How a weight row meets an activation (`k` = input dimension = row length):
+//!
+//! | weight type | activation ([`ActivationFormat`]) | `k` must be a multiple of |
+//! |---|---|---|
+//! | F32, F16, BF16 | F32 (little-endian f32 bytes) | 1 |
+//! | Q4_0, Q5_0, Q8_0, IQ4_NL | Q8_0 | 32 |
+//! | Q4_1, Q5_1 | Q8_1 | 32 |
+//! | Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS | Q8_K | 256 |
+//!
+//! Activation blocks (all little-endian):
+//! - Q8_0 (34 bytes per 32 values): fp16 `d = amax/127`, then `q = round_half_even(x · (127/amax))`
+//!   with the product rounded to f32 first.
+//! - Q8_1 (36 bytes per 32 values): fp16 `d`, fp16 `s = d · Σq` (the f32 `d` before rounding),
+//!   then the 32 `q` as in Q8_0. Q4_1/Q5_1 need `s` because their weights carry an offset `m`:
+//!   `Σ (d_w q_w + m)(d_a q_a) = d_w d_a Σ q_w q_a + m s`.
+//! - Q8_K (292 bytes per 256 values): f32 `d`, 256 × i8, 16 × i16 `bsums` (the sum of each run
+//!   of 16 `q`). The value of largest magnitude `m` (sign kept) maps to −127:
+//!   `q = round_half_even(x · (−127/m))` on the exact product, `d = 1/(−127/m)`.
+//!
+//! Quantised activations always lie in [−127, 127] (the SIMD kernels rely on it). A block with a
+//! NaN or infinity gets a NaN scale, so a non-finite input poisons its own dot products only.
+//!
+//! [`DotKernel`] picks the kernel at run time: AVX-512 VNNI or AVX2 for Q4_0, Q5_0, Q8_0,
+//! IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS; the scalar twin for the other types. Every SIMD kernel
+//! returns exactly the scalar twin's f32 (integer block sums, then the same f32 operations in
+//! the same order). With these activation rules the Q8_0 kernels reproduce the original
+//! kt-kernel's LLAMAFILE outputs bit for bit on its fixtures (see the tests).
+use crate::isa::{self, Level};
+use crate::{kt_bail, kt_ensure, Error, Result};
+
+pub mod blocks;
+mod dequant;
+mod dot;
+mod quantize;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512;
+
+#[cfg(test)]
+mod tests;
+
+/// ggml tensor element types, with their official numeric ids (as stored in GGUF files).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)] // the official spellings (Q4_K, IQ4_XS) are what users search for
+pub enum GgmlType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// 32 values: fp16 scale, 4-bit values offset by 8.
+    Q4_0,
+    /// 32 values: fp16 scale and minimum, 4-bit values.
+    Q4_1,
+    /// 32 values: fp16 scale, 5-bit values offset by 16.
+    Q5_0,
+    /// 32 values: fp16 scale and minimum, 5-bit values.
+    Q5_1,
+    /// 32 values: fp16 scale, int8 values.
+    Q8_0,
+    /// 32 values: fp16 scale, fp16 scaled sum, int8 values (an activation format).
+    Q8_1,
+    /// 256 values: 2-bit, 16 sub-blocks with 4-bit scales and minima.
+    Q2_K,
+    /// 256 values: 3-bit, 16 sub-blocks with 6-bit signed scales.
+    Q3_K,
+    /// 256 values: 4-bit, 8 sub-blocks with 6-bit scales and minima.
+    Q4_K,
+    /// 256 values: 5-bit, 8 sub-blocks with 6-bit scales and minima.
+    Q5_K,
+    /// 256 values: 6-bit, 16 sub-blocks with int8 scales.
+    Q6_K,
+    /// 256 values: f32 scale, int8 values, 16 int16 partial sums (an activation format).
+    Q8_K,
+    /// Importance-matrix 2-bit type (size known, no arithmetic here).
+    IQ2_XXS,
+    /// Importance-matrix 2-bit type (size known, no arithmetic here).
+    IQ2_XS,
+    /// Importance-matrix 3-bit type (size known, no arithmetic here).
+    IQ3_XXS,
+    /// Importance-matrix 1-bit type (size known, no arithmetic here).
+    IQ1_S,
+    /// 32 values: fp16 scale, 4-bit indices into a fixed non-linear table.
+    IQ4_NL,
+    /// Importance-matrix 3-bit type (size known, no arithmetic here).
+    IQ3_S,
+    /// Importance-matrix 2-bit type (size known, no arithmetic here).
+    IQ2_S,
+    /// 256 values: fp16 scale, 8 sub-blocks with 6-bit scales, 4-bit non-linear indices.
+    IQ4_XS,
+    /// int8.
+    I8,
+    /// int16.
+    I16,
+    /// int32.
+    I32,
+    /// int64.
+    I64,
+    /// IEEE binary64.
+    F64,
+    /// Importance-matrix 1-bit type (size known, no arithmetic here).
+    IQ1_M,
+    /// bfloat16.
+    BF16,
+    /// Ternary type (size known, no arithmetic here).
+    TQ1_0,
+    /// Ternary type (size known, no arithmetic here).
+    TQ2_0,
+    /// 32 values: e8m0 shared exponent, fp4 (e2m1) values (size known, no arithmetic here).
+    MXFP4,
+}
+
+/// Every type, in id order.
+pub const ALL_TYPES: [GgmlType; 32] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q8_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ1_S,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ3_S,
+    GgmlType::IQ2_S,
+    GgmlType::IQ4_XS,
+    GgmlType::I8,
+    GgmlType::I16,
+    GgmlType::I32,
+    GgmlType::I64,
+    GgmlType::F64,
+    GgmlType::IQ1_M,
+    GgmlType::BF16,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
+    GgmlType::MXFP4,
+];
+
+/// Weight types with a dequantiser, a quantiser and a dot product here.
+pub const SUPPORTED_TYPES: [GgmlType; 15] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
+impl GgmlType {
+    /// The numeric id stored in GGUF tensor infos.
+    pub fn id(self) -> u32 {
+        use GgmlType::*;
+        match self {
+            F32 => 0,
+            F16 => 1,
+            Q4_0 => 2,
+            Q4_1 => 3,
+            Q5_0 => 6,
+            Q5_1 => 7,
+            Q8_0 => 8,
+            Q8_1 => 9,
+            Q2_K => 10,
+            Q3_K => 11,
+            Q4_K => 12,
+            Q5_K => 13,
+            Q6_K => 14,
+            Q8_K => 15,
+            IQ2_XXS => 16,
+            IQ2_XS => 17,
+            IQ3_XXS => 18,
+            IQ1_S => 19,
+            IQ4_NL => 20,
+            IQ3_S => 21,
+            IQ2_S => 22,
+            IQ4_XS => 23,
+            I8 => 24,
+            I16 => 25,
+            I32 => 26,
+            I64 => 27,
+            F64 => 28,
+            IQ1_M => 29,
+            BF16 => 30,
+            TQ1_0 => 34,
+            TQ2_0 => 35,
+            MXFP4 => 39,
+        }
+    }
+
+    /// The type with this id; `None` for ids that were never assigned or have been retired
+    /// (4, 5, 31–33, 36–38) and for ids newer than this table.
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        ALL_TYPES.iter().copied().find(|t| t.id() == id)
+    }
+
+    /// The official name (`"Q4_K"`, `"BF16"`, ...).
+    pub fn name(self) -> &'static str {
+        use GgmlType::*;
+        match self {
+            F32 => "F32",
+            F16 => "F16",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q8_1 => "Q8_1",
+            Q2_K => "Q2_K",
+            Q3_K => "Q3_K",
+            Q4_K => "Q4_K",
+            Q5_K => "Q5_K",
+            Q6_K => "Q6_K",
+            Q8_K => "Q8_K",
+            IQ2_XXS => "IQ2_XXS",
+            IQ2_XS => "IQ2_XS",
+            IQ3_XXS => "IQ3_XXS",
+            IQ1_S => "IQ1_S",
+            IQ4_NL => "IQ4_NL",
+            IQ3_S => "IQ3_S",
+            IQ2_S => "IQ2_S",
+            IQ4_XS => "IQ4_XS",
+            I8 => "I8",
+            I16 => "I16",
+            I32 => "I32",
+            I64 => "I64",
+            F64 => "F64",
+            IQ1_M => "IQ1_M",
+            BF16 => "BF16",
+            TQ1_0 => "TQ1_0",
+            TQ2_0 => "TQ2_0",
+            MXFP4 => "MXFP4",
+        }
+    }
+
+    /// Parse a name, case-insensitively (`"q4_k"`, `"BF16"`).
+    pub fn parse(name: &str) -> Result<GgmlType> {
+        let wanted = name.trim();
+        ALL_TYPES
+            .iter()
+            .copied()
+            .find(|t| t.name().eq_ignore_ascii_case(wanted))
+            .ok_or_else(|| {
+                let names: Vec<_> = ALL_TYPES.iter().map(|t| t.name()).collect();
+                Error::Invalid(format!(
+                    "unknown ggml type {name:?}; known types: {}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    /// Values per block.
+    pub fn block_size(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S
+            | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        use GgmlType::*;
+        match self {
+            F32 => 4,
+            F16 | BF16 => 2,
+            I8 => 1,
+            I16 => 2,
+            I32 => 4,
+            I64 | F64 => 8,
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            Q8_0 => 34,
+            Q8_1 => 36,
+            Q2_K => 84,
+            Q3_K => 110,
+            Q4_K => 144,
+            Q5_K => 176,
+            Q6_K => 210,
+            Q8_K => 292,
+            IQ2_XXS => 66,
+            IQ2_XS => 74,
+            IQ3_XXS => 98,
+            IQ1_S => 50,
+            IQ4_NL => 18,
+            IQ3_S => 110,
+            IQ2_S => 82,
+            IQ4_XS => 136,
+            IQ1_M => 56,
+            TQ1_0 => 54,
+            TQ2_0 => 66,
+            MXFP4 => 17,
+        }
+    }
+
+    /// Bytes of a row of `n` values; fails unless `n` is a multiple of the block size (or the
+    /// size overflows).
+    pub fn row_bytes(self, n: usize) -> Result<usize> {
+        let bs = self.block_size();
+        kt_ensure!(
+            n.is_multiple_of(bs),
+            Invalid,
+            "a {} row holds whole blocks of {bs} values; {n} values is not a multiple of {bs}",
+            self.name()
+        );
+        (n / bs).checked_mul(self.type_size()).ok_or_else(|| {
+            Error::Invalid(format!(
+                "a {} row of {n} values overflows the address space",
+                self.name()
+            ))
+        })
+    }
+
+    /// Whether this crate can dequantise, quantise and dot-multiply this type.
+    pub fn is_supported(self) -> bool {
+        SUPPORTED_TYPES.contains(&self)
+    }
+
+    /// The format activations must be quantised to for [`vec_dot`] with this weight type.
+    pub fn activation_format(self) -> Result<ActivationFormat> {
+        use GgmlType::*;
+        Ok(match self {
+            F32 | F16 | BF16 => ActivationFormat::F32,
+            Q4_0 | Q5_0 | Q8_0 | IQ4_NL => ActivationFormat::Q8_0,
+            Q4_1 | Q5_1 => ActivationFormat::Q8_1,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => ActivationFormat::Q8_K,
+            _ => return Err(unsupported(self, "dot products")),
+        })
+    }
+
+    /// The input dimension `k` must be a multiple of this for dot products (the larger of the
+    /// weight block and the activation block).
+    pub fn k_multiple(self) -> Result<usize> {
+        Ok(self
+            .block_size()
+            .max(self.activation_format()?.block_size()))
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn unsupported(ty: GgmlType, what: &str) -> Error {
+    let names: Vec<_> = SUPPORTED_TYPES.iter().map(|t| t.name()).collect();
+    Error::Unsupported(format!(
+        "ggml type {} (id {}) has no {what} here; supported: {}",
+        ty.name(),
+        ty.id(),
+        names.join(", ")
+    ))
+}
+
+/// How activations are stored for a dot product (see the module docs for the block layouts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum ActivationFormat {
+    /// Plain little-endian f32.
+    F32,
+    /// 32 values per 34-byte block.
+    Q8_0,
+    /// 32 values per 36-byte block (with the scaled sum).
+    Q8_1,
+    /// 256 values per 292-byte block (with partial sums).
+    Q8_K,
+}
+
+impl ActivationFormat {
+    /// Values per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            ActivationFormat::F32 => 1,
+            ActivationFormat::Q8_0 | ActivationFormat::Q8_1 => 32,
+            ActivationFormat::Q8_K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            ActivationFormat::F32 => 4,
+            ActivationFormat::Q8_0 => blocks::Q8_0_BYTES,
+            ActivationFormat::Q8_1 => blocks::Q8_1_BYTES,
+            ActivationFormat::Q8_K => blocks::Q8_K_BYTES,
+        }
+    }
+
+    /// The name of the matching ggml type.
+    pub fn name(self) -> &'static str {
+        match self {
+            ActivationFormat::F32 => "F32",
+            ActivationFormat::Q8_0 => "Q8_0",
+            ActivationFormat::Q8_1 => "Q8_1",
+            ActivationFormat::Q8_K => "Q8_K",
+        }
+    }
+
+    /// Bytes for `k` values; fails unless `k` is a multiple of the block size.
+    pub fn row_bytes(self, k: usize) -> Result<usize> {
+        let bs = self.block_size();
+        kt_ensure!(
+            k.is_multiple_of(bs),
+            Invalid,
+            "{} activations come in blocks of {bs} values; {k} is not a multiple of {bs}",
+            self.name()
+        );
+        (k / bs)
+            .checked_mul(self.block_bytes())
+            .ok_or_else(|| Error::Invalid(format!("{k} {} activations overflow", self.name())))
+    }
+}
+
+/// Dequantise one row of `out.len()` values stored as `ty` in `data`.
+pub fn dequantize_row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
+    check_row(ty, data.len(), out.len())?;
+    dequant::row(ty, data, out)
+}
+
+/// Dequantise `n` values stored as `ty`.
+pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0.0; n];
+    dequantize_row(ty, data, &mut out)?;
+    Ok(out)
+}
+
+/// Quantise one row `x` to `ty` into `out` (exactly `ty.row_bytes(x.len())` bytes). The
+/// quantisers are plain round-to-nearest without a search: deterministic and valid, though less
+/// accurate than llama.cpp's for the K and IQ types. Quantised types reject non-finite input.
+pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    check_row(ty, out.len(), x.len())?;
+    quantize::weight_row(ty, x, out)
+}
+
+/// Quantise `x` to `ty`.
+pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; ty.row_bytes(x.len())?];
+    quantize_row(ty, x, &mut out)?;
+    Ok(out)
+}
+
+fn check_row(ty: GgmlType, bytes: usize, n: usize) -> Result<()> {
+    if !ty.is_supported() {
+        return Err(unsupported(ty, "quantiser/dequantiser"));
+    }
+    let need = ty.row_bytes(n)?;
+    kt_ensure!(
+        bytes == need,
+        Invalid,
+        "{n} {} values take {need} bytes, got {bytes}",
+        ty.name()
+    );
+    Ok(())
+}
+
+/// Quantise activations `x` into `out` (exactly `format.row_bytes(x.len())` bytes).
+pub fn quantize_activation_into(format: ActivationFormat, x: &[f32], out: &mut [u8]) -> Result<()> {
+    let need = format.row_bytes(x.len())?;
+    kt_ensure!(
+        out.len() == need,
+        Invalid,
+        "{} {} activations take {need} bytes, got {}",
+        x.len(),
+        format.name(),
+        out.len()
+    );
+    quantize::activation_row(format, x, out);
+    Ok(())
+}
+
+/// Quantise activations `x` to `format`.
+pub fn quantize_activation(format: ActivationFormat, x: &[f32]) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; format.row_bytes(x.len())?];
+    quantize_activation_into(format, x, &mut out)?;
+    Ok(out)
+}
+
+/// The values a quantised activation row stands for (`d · q` per value).
+pub fn dequantize_activation(format: ActivationFormat, data: &[u8], k: usize) -> Result<Vec<f32>> {
+    let need = format.row_bytes(k)?;
+    kt_ensure!(
+        data.len() == need,
+        Invalid,
+        "{k} {} activations take {need} bytes, got {}",
+        format.name(),
+        data.len()
+    );
+    Ok(dequant::activation(format, data, k))
+}
+
+/// Dot product of one `ty` weight row of `k` values with one activation row quantised to
+/// `ty.activation_format()`, computed by the scalar reference code (the twin every SIMD kernel
+/// must equal bit for bit). For speed use [`DotKernel`].
+pub fn vec_dot(ty: GgmlType, k: usize, weight_row: &[u8], activation: &[u8]) -> Result<f32> {
+    let kernel = DotKernel::scalar(ty)?;
+    kernel.check(k, weight_row.len(), activation.len())?;
+    Ok(kernel.dot(k, weight_row, activation))
+}
+
+/// A dot kernel: `(k, weight row, activation row) → f32`.
+///
+/// # Safety
+/// The CPU has the kernel's features; `weight_row` holds exactly one row of `k` values of the
+/// kernel's type, `activation` exactly `k` values in its activation format, `k` a valid multiple.
+type RawDotFn = unsafe fn(usize, &[u8], &[u8]) -> f32;
+
+/// A dot-product kernel for one weight type, chosen once for this CPU.
+#[derive(Clone, Copy)]
+pub struct DotKernel {
+    weight_type: GgmlType,
+    name: &'static str,
+    raw: RawDotFn,
+}
+
+impl std::fmt::Debug for DotKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DotKernel({} {})", self.weight_type, self.name)
+    }
+}
+
+impl DotKernel {
+    /// The scalar reference kernel.
+    pub fn scalar(ty: GgmlType) -> Result<DotKernel> {
+        Ok(DotKernel {
+            weight_type: ty,
+            name: "scalar",
+            raw: dot::scalar_fn(ty).ok_or_else(|| unsupported(ty, "dot product"))?,
+        })
+    }
+
+    /// The fastest kernel at or below `level`; fails if this CPU cannot run `level`. Types
+    /// without a SIMD kernel get the scalar one.
+    pub fn for_level(ty: GgmlType, level: Level) -> Result<DotKernel> {
+        let sel = isa::global()?;
+        if level > sel.detected {
+            kt_bail!(
+                Unsupported,
+                "{} dot kernels for {} requested but this CPU offers {} (missing: {})",
+                ty.name(),
+                level.name(),
+                sel.detected.name(),
+                sel.features.missing(level).join(", ")
+            );
+        }
+        let mut kernel = Self::scalar(ty)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            if level >= Level::Avx512Vnni && x86_avx512::available() {
+                if let Some(raw) = x86_avx512::dot_fn(ty) {
+                    kernel.name = "avx512-vnni";
+                    kernel.raw = raw;
+                    return Ok(kernel);
+                }
+            }
+            if level >= Level::Avx2 && x86_avx2::available() {
+                if let Some(raw) = x86_avx2::dot_fn(ty) {
+                    kernel.name = "avx2";
+                    kernel.raw = raw;
+                }
+            }
+        }
+        Ok(kernel)
+    }
+
+    /// The fastest kernel for the process's chosen level (`KT_KERNEL_CPU_VARIANT` caps it).
+    pub fn best(ty: GgmlType) -> Result<DotKernel> {
+        Self::for_level(ty, isa::global()?.chosen)
+    }
+
+    /// `"scalar"`, `"avx2"` or `"avx512-vnni"`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The weight type.
+    pub fn weight_type(&self) -> GgmlType {
+        self.weight_type
+    }
+
+    /// The activation format this kernel reads.
+    pub fn activation_format(&self) -> ActivationFormat {
+        // Only supported types get a kernel, and they all have a format.
+        self.weight_type
+            .activation_format()
+            .unwrap_or(ActivationFormat::F32)
+    }
+
+    /// Check that `k`, a weight row of `weight_bytes` and an activation row of
+    /// `activation_bytes` fit this kernel.
+    pub fn check(&self, k: usize, weight_bytes: usize, activation_bytes: usize) -> Result<()> {
+        let ty = self.weight_type;
+        let multiple = ty.k_multiple()?;
+        kt_ensure!(
+            k.is_multiple_of(multiple),
+            Invalid,
+            "{ty} dot products need k (the input dimension) to be a multiple of {multiple}, got {k}"
+        );
+        let w = ty.row_bytes(k)?;
+        let a = self.activation_format().row_bytes(k)?;
+        kt_ensure!(
+            weight_bytes == w,
+            Invalid,
+            "a {ty} row of {k} values takes {w} bytes, got {weight_bytes}"
+        );
+        kt_ensure!(
+            activation_bytes == a,
+            Invalid,
+            "{k} {} activations take {a} bytes, got {activation_bytes}",
+            self.activation_format().name()
+        );
+        Ok(())
+    }
+
+    /// Dot product of one weight row with one activation row.
+    ///
+    /// # Panics
+    /// If the sizes do not fit (see [`DotKernel::check`]); check once per shape beforehand.
+    #[inline]
+    pub fn dot(&self, k: usize, weight_row: &[u8], activation: &[u8]) -> f32 {
+        if let Err(e) = self.check(k, weight_row.len(), activation.len()) {
+            panic!("DotKernel::dot: {e}");
+        }
+        // SAFETY: the constructor checked the CPU features; the sizes were checked just above.
+        unsafe { (self.raw)(k, weight_row, activation) }
+    }
+
+    /// `out[r] = dot(row r of rows, activation)` for `out.len()` contiguous weight rows.
+    ///
+    /// # Panics
+    /// If the sizes do not fit.
+    pub fn dot_rows(&self, k: usize, rows: &[u8], activation: &[u8], out: &mut [f32]) {
+        let row_bytes = match self.weight_type.row_bytes(k) {
+            Ok(b) => b,
+            Err(e) => panic!("DotKernel::dot_rows: {e}"),
+        };
+        assert!(
+            rows.len() == row_bytes * out.len(),
+            "DotKernel::dot_rows: {} rows of {k} {} values need {} bytes, got {}",
+            out.len(),
+            self.weight_type,
+            row_bytes * out.len(),
+            rows.len()
+        );
+        for (r, o) in out.iter_mut().enumerate() {
+            *o = self.dot(k, &rows[r * row_bytes..(r + 1) * row_bytes], activation);
+        }
+    }
+}
