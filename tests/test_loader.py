@@ -118,3 +118,59 @@ def test_int8_checkpoint_is_rejected_by_name(tmp_path):
     w = make_wrapper(e=E, k=K, h=H, i=I, weight_path=str(tmp_path))
     with pytest.raises(TypeError, match="I8"):
         w.load_weights(None)
+
+
+def fp8_block_quantise(w):
+    """DeepSeek-V3 style: e4m3 values and F32 `weight_scale_inv` per 128x128 block (amax/448)."""
+    rows, cols = w.shape
+    br, bc = -(-rows // 128), -(-cols // 128)
+    scale = torch.zeros(br, bc)
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(br):
+        for j in range(bc):
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
+            s = blk.abs().max().clamp_min(1e-12) / 448.0
+            scale[i, j] = s
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantise(q, scale):
+    s = scale.repeat_interleave(128, 0)[: q.shape[0]].repeat_interleave(128, 1)[:, : q.shape[1]]
+    return q.float() * s
+
+
+@pytest.mark.parametrize("method", ["BF16", "AMXINT8", "AMXINT4"])
+def test_block_fp8_checkpoints(tmp_path, method):
+    # I = 256 and H = 192: full and partial 128-blocks; AMXINT4 needs multiples of 128.
+    e, h, i = 4, 256 if method == "AMXINT4" else 192, 256
+    g, u, d = random_experts(e, h, i, dtype=torch.float32, seed=11)
+    tensors, deq = {}, {"gate": [], "up": [], "down": []}
+    for x in range(e):
+        for name, t in (("gate", g[x]), ("up", u[x]), ("down", d[x])):
+            q, s = fp8_block_quantise(t)
+            key = f"model.layers.3.mlp.experts.{x}.{name}_proj.weight"
+            tensors[key], tensors[key + "_scale_inv"] = q, s
+            deq[name].append(fp8_dequantise(q, s))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    gd, ud, dd = (torch.stack(deq[n]) for n in ("gate", "up", "down"))
+    w = make_wrapper(layer_idx=3, e=e, k=2, h=h, i=i, method=method, weight_path=str(tmp_path))
+    w.load_weights(torch.arange(e))
+    x = torch.randn(5, h)
+    ids, wt = random_routing(5, e, 2, seed=2)
+    err = rel_l2(w.forward(x, ids, wt, None), reference_moe(x, ids, wt, gd, ud, dd))
+    assert err < {"BF16": 5e-3, "AMXINT8": 0.027, "AMXINT4": 0.27}[method], err
+
+
+def test_fp8_without_block_scales_is_refused(tmp_path):
+    g, u, d = random_experts(2, 64, 64, dtype=torch.float32, seed=1)
+    tensors = {}
+    for x in range(2):
+        for name, t in (("gate", g[x]), ("up", u[x]), ("down", d[x])):
+            tensors[f"model.layers.0.mlp.experts.{x}.{name}_proj.weight"] = t.to(
+                torch.float8_e4m3fn
+            )
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w = make_wrapper(e=2, k=2, h=64, i=64, weight_path=str(tmp_path))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        w.load_weights(torch.arange(2))

@@ -11,6 +11,9 @@ pub enum FloatType {
     F16,
     /// bfloat16 (the top half of an fp32).
     BF16,
+    /// FP8 E4M3 ("fn": no infinities, 0x7F/0xFF are NaN, max 448); checkpoint weights only,
+    /// usually with a per-block scale (see [`crate::pack::BlockScale`]).
+    F8E4M3,
 }
 
 impl FloatType {
@@ -19,6 +22,7 @@ impl FloatType {
         match self {
             FloatType::F32 => 4,
             FloatType::F16 | FloatType::BF16 => 2,
+            FloatType::F8E4M3 => 1,
         }
     }
 
@@ -46,6 +50,7 @@ impl FloatType {
             FloatType::F32 => "float32",
             FloatType::F16 => "float16",
             FloatType::BF16 => "bfloat16",
+            FloatType::F8E4M3 => "float8_e4m3fn",
         }
     }
 }
@@ -84,6 +89,40 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
     bf16::from_f32(x).to_bits()
 }
 
+/// FP8 E4M3FN → f32 (exact): 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0 is
+/// subnormal (m/8 · 2⁻⁶); `S.1111.111` is NaN; there is no infinity.
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xF, b & 0x7);
+    if e == 0xF && m == 0x7 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 {
+        m as f32 / 8.0 * (2.0f32).powi(-6)
+    } else {
+        (1.0 + m as f32 / 8.0) * (2.0f32).powi(e as i32 - 7)
+    };
+    sign * mag
+}
+
+/// f32 → FP8 E4M3FN, nearest (ties to even code), saturating at ±448; NaN → 0x7F. A plain
+/// search over the 127 finite magnitudes: this writes test data, it is not a hot path.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs().min(448.0);
+    let mut best = 0u8;
+    for code in 1u8..=0x7E {
+        let (d, db) = ((e4m3_to_f32(code) - a).abs(), (e4m3_to_f32(best) - a).abs());
+        if d < db || (d == db && code % 2 == 0) {
+            best = code;
+        }
+    }
+    sign | best
+}
+
 /// Read element `i` of a raw float buffer of type `t` as f32.
 ///
 /// # Safety
@@ -97,6 +136,7 @@ pub unsafe fn load_f32(ptr: *const u8, t: FloatType, i: usize) -> f32 {
             FloatType::F32 => (ptr as *const f32).add(i).read_unaligned(),
             FloatType::F16 => f16::from_bits((ptr as *const u16).add(i).read_unaligned()).to_f32(),
             FloatType::BF16 => bf16_bits_to_f32((ptr as *const u16).add(i).read_unaligned()),
+            FloatType::F8E4M3 => e4m3_to_f32(*ptr.add(i)),
         }
     }
 }
@@ -124,6 +164,11 @@ pub unsafe fn row_to_f32(src: *const u8, src_type: FloatType, dst: &mut [f32]) {
                     *d = f16::from_bits(s.add(i).read_unaligned()).to_f32();
                 }
             }
+            FloatType::F8E4M3 => {
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = e4m3_to_f32(*src.add(i));
+                }
+            }
         }
     }
 }
@@ -149,6 +194,11 @@ pub unsafe fn row_from_f32(src: &[f32], dst: *mut u8, dst_type: FloatType) {
                 let d = dst as *mut u16;
                 for (i, &v) in src.iter().enumerate() {
                     d.add(i).write_unaligned(f16::from_f32(v).to_bits());
+                }
+            }
+            FloatType::F8E4M3 => {
+                for (i, &v) in src.iter().enumerate() {
+                    *dst.add(i) = f32_to_e4m3(v);
                 }
             }
         }
@@ -182,6 +232,16 @@ mod tests {
             }
         }
         assert_eq!(FloatType::parse("torch.bfloat16").unwrap(), FloatType::BF16);
+        // FP8 E4M3: known codes, and every finite code survives a round trip.
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0xB8), -1.0);
+        assert!(e4m3_to_f32(0x7F).is_nan());
+        for code in (0u8..=0xFF).filter(|c| c & 0x7F != 0x7F) {
+            let v = e4m3_to_f32(code);
+            assert_eq!(f32_to_e4m3(v), code, "code {code:#x}");
+        }
+        assert_eq!(f32_to_e4m3(1e9), 0x7E);
         assert!(matches!(FloatType::parse("int8"), Err(Error::Dtype(_))));
     }
 }

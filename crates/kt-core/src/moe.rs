@@ -248,13 +248,7 @@ unsafe fn quantise_into(
     let mut q = vec![0i8; k];
     for r in 0..n {
         // SAFETY: row r of the view has k elements.
-        unsafe {
-            row_to_f32(
-                view.ptr.add(r * view.row_stride * view.dtype.size()),
-                view.dtype,
-                &mut row,
-            )
-        };
+        unsafe { view.row_f32(r, &mut row) };
         let (group, local) = (r / PANEL, r % PANEL);
         let base = format.matrix_bytes(slot * n + group * PANEL, k);
         // SAFETY: offsets stay inside expert `slot`'s matrix bytes / n scales (contract); the
@@ -1491,6 +1485,7 @@ impl ExpertSource for TensorSource {
             rows,
             cols,
             row_stride: cols,
+            block_scale: None,
         })
     }
 }

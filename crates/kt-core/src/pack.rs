@@ -178,6 +178,38 @@ pub struct MatrixView {
     pub cols: usize,
     /// Distance between rows, in elements.
     pub row_stride: usize,
+    /// Per-block scales that multiply the stored values (block-quantised FP8 checkpoints).
+    pub block_scale: Option<BlockScale>,
+}
+
+/// Block scales of a block-quantised matrix: the value at absolute `[r][c]` is the stored value
+/// times `scales[(r / block) * cols + c / block]` (DeepSeek-V3 FP8: `weight_scale_inv`,
+/// 128 × 128 blocks).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockScale {
+    /// Row-major `[ceil(rows/block)][cols]` f32 scales (unaligned reads).
+    pub scales: *const u8,
+    /// Scale columns.
+    pub cols: usize,
+    /// Block edge.
+    pub block: usize,
+    /// Absolute position of this view's `[0][0]` in the scaled matrix (sub-views move it).
+    pub row0: usize,
+    /// See `row0`.
+    pub col0: usize,
+}
+
+impl BlockScale {
+    /// The scale of absolute element `[r][c]` of the view.
+    ///
+    /// # Safety
+    /// The scale memory is alive and covers the block.
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, c: usize) -> f32 {
+        let i = ((self.row0 + r) / self.block) * self.cols + (self.col0 + c) / self.block;
+        // SAFETY: the contract above.
+        unsafe { (self.scales as *const f32).add(i).read_unaligned() }
+    }
 }
 
 // SAFETY: a view is plain data; whoever builds one promises the memory outlives its use.
@@ -202,6 +234,7 @@ impl MatrixView {
             rows,
             cols,
             row_stride: cols,
+            block_scale: None,
         })
     }
 
@@ -224,6 +257,11 @@ impl MatrixView {
             },
             rows: nr,
             cols: nc,
+            block_scale: self.block_scale.map(|b| BlockScale {
+                row0: b.row0 + r0,
+                col0: b.col0 + c0,
+                ..b
+            }),
             ..*self
         })
     }
@@ -235,7 +273,33 @@ impl MatrixView {
     #[inline(always)]
     pub unsafe fn get(&self, r: usize, c: usize) -> f32 {
         // SAFETY: forwarded.
-        unsafe { crate::dtype::load_f32(self.ptr, self.dtype, r * self.row_stride + c) }
+        unsafe {
+            let v = crate::dtype::load_f32(self.ptr, self.dtype, r * self.row_stride + c);
+            match &self.block_scale {
+                Some(b) => v * b.at(r, c),
+                None => v,
+            }
+        }
+    }
+
+    /// Row `r` as f32 (block scales applied) into `dst` (`cols` values).
+    ///
+    /// # Safety
+    /// The view's memory must still be alive; r < rows; `dst.len() == cols`.
+    pub unsafe fn row_f32(&self, r: usize, dst: &mut [f32]) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::dtype::row_to_f32(
+                self.ptr.add(r * self.row_stride * self.dtype.size()),
+                self.dtype,
+                dst,
+            );
+            if let Some(b) = &self.block_scale {
+                for (c, d) in dst.iter_mut().enumerate() {
+                    *d *= b.at(r, c);
+                }
+            }
+        }
     }
 }
 

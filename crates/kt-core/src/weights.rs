@@ -3,7 +3,7 @@
 //! source is dropped, right after the layer has packed its own copy.
 use crate::dtype::FloatType;
 use crate::moe::{ExpertSource, Proj};
-use crate::pack::MatrixView;
+use crate::pack::{BlockScale, MatrixView};
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;
 use std::collections::HashMap;
@@ -122,6 +122,34 @@ impl Checkpoint {
         Ok((&self.maps[t.file][t.offset..t.offset + t.len], &t.dtype))
     }
 
+    /// The `{name}_scale_inv` of an FP8 weight: F32 `[ceil(rows/128), ceil(cols/128)]`.
+    fn fp8_block_scale(&self, name: &str, rows: usize, cols: usize) -> Result<BlockScale> {
+        const BLOCK: usize = 128;
+        let key = format!("{name}_scale_inv");
+        let Some(t) = self.tensors.get(&key) else {
+            kt_bail!(
+                Format,
+                "{name} is FP8 but {key} (its 128x128 block scales) is missing; per-tensor or \
+                 other FP8 scalings are not supported"
+            );
+        };
+        let want = [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)];
+        kt_ensure!(
+            t.dtype == "F32" && t.shape == want && t.len == want[0] * want[1] * 4,
+            Format,
+            "{key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 {want:?} (128x128 blocks)",
+            t.dtype,
+            t.shape
+        );
+        Ok(BlockScale {
+            scales: self.maps[t.file][t.offset..].as_ptr(),
+            cols: want[1],
+            block: BLOCK,
+            row0: 0,
+            col0: 0,
+        })
+    }
+
     fn float_view(&self, name: &str) -> Result<(MatrixView, Vec<usize>)> {
         let t = self.tensors.get(name).ok_or_else(|| {
             Error::Format(format!(
@@ -133,9 +161,11 @@ impl Checkpoint {
             "BF16" => FloatType::BF16,
             "F16" => FloatType::F16,
             "F32" => FloatType::F32,
+            "F8_E4M3" => FloatType::F8E4M3,
             other => kt_bail!(
                 Dtype,
-                "tensor {name} has dtype {other}; this method reads BF16, F16 or F32 weights"
+                "tensor {name} has dtype {other}; this method reads BF16, F16, F32 or block-FP8 \
+                 (F8_E4M3 + weight_scale_inv) weights"
             ),
         };
         let elems: usize = t.shape.iter().product();
@@ -149,10 +179,11 @@ impl Checkpoint {
         let bytes = &self.maps[t.file][t.offset..t.offset + t.len];
         let cols = *t.shape.last().unwrap_or(&1);
         let rows = elems.checked_div(cols).unwrap_or(0);
-        Ok((
-            MatrixView::from_bytes(bytes, dtype, rows, cols)?,
-            t.shape.clone(),
-        ))
+        let mut view = MatrixView::from_bytes(bytes, dtype, rows, cols)?;
+        if dtype == FloatType::F8E4M3 {
+            view.block_scale = Some(self.fp8_block_scale(name, rows, cols)?);
+        }
+        Ok((view, t.shape.clone()))
     }
 }
 
