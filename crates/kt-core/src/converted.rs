@@ -89,10 +89,15 @@ impl LayerShape {
     }
 }
 
+/// `.kt` files by (part, expert, projection index, is_scale).
+type KtFiles = HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>;
+
+/// Gives one part of one expert's projection as (matrix bytes, fp32 scale bytes).
+pub type PartBytes<'a> = dyn Fn(usize, Proj, usize) -> Result<(Vec<u8>, Vec<u8>)> + 'a;
+
 enum Store {
     Merged(Checkpoint),
-    /// (part, expert, projection index, is_scale) → mapped file.
-    Folders(HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>),
+    Folders(KtFiles),
 }
 
 /// One layer's converted files, opened (memory-mapped) and checked against the layer's shape.
@@ -251,7 +256,7 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
 fn open_folders(
     folder: &Path,
     shape: &LayerShape,
-) -> Result<HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>> {
+) -> Result<KtFiles> {
     let prefix = kt_prefix(shape.format)?;
     let mut parts = Vec::new();
     for entry in std::fs::read_dir(folder)? {
@@ -328,7 +333,7 @@ fn open_folders(
 pub fn write_folders(
     dir: &Path,
     shape: &LayerShape,
-    part: &dyn Fn(usize, Proj, usize) -> Result<(Vec<u8>, Vec<u8>)>,
+    part: &PartBytes,
 ) -> Result<()> {
     let prefix = kt_prefix(shape.format)?;
     for n in 0..shape.parts {
@@ -355,7 +360,7 @@ pub fn write_folders(
 pub fn write_merged_shard(
     file: &Path,
     shape: &LayerShape,
-    part: &dyn Fn(usize, Proj, usize) -> Result<(Vec<u8>, Vec<u8>)>,
+    part: &PartBytes,
 ) -> Result<Vec<String>> {
     use safetensors::tensor::{Dtype, TensorView};
     let mut owned: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
