@@ -253,10 +253,7 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
 }
 
 /// Map every `.kt` file of a `_layer_L` folder, checking names, sizes and the part count.
-fn open_folders(
-    folder: &Path,
-    shape: &LayerShape,
-) -> Result<KtFiles> {
+fn open_folders(folder: &Path, shape: &LayerShape) -> Result<KtFiles> {
     let prefix = kt_prefix(shape.format)?;
     let mut parts = Vec::new();
     for entry in std::fs::read_dir(folder)? {
@@ -330,11 +327,7 @@ fn open_folders(
 /// Write one layer in the folder layout: `dir/_layer_{L}/_numa_{N}/*.kt`. `part(e, proj, n)`
 /// gives the bytes (as [`ConvertedLayer::part`] returns them). Each file is written to a
 /// temporary name and renamed, so a crash never leaves a half-written file under a final name.
-pub fn write_folders(
-    dir: &Path,
-    shape: &LayerShape,
-    part: &PartBytes,
-) -> Result<()> {
+pub fn write_folders(dir: &Path, shape: &LayerShape, part: &PartBytes) -> Result<()> {
     let prefix = kt_prefix(shape.format)?;
     for n in 0..shape.parts {
         let sub = dir

@@ -1,11 +1,11 @@
 //! `kt_kernel._kt_core`: PyO3 bindings of kt-core. Argument conversion, GIL release and error
 //! mapping only; tensors arrive as addresses already checked by `kt_kernel` (shape, dtype,
 //! device, contiguity).
+use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::ggml::{self, GgmlType};
 use kt_core::isa;
-use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
 use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
 use kt_core::pool::{Pool, PoolConfig};
@@ -455,10 +455,11 @@ impl MoeLayer {
                     }
                 };
                 let files = ConvertedLayer::open(&path, shape)?;
-                let result = layer
-                    .write()
-                    .unwrap()
-                    .load_converted(ctx.pool, &files, map.as_deref());
+                let result =
+                    layer
+                        .write()
+                        .unwrap()
+                        .load_converted(ctx.pool, &files, map.as_deref());
                 drop(files);
                 result
             }),
@@ -534,8 +535,8 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
-    m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     Ok(())
