@@ -59,6 +59,9 @@ fn main() {
             WeightFormat::Bf16 => 8 * 3 * h * i * 2,
             WeightFormat::Int8 => 8 * 3 * h * i,
             WeightFormat::Int4 => 8 * 3 * h * i / 2,
+            WeightFormat::Gguf => {
+                unreachable!("GGUF layers load from files (kt bench --method LLAMAFILE)")
+            }
         };
         println!(
             "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",

@@ -25,7 +25,9 @@ pub fn kt_prefix(format: WeightFormat) -> Result<&'static str> {
     match format {
         WeightFormat::Int8 => Ok("INT8"),
         WeightFormat::Int4 => Ok("INT4"),
-        WeightFormat::Bf16 => kt_bail!(Invalid, "converted files hold AMXINT8 or AMXINT4 weights"),
+        WeightFormat::Bf16 | WeightFormat::Gguf => {
+            kt_bail!(Invalid, "converted files hold AMXINT8 or AMXINT4 weights")
+        }
     }
 }
 

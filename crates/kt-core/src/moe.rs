@@ -157,6 +157,9 @@ pub trait ExpertSource: Sync {
 /// How expert weights are stored in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// ggml blocks as stored in a GGUF file (method LLAMAFILE); the file decides the types at
+    /// [`MoeLayer::load_gguf`] (see [`MoeLayer::ggml_types`]).
+    Gguf,
     /// bf16 panels (method BF16).
     Bf16,
     /// Per-row symmetric int8 in the original's tiled AMXINT8 layout (method AMXINT8).
@@ -168,9 +171,10 @@ pub enum WeightFormat {
 impl WeightFormat {
     /// Granularity of the intermediate split and required divisor of H: whole 32-output panels
     /// for bf16; for int8 also whole 64-input tiles (down's inputs are the part's slice).
+    /// GGUF layers are planned in panels here and re-split at load for the file's down type.
     pub fn unit(self) -> usize {
         match self {
-            WeightFormat::Bf16 => PANEL,
+            WeightFormat::Bf16 | WeightFormat::Gguf => PANEL,
             WeightFormat::Int8 => 64,
             WeightFormat::Int4 => 128,
         }
@@ -198,6 +202,8 @@ struct PartWeights {
     down: AlignedBuf<u16>,
     /// int8: gate, up, down matrices of every expert (tiled), their per-row scales and row sums.
     q: Option<Int8Part>,
+    /// GGUF: the file's blocks (allocated at load).
+    g: Option<llamafile::GgmlPart>,
 }
 
 struct Int8Part {
@@ -303,6 +309,8 @@ pub struct MoeLayer {
     loaded: bool,
     rowwise_down_max: usize,
     format: WeightFormat,
+    /// GGUF: types and dot kernels, set by `load_gguf`.
+    ggml: Option<llamafile::GgmlPlan>,
 }
 
 /// Scratch of forward calls, grown when a layer needs more, shared by the layers that one
@@ -381,9 +389,15 @@ impl Workspace {
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
             if layer.format.is_quantised() {
-                grow(&mut s.x_q, tokens * c.hidden)?;
+                // Bytes of a quantised x / act row: one per value for int8, the activation
+                // format's blocks for GGUF.
+                let (xb, ab) = match (&layer.ggml, &p.g) {
+                    (Some(plan), Some(g)) => (plan.x_bytes, g.act_bytes),
+                    _ => (c.hidden, p.inter.len()),
+                };
+                grow(&mut s.x_q, tokens * xb)?;
                 grow(&mut s.x_scale, tokens)?;
-                grow(&mut s.act_q, rows * p.inter.len())?;
+                grow(&mut s.act_q, rows * ab)?;
                 grow(&mut s.act_scale, rows)?;
             }
         }
@@ -490,6 +504,7 @@ impl MoeLayer {
                 let n = e * config.hidden * inter.len();
                 let (bf, q) = match format {
                     WeightFormat::Bf16 => (n, None),
+                    WeightFormat::Gguf => (0, None),
                     WeightFormat::Int8 | WeightFormat::Int4 => {
                         let rows = [e * inter.len(), e * inter.len(), e * config.hidden];
                         let bytes = format.matrix_bytes(n, 1);
@@ -518,6 +533,7 @@ impl MoeLayer {
                     gate_up: AlignedBuf::zeroed(2 * bf)?,
                     down: AlignedBuf::zeroed(bf)?,
                     q,
+                    g: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -528,6 +544,7 @@ impl MoeLayer {
             loaded: false,
             rowwise_down_max: ROWWISE_DOWN_MAX,
             format,
+            ggml: None,
         })
     }
 
@@ -573,6 +590,11 @@ impl MoeLayer {
     ) -> Result<()> {
         let c = self.config.clone();
         let l = c.layer_idx;
+        kt_ensure!(
+            self.format != WeightFormat::Gguf,
+            Invalid,
+            "layer {l} stores GGUF blocks; load it from a GGUF file (load_gguf)"
+        );
         kt_ensure!(
             pool.parts() == self.parts.len(),
             Invalid,
@@ -1058,6 +1080,11 @@ impl MoeLayer {
                 act_scale,
             } = scratch[part];
             let q = pw.q.as_ref();
+            // GGUF: this part's blocks and the layer's plan; quantised rows are then blocks
+            // of the types' activation formats (strides in bytes).
+            let gguf = pw.g.as_ref().zip(self.ggml.as_ref());
+            let xq_stride = gguf.map_or(h, |(_, plan)| plan.x_bytes);
+            let aq_stride = gguf.map_or(ip, |(g, _)| g.act_bytes);
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
@@ -1074,9 +1101,13 @@ impl MoeLayer {
                             std::slice::from_raw_parts_mut(x_bf16.get().add(t * h / 2), h / 2);
                         kern.stage_bf16(dst, staged);
                     }
+                    let xq = x_q.get().add(t * xq_stride);
                     if q.is_some() {
-                        let xq = std::slice::from_raw_parts_mut(x_q.get().add(t * h), h);
+                        let xq = std::slice::from_raw_parts_mut(xq, h);
                         *x_scale.get().add(t) = quantise_activation(dst, xq);
+                    }
+                    if let Some((_, plan)) = gguf {
+                        plan.quantise_x(dst, std::slice::from_raw_parts_mut(xq, xq_stride));
                     }
                 }
             });
@@ -1087,7 +1118,7 @@ impl MoeLayer {
                 let (ei, p) = (task / gate_panels, task % gate_panels);
                 let e = routing.experts[ei] as usize;
                 let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                let (gate, up) = if q.is_none() {
+                let (gate, up) = if !quantised {
                     let off = e * 2 * ip * h + 2 * p * panel_len(h);
                     let gu = pw.gate_up.as_slice();
                     (
@@ -1110,6 +1141,7 @@ impl MoeLayer {
                 let stage_act = bf16_for(rows.len(), ip).is_some();
                 let (qfn, qblock) = int_for(rows.len());
                 let block = match (q, bf) {
+                    _ if gguf.is_some() => MAX_ROWS,
                     (Some(_), _) => qblock,
                     (None, Some(b)) => b.rows_per_block,
                     (None, None) => rows_per_block,
@@ -1123,7 +1155,7 @@ impl MoeLayer {
                         unsafe {
                             ptrs[i] = x.get().add(t * h);
                             ptrs_bf16[i] = x_bf16.get().add(t * h / 2);
-                            ptrs_q[i] = x_q.get().add(t * h);
+                            ptrs_q[i] = x_q.get().add(t * xq_stride);
                         }
                     }
                     if let Some(qw) = q {
@@ -1153,10 +1185,18 @@ impl MoeLayer {
                             }
                         }
                     }
+                    if let Some((gp, plan)) = gguf {
+                        for i in 0..nr {
+                            // SAFETY: ptrs_q[i] is a quantised x row of xq_stride bytes.
+                            let xa = unsafe { std::slice::from_raw_parts(ptrs_q[i], xq_stride) };
+                            let (gi, ui) = (&mut g[i * PANEL..], &mut u[i * PANEL..]);
+                            plan.gate_up_panel(gp, e, p, xa, gi, ui);
+                        }
+                    }
                     // SAFETY: rows of x have h floats (h/2 pairs staged); panels panel_len(h).
                     unsafe {
                         match bf {
-                            _ if q.is_some() => {}
+                            _ if quantised => {}
                             Some(b) => {
                                 (b.dot)(&ptrs_bf16[..nr], h, gate.as_ptr(), g.as_mut_ptr());
                                 (b.dot)(&ptrs_bf16[..nr], h, up.as_ptr(), u.as_mut_ptr());
@@ -1193,14 +1233,21 @@ impl MoeLayer {
                     r0 += nr;
                 }
             });
-            // 2b. int8: quantise each act row (its scale spans every panel, hence a phase).
-            if q.is_some() {
+            // 2b. int8 / GGUF: quantise each act row (its scales span every panel, hence a
+            //     phase).
+            if q.is_some() || gguf.is_some() {
                 team.parallel_for(total_rows, &|row| {
                     // SAFETY: row `row` of act / act_q / act_scale belongs to this task.
                     unsafe {
                         let src = std::slice::from_raw_parts(act.get().add(row * ip), ip);
-                        let dst = std::slice::from_raw_parts_mut(act_q.get().add(row * ip), ip);
-                        *act_scale.get().add(row) = quantise_activation(src, dst);
+                        let dst = std::slice::from_raw_parts_mut(
+                            act_q.get().add(row * aq_stride),
+                            aq_stride,
+                        );
+                        match gguf {
+                            Some((_, plan)) => plan.quantise_act(src, dst),
+                            None => *act_scale.get().add(row) = quantise_activation(src, dst),
+                        }
                     }
                 });
             }
@@ -1214,6 +1261,7 @@ impl MoeLayer {
                     let bf = bf16_for(rows.len(), ip);
                     let (qfn, qblock) = int_for(rows.len());
                     let block = match (q, bf) {
+                        _ if gguf.is_some() => MAX_ROWS,
                         (Some(_), _) => qblock,
                         (None, Some(b)) => b.rows_per_block,
                         (None, None) => rows_per_block,
@@ -1224,7 +1272,7 @@ impl MoeLayer {
                     let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
                     let mut ptrs_q = [std::ptr::null::<u8>(); MAX_ROWS];
                     for p in panels {
-                        let panel = if q.is_none() {
+                        let panel = if !quantised {
                             let off = e * h * ip + p * panel_len(ip);
                             &pw.down.as_slice()[off..off + panel_len(ip)]
                         } else {
@@ -1238,7 +1286,7 @@ impl MoeLayer {
                                 unsafe {
                                     ptrs[i] = act.get().add((r0 + i) * ip);
                                     ptrs_bf16[i] = act_bf16.get().add((r0 + i) * ip / 2);
-                                    ptrs_q[i] = act_q.get().add((r0 + i) * ip);
+                                    ptrs_q[i] = act_q.get().add((r0 + i) * aq_stride);
                                 }
                             }
                             if let Some(qw) = q {
@@ -1263,10 +1311,18 @@ impl MoeLayer {
                                     }
                                 }
                             }
+                            if let Some((gp, plan)) = gguf {
+                                for i in 0..nr {
+                                    // SAFETY: ptrs_q[i] is a quantised act row of aq_stride bytes.
+                                    let a =
+                                        unsafe { std::slice::from_raw_parts(ptrs_q[i], aq_stride) };
+                                    plan.down_panel(gp, e, p, a, &mut o[i * PANEL..]);
+                                }
+                            }
                             // SAFETY: act rows have ip floats (ip/2 staged pairs); panel_len(ip).
                             unsafe {
                                 match bf {
-                                    _ if q.is_some() => {}
+                                    _ if quantised => {}
                                     Some(b) => (b.dot)(
                                         &ptrs_bf16[..nr],
                                         ip,
@@ -1489,6 +1545,9 @@ impl ExpertSource for TensorSource {
         })
     }
 }
+
+mod llamafile;
+pub use llamafile::{gguf_layer_types, GgmlTypes};
 
 #[cfg(test)]
 mod tests;

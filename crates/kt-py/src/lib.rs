@@ -5,6 +5,7 @@ use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
 use kt_core::ggml::{self, GgmlType};
+use kt_core::gguf::GgufModel;
 use kt_core::isa;
 use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
 use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
@@ -111,6 +112,55 @@ fn ggml_dequantize<'py>(
     let values = py.detach(|| ggml::dequantize(ty, data, n)).py()?;
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
+}
+
+/// Quantise little-endian float32 values (`data`) to ggml type `type_name`; returns the block
+/// bytes. Blocks are independent, so `threads` (0 = all cores) share the work. ValueError for a
+/// size that is not whole blocks or a non-finite value; NotImplementedError for a type without a
+/// quantiser here.
+#[pyfunction]
+#[pyo3(signature = (type_name, data, threads=0))]
+fn ggml_quantize<'py>(
+    py: Python<'py>,
+    type_name: &str,
+    data: &[u8],
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let ty = GgmlType::parse(type_name).py()?;
+    if !data.len().is_multiple_of(4) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "data holds {} bytes, not whole float32 values",
+            data.len()
+        )));
+    }
+    let out = py
+        .detach(|| -> kt_core::Result<Vec<u8>> {
+            let values: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let mut out = vec![0u8; ty.row_bytes(values.len())?];
+            let blocks = values.len() / ty.block_size().max(1);
+            let threads = match threads {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            }
+            .clamp(1, blocks.max(1));
+            let per = blocks.div_ceil(threads).max(1);
+            let (bs, ts) = (ty.block_size(), ty.type_size());
+            std::thread::scope(|s| {
+                let jobs: Vec<_> = values
+                    .chunks(per * bs)
+                    .zip(out.chunks_mut(per * ts))
+                    .map(|(x, o)| s.spawn(move || ggml::quantize_row(ty, x, o)))
+                    .collect();
+                jobs.into_iter()
+                    .try_for_each(|j| j.join().expect("quantiser thread panicked"))
+            })?;
+            Ok(out)
+        })
+        .py()?;
+    Ok(PyBytes::new(py, &out))
 }
 
 /// The task engine and its worker pool (the original's `CPUInfer`).
@@ -261,9 +311,11 @@ impl MoeLayer {
             "bf16" => WeightFormat::Bf16,
             "int8" => WeightFormat::Int8,
             "int4" => WeightFormat::Int4,
+            // ggml blocks from a GGUF file; the file decides the types at load_from_gguf.
+            "gguf" => WeightFormat::Gguf,
             other => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "format={other:?}: expected 'bf16', 'int8' or 'int4'"
+                    "format={other:?}: expected 'bf16', 'int8', 'int4' or 'gguf'"
                 )))
             }
         };
@@ -310,6 +362,11 @@ impl MoeLayer {
         let vector = match l.format() {
             WeightFormat::Bf16 => l.kernels().name(),
             WeightFormat::Int8 | WeightFormat::Int4 => l.kernels().int8_name(),
+            WeightFormat::Gguf => {
+                return l
+                    .ggml_kernel_name()
+                    .unwrap_or_else(|| "ggml (types chosen at load)".into())
+            }
         };
         match l.kernels().amx_name() {
             Some(amx) => format!("{amx}+{vector}"),
@@ -466,6 +523,41 @@ impl MoeLayer {
         )
     }
 
+    /// Copy layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards into this
+    /// `format="gguf"` layer (the file decides the ggml types). Blocks; the files are unmapped
+    /// before returning.
+    #[pyo3(signature = (path, layer_idx, map_ptr=0, map_len=0))]
+    fn load_from_gguf(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        layer_idx: usize,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let model = GgufModel::open(&path)?;
+                let mut l = layer.write().unwrap();
+                l.load_gguf(ctx.pool, &model, layer_idx, map.as_deref())?;
+                drop(model);
+                // Plan the forward scratch for the file's activation formats now.
+                ctx.workspace.reserve(&l)
+            }),
+        )
+    }
+
+    /// ggml types of a loaded GGUF layer as `(gate_up, down)` names, else None.
+    #[getter]
+    fn ggml_types(&self) -> Option<(&'static str, &'static str)> {
+        let l = self.layer.read().unwrap();
+        l.ggml_types().map(|t| (t.gate_up.name(), t.down.name()))
+    }
+
     /// Queue a forward; returns a ticket for `Engine.wait`. All addresses must stay valid
     /// until then (the Python layer keeps the tensors referenced).
     #[pyo3(signature = (qlen, hidden_ptr, hidden_dtype, ids_ptr, ids_dtype, weights_ptr, out_ptr,
@@ -537,6 +629,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(ggml_quantize, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     Ok(())

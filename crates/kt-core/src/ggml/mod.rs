@@ -652,7 +652,18 @@ impl DotKernel {
         unsafe { (self.raw)(k, weight_row, activation) }
     }
 
-    /// `out[r] = dot(row r of rows, activation)` for `out.len()` contiguous weight rows.
+    /// Dot product without the size check, for loops that checked their shape once.
+    ///
+    /// # Safety
+    /// [`DotKernel::check`]`(k, weight_row.len(), activation.len())` succeeds.
+    #[inline(always)]
+    pub unsafe fn dot_unchecked(&self, k: usize, weight_row: &[u8], activation: &[u8]) -> f32 {
+        // SAFETY: the constructor checked the CPU features; the caller checked the sizes.
+        unsafe { (self.raw)(k, weight_row, activation) }
+    }
+
+    /// `out[r] = dot(row r of rows, activation)` for `out.len()` contiguous weight rows (the
+    /// sizes are checked once for all rows).
     ///
     /// # Panics
     /// If the sizes do not fit.
@@ -669,8 +680,12 @@ impl DotKernel {
             row_bytes * out.len(),
             rows.len()
         );
-        for (r, o) in out.iter_mut().enumerate() {
-            *o = self.dot(k, &rows[r * row_bytes..(r + 1) * row_bytes], activation);
+        if let Err(e) = self.check(k, row_bytes, activation.len()) {
+            panic!("DotKernel::dot_rows: {e}");
+        }
+        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes.max(1))) {
+            // SAFETY: every row has row_bytes bytes, checked against k and the activation.
+            *o = unsafe { self.dot_unchecked(k, row, activation) };
         }
     }
 }

@@ -1,0 +1,398 @@
+//! GGUF experts (method LLAMAFILE): the file's ggml blocks, copied once into each NUMA part and
+//! multiplied with [`DotKernel`]s against activations quantised to each type's format.
+//!
+//! Memory of one part (its intermediate slice `r0..r1`, `ip = r1 − r0` rows):
+//! - `gate_up`: per expert, per 32-row panel `p` of the slice: the 32 gate rows, then the 32 up
+//!   rows (each `H` values in the gate/up type), so one gate/up task streams one contiguous run;
+//! - `down`: per expert, its `H` rows, each cut to the part's columns `r0..r1` — a byte range of
+//!   the file's row, which exists because `r0` and `r1` are multiples of the down type's block.
+//!
+//! Split: whole 256-value blocks (QK_K) as in the original whenever `I` allows it (`I % 256 ==
+//! 0` and a block per part); otherwise the smallest unit the down type allows (its block and
+//! its activation block, at least one 32-row panel), so e.g. Q8_0 layers with `I = 1408` run.
+//!
+//! Activations: each token's `x` is quantised once per part to the gate/up type's activation
+//! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
+//! Q6_K or Q8_0 down).
+use super::{MoeConfig, MoeLayer, PartWeights, SyncPtr, WeightFormat, PANEL};
+use crate::ggml::{ActivationFormat, DotKernel, GgmlType};
+use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
+use crate::pack::AlignedBuf;
+use crate::pool::{Pool, Team};
+use crate::{kt_bail, kt_ensure, Error, Result};
+use std::sync::Mutex;
+
+/// Values per K super-block: the original's split unit.
+const QK_K: usize = 256;
+
+/// The ggml types of a GGUF layer's experts (gate and up share one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GgmlTypes {
+    /// Type of `ffn_gate_exps` and `ffn_up_exps`.
+    pub gate_up: GgmlType,
+    /// Type of `ffn_down_exps`.
+    pub down: GgmlType,
+}
+
+/// How a loaded GGUF layer computes (fixed by the file's types at load).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GgmlPlan {
+    pub types: GgmlTypes,
+    /// Dot kernel of the gate/up rows (k = H).
+    pub gate_up: DotKernel,
+    /// Dot kernel of the down rows (k = the part's slice).
+    pub down: DotKernel,
+    /// H.
+    pub hidden: usize,
+    /// Bytes of one gate/up row (H values).
+    pub row_bytes: usize,
+    /// Bytes of one token's x in the gate/up activation format.
+    pub x_bytes: usize,
+}
+
+/// One part's GGUF experts (layout in the module docs).
+pub(super) struct GgmlPart {
+    /// The part's intermediate rows (`ip`).
+    pub rows: usize,
+    pub gate_up: AlignedBuf<u8>,
+    pub down: AlignedBuf<u8>,
+    /// Bytes of one down row's slice (`ip` values of the down type).
+    pub down_row_bytes: usize,
+    /// Bytes of one SwiGLU row (`ip` values) in the down activation format.
+    pub act_bytes: usize,
+}
+
+impl GgmlPlan {
+    /// Quantise `x` (one row) to the gate/up activation format.
+    ///
+    /// # Panics
+    /// If `out` is not [`GgmlPlan::x_bytes`] long (the workspace plans it).
+    pub fn quantise_x(&self, x: &[f32], out: &mut [u8]) {
+        quantise(self.gate_up.activation_format(), x, out);
+    }
+
+    /// Quantise one SwiGLU row to the down activation format.
+    pub fn quantise_act(&self, act: &[f32], out: &mut [u8]) {
+        quantise(self.down.activation_format(), act, out);
+    }
+
+    /// `g`, `u` (32 values each): panel `p` of expert `e` against one quantised x row.
+    pub fn gate_up_panel(
+        &self,
+        part: &GgmlPart,
+        e: usize,
+        p: usize,
+        x: &[u8],
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let (h, run) = (self.hidden, PANEL * self.row_bytes);
+        let at = (e * (part.rows / PANEL) + p) * 2 * run;
+        let gu = &part.gate_up.as_slice()[at..at + 2 * run];
+        self.gate_up.dot_rows(h, &gu[..run], x, &mut g[..PANEL]);
+        self.gate_up.dot_rows(h, &gu[run..], x, &mut u[..PANEL]);
+    }
+
+    /// `o` (32 values): down rows `32p..32p+32` of expert `e` against one quantised act row.
+    pub fn down_panel(&self, part: &GgmlPart, e: usize, p: usize, act: &[u8], o: &mut [f32]) {
+        let rb = part.down_row_bytes;
+        let at = (e * self.hidden + p * PANEL) * rb;
+        let rows = &part.down.as_slice()[at..at + PANEL * rb];
+        self.down.dot_rows(part.rows, rows, act, &mut o[..PANEL]);
+    }
+}
+
+fn quantise(format: ActivationFormat, x: &[f32], out: &mut [u8]) {
+    if let Err(e) = crate::ggml::quantize_activation_into(format, x, out) {
+        panic!("activation scratch does not fit the plan: {e}");
+    }
+}
+
+/// Split unit of the intermediate dimension for `parts` parts with down type `down` (see the
+/// module docs); fails if `I` cannot be cut into whole blocks of the down type per part.
+pub(super) fn split_unit(
+    config: &MoeConfig,
+    parts: usize,
+    down: GgmlType,
+    name: &str,
+) -> Result<usize> {
+    let i = config.intermediate;
+    if i.is_multiple_of(QK_K) && i / QK_K >= parts {
+        return Ok(QK_K);
+    }
+    let unit = down.k_multiple()?.max(PANEL);
+    kt_ensure!(
+        i.is_multiple_of(unit) && i / unit >= parts,
+        Invalid,
+        "layer {}: {name} is {down}, so each of the threadpool_count={parts} NUMA parts needs whole \
+         blocks of {unit} intermediate values; moe_intermediate_size={i} does not split that way",
+        config.layer_idx
+    );
+    Ok(unit)
+}
+
+/// The three expert tensors of `layer`, checked against `config` (types, dims, expert count).
+fn layer_tensors<'m>(
+    model: &'m GgufModel,
+    layer: usize,
+    config: &MoeConfig,
+) -> Result<[ExpertTensor<'m>; 3]> {
+    let t = [
+        model.layer_experts(layer, ExpertProj::Gate)?,
+        model.layer_experts(layer, ExpertProj::Up)?,
+        model.layer_experts(layer, ExpertProj::Down)?,
+    ];
+    for x in &t {
+        let ty = x.ggml_type();
+        if !ty.is_supported() {
+            let names: Vec<_> = crate::ggml::SUPPORTED_TYPES
+                .iter()
+                .map(|t| t.name())
+                .collect();
+            kt_bail!(
+                Unsupported,
+                "tensor {} is {ty} (ggml type {}), which LLAMAFILE cannot compute here; supported: {}",
+                x.name(),
+                ty.id(),
+                names.join(", ")
+            );
+        }
+    }
+    kt_ensure!(
+        t[0].ggml_type() == t[1].ggml_type(),
+        Unsupported,
+        "tensors {} ({}) and {} ({}) must share one ggml type",
+        t[0].name(),
+        t[0].ggml_type(),
+        t[1].name(),
+        t[1].ggml_type()
+    );
+    let (h, i) = (config.hidden, config.intermediate);
+    let l = config.layer_idx;
+    for (x, (k, n, what)) in t.iter().zip([
+        (h, i, "[hidden_size, moe_intermediate_size, experts]"),
+        (h, i, "[hidden_size, moe_intermediate_size, experts]"),
+        (i, h, "[moe_intermediate_size, hidden_size, experts]"),
+    ]) {
+        kt_ensure!(
+            x.k() == k && x.n() == n,
+            Invalid,
+            "layer {l}: tensor {} has dims {:?}; expected {what} = [{k}, {n}, E] for \
+             hidden_size={h}, moe_intermediate_size={i}",
+            x.name(),
+            x.info().dims
+        );
+    }
+    kt_ensure!(
+        t[0].experts() == t[1].experts() && t[1].experts() == t[2].experts(),
+        Format,
+        "layer {l}: the expert tensors hold different expert counts: {} {}, {} {}, {} {}",
+        t[0].name(),
+        t[0].experts(),
+        t[1].name(),
+        t[1].experts(),
+        t[2].name(),
+        t[2].experts()
+    );
+    let multiple = t[0].ggml_type().k_multiple()?;
+    kt_ensure!(
+        h.is_multiple_of(multiple),
+        Invalid,
+        "layer {l}: {} is {} whose dot products need hidden_size to be a multiple of {multiple}, \
+         got {h}",
+        t[0].name(),
+        t[0].ggml_type()
+    );
+    Ok(t)
+}
+
+/// The ggml types of `layer`'s experts in `model` (checked as [`MoeLayer::load_gguf`] checks
+/// them, against `config`).
+pub fn gguf_layer_types(model: &GgufModel, layer: usize, config: &MoeConfig) -> Result<GgmlTypes> {
+    let t = layer_tensors(model, layer, config)?;
+    Ok(GgmlTypes {
+        gate_up: t[0].ggml_type(),
+        down: t[2].ggml_type(),
+    })
+}
+
+impl MoeLayer {
+    /// Copy layer `layer`'s experts from a GGUF model (`blk.{layer}.ffn_{gate,up,down}_exps.weight`,
+    /// dims `[k, n, experts]`) into this [`WeightFormat::Gguf`] layer. The file decides the ggml
+    /// types (gate and up must share one; down may differ) and with them the split of `I`
+    /// (module docs); each part's bytes are copied and first touched by its own threads.
+    /// Physical slot `p` receives file expert `map[p]`; without a map the file must hold
+    /// exactly `num_experts` experts. On error the layer keeps its previous weights.
+    pub fn load_gguf(
+        &mut self,
+        pool: &Pool,
+        model: &GgufModel,
+        layer: usize,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = self.config.clone();
+        let l = c.layer_idx;
+        kt_ensure!(
+            self.format == WeightFormat::Gguf,
+            Invalid,
+            "layer {l} stores {:?} weights; GGUF files need a layer built with the Gguf format",
+            self.format
+        );
+        let parts = self.parts.len();
+        kt_ensure!(
+            pool.parts() == parts,
+            Invalid,
+            "layer {l} was built for {parts} NUMA parts but the pool has {}",
+            pool.parts()
+        );
+        let tensors = layer_tensors(model, layer, &c)?;
+        let [gate, up, down] = &tensors;
+        let experts = gate.experts();
+        if map.is_none() {
+            kt_ensure!(
+                experts == c.num_experts,
+                Invalid,
+                "layer {l}: {} holds {experts} experts but num_experts={}",
+                gate.name(),
+                c.num_experts
+            );
+        }
+        let logical = self.logical_experts(map, experts)?;
+        let types = GgmlTypes {
+            gate_up: gate.ggml_type(),
+            down: down.ggml_type(),
+        };
+        let level = self.kernels.level();
+        let plan = GgmlPlan {
+            types,
+            gate_up: DotKernel::for_level(types.gate_up, level)?,
+            down: DotKernel::for_level(types.down, level)?,
+            hidden: c.hidden,
+            row_bytes: gate.row_bytes(),
+            x_bytes: types.gate_up.activation_format()?.row_bytes(c.hidden)?,
+        };
+        let unit = split_unit(&c, parts, types.down, down.name())?;
+        let ranges = c.part_ranges_in_units(parts, unit);
+        let (h, e_count) = (c.hidden, c.num_experts);
+        let mut new_parts = Vec::with_capacity(parts);
+        for inter in ranges {
+            let ip = inter.len();
+            let down_row_bytes = types.down.row_bytes(ip)?;
+            let gate_up_bytes = e_count * 2 * ip * plan.row_bytes;
+            new_parts.push(PartWeights {
+                inter,
+                gate_up: AlignedBuf::zeroed(0)?,
+                down: AlignedBuf::zeroed(0)?,
+                q: None,
+                g: Some(GgmlPart {
+                    rows: ip,
+                    gate_up: AlignedBuf::zeroed(gate_up_bytes)?,
+                    down: AlignedBuf::zeroed(e_count * h * down_row_bytes)?,
+                    down_row_bytes,
+                    act_bytes: types.down.activation_format()?.row_bytes(ip)?,
+                }),
+            });
+        }
+        // Destination addresses per part (the buffers do not move; tasks write disjoint ranges).
+        let dst: Vec<[SyncPtr<u8>; 2]> = new_parts
+            .iter_mut()
+            .map(|p| {
+                let g = p.g.as_mut().expect("GGUF parts carry ggml buffers");
+                [
+                    SyncPtr(g.gate_up.as_mut_ptr()),
+                    SyncPtr(g.down.as_mut_ptr()),
+                ]
+            })
+            .collect();
+        let geometry: Vec<(std::ops::Range<usize>, usize)> = new_parts
+            .iter()
+            .map(|p| {
+                (
+                    p.inter.clone(),
+                    p.g.as_ref().map_or(0, |g| g.down_row_bytes),
+                )
+            })
+            .collect();
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let rb = plan.row_bytes;
+        let down_block = types.down.block_size();
+        let down_block_bytes = types.down.type_size();
+        pool.run_parts(&|part, team: &Team| {
+            let (inter, drb) = geometry[part].clone();
+            let ip = inter.len();
+            let [gu_dst, down_dst] = dst[part];
+            team.parallel_for(e_count * 3, &|task| {
+                let (slot, which) = (task / 3, task % 3);
+                let e = logical[slot];
+                let result = (|| -> Result<()> {
+                    if which < 2 {
+                        let src = [gate, up][which].expert(e)?;
+                        for p in 0..ip / PANEL {
+                            let from = &src[(inter.start + p * PANEL) * rb..][..PANEL * rb];
+                            let to = ((slot * (ip / PANEL) + p) * 2 + which) * PANEL * rb;
+                            // SAFETY: (slot, which, p) owns this run of the part's gate_up
+                            // buffer (E·2·ip rows of rb bytes); the source is PANEL·rb bytes.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    from.as_ptr(),
+                                    gu_dst.get().add(to),
+                                    from.len(),
+                                );
+                            }
+                        }
+                    } else {
+                        let src = down.expert(e)?;
+                        let (src_rb, col) = (
+                            down.row_bytes(),
+                            inter.start / down_block * down_block_bytes,
+                        );
+                        for r in 0..h {
+                            let from = &src[r * src_rb + col..][..drb];
+                            // SAFETY: row r of slot's down matrix in this part: drb bytes owned
+                            // by this task.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    from.as_ptr(),
+                                    down_dst.get().add((slot * h + r) * drb),
+                                    drb,
+                                );
+                            }
+                        }
+                    }
+                    Ok(())
+                })();
+                if let Err(err) = result {
+                    first_error.lock().unwrap().get_or_insert(err);
+                }
+            });
+        })?;
+        if let Some(err) = first_error.into_inner().unwrap() {
+            return Err(err);
+        }
+        self.parts = new_parts;
+        self.ggml = Some(plan);
+        self.loaded = true;
+        Ok(())
+    }
+
+    /// The ggml types of a loaded GGUF layer.
+    pub fn ggml_types(&self) -> Option<GgmlTypes> {
+        self.ggml.map(|p| p.types)
+    }
+
+    /// The dot kernels of a loaded GGUF layer, e.g. `"Q4_K avx512-vnni + Q6_K avx512-vnni"`.
+    pub fn ggml_kernel_name(&self) -> Option<String> {
+        self.ggml.map(|p| {
+            format!(
+                "{} {} + {} {}",
+                p.types.gate_up,
+                p.gate_up.name(),
+                p.types.down,
+                p.down.name()
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
