@@ -47,7 +47,7 @@ SFT_METHODS = frozenset(
     }
 )
 # Methods this build computes; the rest are recognised and refused with NotImplementedError.
-IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8", "AMXINT4"})
+IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8", "AMXINT4", "LLAMAFILE"})
 
 
 class KTMoEWrapper:
@@ -121,9 +121,14 @@ class KTMoEWrapper:
                 f"method {method!r} is recognised but not built into this kt_kernel yet "
                 f"(available: {sorted(IMPLEMENTED_METHODS)})"
             )
-        from .utils.native import AMXMoEWrapper, NativeMoEWrapper
+        from .utils.native import AMXMoEWrapper, LlamafileMoEWrapper, NativeMoEWrapper
 
-        backend = AMXMoEWrapper if method in ("AMXINT8", "AMXINT4") else NativeMoEWrapper
+        if method in ("AMXINT8", "AMXINT4"):
+            backend = AMXMoEWrapper
+        elif method == "LLAMAFILE":
+            backend = LlamafileMoEWrapper
+        else:
+            backend = NativeMoEWrapper
         return backend(
             layer_idx=layer_idx,
             num_experts=num_experts,

@@ -1,5 +1,6 @@
-"""Backends built on the native layer: ``BF16`` (weights kept in bf16) and ``AMXINT8`` /
-``AMXINT4`` (per-row int8/int4 weights with the original's rule and layout)."""
+"""Backends built on the native layer: ``BF16`` (weights kept in bf16), ``AMXINT8`` /
+``AMXINT4`` (per-row int8/int4 weights with the original's rule and layout) and ``LLAMAFILE``
+(ggml blocks from GGUF files)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,46 @@ class AMXMoEWrapper(NativeMoEWrapper):
 
 
 class LlamafileMoEWrapper(BaseMoEWrapper):
-    """GGUF (LLAMAFILE) weights: not built yet."""
+    """LLAMAFILE experts: the ggml blocks of a GGUF file (or a folder of GGUF shards), used as
+    stored. ``load_weights`` reads ``blk.{layer_idx}.ffn_{gate,up,down}_exps.weight`` (3-D
+    ``[k, n, experts]``); the file decides the types (gate and up share one, down may differ,
+    e.g. Q4_K + Q6_K in Q4_K_M files). Every type ``kt_kernel`` can multiply works, including
+    the ones the original refuses (Q4_1, Q5_1, IQ4_NL); others are refused at load, naming the
+    tensor and type."""
 
     def __init__(self, **kwargs) -> None:
-        raise NotImplementedError("LLAMAFILE (GGUF) is not built into this kt_kernel yet")
+        super().__init__(**kwargs)
+        self.moe = _kt_core.MoeLayer(
+            self.cpu_infer.engine,
+            self.layer_idx,
+            self.num_experts,
+            self.num_experts_per_tok,
+            self.hidden_size,
+            self.moe_intermediate_size,
+            self.chunked_prefill_size,
+            self.swiglu_limit,
+            self.swiglu_alpha,
+            None,
+            "gguf",
+        )
+
+    def load_weights(self, physical_to_logical_map_cpu=None) -> None:
+        """Copy this layer's experts from ``weight_path`` (a ``.gguf`` file or a folder of
+        them) into NUMA-local memory. The map may be None (identity, as in the original); if
+        given, physical slot ``p`` receives the file's expert ``map[p]``."""
+        if not isinstance(self.weight_path, str | os.PathLike) or not self.weight_path:
+            raise ValueError("weight_path must name a .gguf file or a folder of .gguf files")
+        if not os.path.exists(self.weight_path):
+            raise FileNotFoundError(f"weight_path {self.weight_path!r} does not exist")
+        ptr, n, keep = self._map_arg(physical_to_logical_map_cpu)
+        self.moe.load_from_gguf(os.fspath(self.weight_path), self.layer_idx, ptr, n)
+        del keep
+
+    def load_weights_from_tensors(
+        self, gate_proj, up_proj, down_proj, physical_to_logical_map_cpu=None
+    ) -> None:
+        """Not supported, as in the original: LLAMAFILE reads GGUF files."""
+        raise NotImplementedError(
+            "LLAMAFILE loads GGUF files (load_weights); use method='BF16', 'AMXINT8' or "
+            "'AMXINT4' for weights given as tensors"
+        )
