@@ -315,7 +315,12 @@ def test_bad_paths_files_types_and_shapes_raise_clear_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"ffn_down_exps.weight has dims \[256, 512, 4\]"):
         llamafile(bad).load_weights()
-    # Our quantiser's own argument checks.
+    # Our quantiser: bf16/f16 input gives the bytes of the same values as f32; argument checks.
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    want = _kt_core.ggml_quantize("Q4_K", x.float().numpy().tobytes())
+    assert _kt_core.ggml_quantize("Q4_K", x.view(torch.int16).numpy().tobytes(), 1, "bf16") == want
+    with pytest.raises(TypeError, match="dtype"):
+        _kt_core.ggml_quantize("Q4_K", bytes(1024), 0, "int8")
     with pytest.raises(ValueError, match="multiple of 256"):
         _kt_core.ggml_quantize("Q4_K", np.zeros(100, np.float32).tobytes())
     with pytest.raises(NotImplementedError, match="IQ2_XXS"):

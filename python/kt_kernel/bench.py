@@ -1,19 +1,23 @@
 """Whole-layer benchmark on synthetic weights (``python -m kt_kernel bench``).
 
 Builds ``--layers`` MoE layers of a model shape with random bf16 experts (enough bytes that they
-stream from DRAM), then for each token count runs fresh random routing through the layers in
-turn and reports latency, tokens/s, GB/s of expert weights read, GFLOP/s and the error against a
-float64 reference, beside a plain torch bf16 implementation and this machine's own measured
-limits (DRAM read bandwidth, fp32-FMA and bf16-dot peaks), all from the same run.
+stream from DRAM; LLAMAFILE quantises them to ``--gguf-type`` with kt_kernel's own quantiser and
+loads them from GGUF files written to a temporary folder), then for each token count runs fresh
+random routing through the layers in turn and reports latency, tokens/s, GB/s of expert weights
+read, GFLOP/s and the error against a float64 reference, beside a plain torch bf16 implementation
+and this machine's own measured limits (DRAM read bandwidth, fp32-FMA and bf16-dot peaks), all
+from the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -33,7 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, help="override the preset's expert count")
     p.add_argument("--layers", type=int, help="layers to cycle through (default: per preset)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
-    p.add_argument("--methods", nargs="+", default=["BF16", "AMXINT8", "AMXINT4"])
+    p.add_argument("--methods", "--method", nargs="+", default=["BF16", "AMXINT8", "AMXINT4"])
+    p.add_argument(
+        "--gguf-type",
+        nargs="+",
+        default=["Q4_K"],
+        help="LLAMAFILE: ggml type(s) of the synthetic GGUF experts (gate/up, and down unless "
+        "--gguf-down-type is given), e.g. Q4_K, Q8_0, Q6_K, IQ4_XS; several types are "
+        "benchmarked side by side as LLAMAFILE-<type>",
+    )
+    p.add_argument("--gguf-down-type", help="LLAMAFILE: ggml type of down (e.g. Q6_K as in Q4_K_M)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=0, help="timed calls per size (0 = auto)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
@@ -114,6 +127,39 @@ def _time_rounds(fns: dict, calls: list, probe, rounds: int = 3):
     return times, dram
 
 
+def _gguf_bytes_per_expert(gate_up: str, down: str, hidden: int, inter: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def row(name: str, n: int) -> int:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        return n // block * size
+
+    return 2 * inter * row(gate_up, hidden) + hidden * row(down, inter)
+
+
+def _write_gguf_layers(folder: str, weights, gate_up: str, down: str, threads: int) -> None:
+    """One GGUF file per layer (a folder of shards), quantised with kt_kernel's quantiser."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from . import _kt_core
+
+    for layer, tensors in enumerate(weights):
+        writer = GGUFWriter(os.path.join(folder, f"layer-{layer:03d}.gguf"), "qwen3moe")
+        types = (gate_up, gate_up, down)
+        for proj, t, ty in zip(("gate", "up", "down"), tensors, types, strict=True):
+            data = t.contiguous().view(torch.int16).numpy().tobytes()
+            raw = _kt_core.ggml_quantize(ty, data, threads, "bfloat16")
+            q = np.frombuffer(raw, dtype=np.uint8).reshape(t.shape[0], t.shape[1], -1)
+            writer.add_tensor(
+                f"blk.{layer}.ffn_{proj}_exps.weight", q, raw_dtype=GGMLQuantizationType[ty]
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
 def run(args: argparse.Namespace) -> int:
     import kt_kernel
     from kt_kernel import KTMoEWrapper
@@ -128,6 +174,20 @@ def run(args: argparse.Namespace) -> int:
     # AMXINT8: one byte per weight plus an fp32 scale (and our i32 row sum) per output row.
     int8_bytes_per_expert = 3 * hidden * inter + (2 * inter + hidden) * 8
     int4_bytes_per_expert = 3 * hidden * inter // 2 + (2 * inter + hidden) * 8
+    # Implementations: (name, method, GGUF types); LLAMAFILE once per --gguf-type.
+    variants = []
+    for method in args.methods:
+        if method != "LLAMAFILE":
+            variants.append((method, method, None))
+            continue
+        for ty in args.gguf_type:
+            types = (ty.upper(), (args.gguf_down_type or ty).upper())
+            label = types[0] if types[0] == types[1] else "/".join(types)
+            variants.append((f"LLAMAFILE-{label}", method, types))
+    method_bytes = {"AMXINT8": int8_bytes_per_expert, "AMXINT4": int4_bytes_per_expert}
+    for name, _, types in variants:
+        if types is not None:
+            method_bytes[name] = _gguf_bytes_per_expert(*types, hidden, inter)
     info = kt_kernel.cpu_info()
     print(
         f"kt_kernel {kt_kernel.__version__} | variant {info['variant']} | BF16 kernel "
@@ -149,7 +209,14 @@ def run(args: argparse.Namespace) -> int:
 
     max_tokens = max(args.tokens)
     wrappers: dict[str, list] = {}
-    for method in args.methods:
+    for name, method, types in variants:
+        gguf_dir = None
+        if types is not None:
+            # Written per type, loaded (copied into the layers) and deleted again.
+            gguf_dir = tempfile.TemporaryDirectory(prefix="kt-bench-gguf-")
+            t0 = time.perf_counter()
+            _write_gguf_layers(gguf_dir.name, weights, *types, args.threads)
+            write_s = time.perf_counter() - t0
         ws = []
         for layer, (g, u, d) in enumerate(weights):
             w = KTMoEWrapper(
@@ -161,13 +228,22 @@ def run(args: argparse.Namespace) -> int:
                 None,
                 args.threads,
                 1,
-                "",
+                gguf_dir.name if gguf_dir else "",
                 max_tokens,
                 method=method,
             )
-            w.load_weights_from_tensors(g, u, d, torch.arange(experts))
+            if gguf_dir:
+                w.load_weights()
+            else:
+                w.load_weights_from_tensors(g, u, d, torch.arange(experts))
             ws.append(w)
-        wrappers[method] = ws
+        wrappers[name] = ws
+        if gguf_dir:
+            gguf_dir.cleanup()
+            print(
+                f"{name}: GGUF quantised and written in {write_s:.1f}s, loaded; kernels "
+                f"{ws[0].moe.kernel}"
+            )
     engine = BaseMoEWrapper._cpu_infer.engine
 
     def measure_limits(old=None):
@@ -191,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
 
-    impls = [(m, "kt") for m in args.methods] + ([] if args.no_torch else [("torch-bf16", "torch")])
+    impls = [(v[0], "kt") for v in variants] + ([] if args.no_torch else [("torch-bf16", "torch")])
     progress = _Progress(len(args.tokens) * len(impls))
     results = []
     for tokens in args.tokens:
@@ -226,10 +302,8 @@ def run(args: argparse.Namespace) -> int:
             times = all_times[name]
             err = _rel_l2(fn(check_layer, cx, cids, cw), ref)
             med, best = statistics.median(times), min(times)
-            method_bytes = {"AMXINT8": int8_bytes_per_expert, "AMXINT4": int4_bytes_per_expert}.get(
-                name, bytes_per_expert
-            )
-            gbps = distinct * method_bytes / med / 1e9
+            expert_bytes = method_bytes.get(name, bytes_per_expert)
+            gbps = distinct * expert_bytes / med / 1e9
             gflops = 2 * 3 * hidden * inter * tokens * k / med / 1e9
             row = {
                 "impl": name,
@@ -243,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
                 "frac_dram": gbps / limits["dram_read_gbps"],
                 "dram_now_gbps": dram_median,
                 "frac_dram_now": gbps / dram_median,
-                "best_weight_gbps": distinct * method_bytes / best / 1e9,
+                "best_weight_gbps": distinct * expert_bytes / best / 1e9,
                 "frac_fma_peak": gflops / limits["fp32_fma_gflops"]
                 if limits["fp32_fma_gflops"]
                 else None,

@@ -114,45 +114,62 @@ fn ggml_dequantize<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// Quantise little-endian float32 values (`data`) to ggml type `type_name`; returns the block
-/// bytes. Blocks are independent, so `threads` (0 = all cores) share the work. ValueError for a
-/// size that is not whole blocks or a non-finite value; NotImplementedError for a type without a
-/// quantiser here.
+/// Quantise little-endian values (`data`, of `dtype` float32, bfloat16 or float16) to ggml type
+/// `type_name`; returns the block bytes. Blocks are independent, so `threads` (0 = all cores)
+/// share the work, each converting its values a chunk at a time. ValueError for a size that is
+/// not whole blocks or a non-finite value; TypeError for another dtype; NotImplementedError for
+/// a type without a quantiser here.
 #[pyfunction]
-#[pyo3(signature = (type_name, data, threads=0))]
+#[pyo3(signature = (type_name, data, threads=0, dtype="float32"))]
 fn ggml_quantize<'py>(
     py: Python<'py>,
     type_name: &str,
     data: &[u8],
     threads: usize,
+    dtype: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let ty = GgmlType::parse(type_name).py()?;
-    if !data.len().is_multiple_of(4) {
+    let src_type = FloatType::parse(dtype).py()?;
+    let width = src_type.size();
+    if !data.len().is_multiple_of(width) {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "data holds {} bytes, not whole float32 values",
+            "data holds {} bytes, not whole {dtype} values",
             data.len()
         )));
     }
+    let n = data.len() / width;
     let out = py
         .detach(|| -> kt_core::Result<Vec<u8>> {
-            let values: Vec<f32> = data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            let mut out = vec![0u8; ty.row_bytes(values.len())?];
-            let blocks = values.len() / ty.block_size().max(1);
+            let mut out = vec![0u8; ty.row_bytes(n)?];
+            let (bs, ts) = (ty.block_size(), ty.type_size());
+            let blocks = n / bs;
             let threads = match threads {
-                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-                n => n,
+                0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
+                t => t,
             }
             .clamp(1, blocks.max(1));
             let per = blocks.div_ceil(threads).max(1);
-            let (bs, ts) = (ty.block_size(), ty.type_size());
+            // Converted a chunk of blocks at a time: no full-size f32 copy.
+            let chunk = (65536 / bs).max(1);
             std::thread::scope(|s| {
-                let jobs: Vec<_> = values
-                    .chunks(per * bs)
+                let jobs: Vec<_> = data
+                    .chunks(per * bs * width)
                     .zip(out.chunks_mut(per * ts))
-                    .map(|(x, o)| s.spawn(move || ggml::quantize_row(ty, x, o)))
+                    .map(|(src, dst)| {
+                        s.spawn(move || -> kt_core::Result<()> {
+                            let mut values = vec![0f32; chunk * bs];
+                            for (src, dst) in src
+                                .chunks(chunk * bs * width)
+                                .zip(dst.chunks_mut(chunk * ts))
+                            {
+                                let x = &mut values[..src.len() / width];
+                                // SAFETY: `src` holds exactly x.len() values of src_type.
+                                unsafe { kt_core::dtype::row_to_f32(src.as_ptr(), src_type, x) };
+                                ggml::quantize_row(ty, x, dst)?;
+                            }
+                            Ok(())
+                        })
+                    })
                     .collect();
                 jobs.into_iter()
                     .try_for_each(|j| j.join().expect("quantiser thread panicked"))
