@@ -211,6 +211,17 @@ def test_map_mask_swiglu_submit_sync_and_bf16_io(tmp_path):
     assert rel_l2(out, ref) < 0.03
 
 
+def test_non_finite_token_stays_alone(tmp_path):
+    build_gguf(tmp_path / "m.gguf", ("Q4_K", "Q6_K"))
+    w = llamafile(tmp_path / "m.gguf")
+    w.load_weights()
+    x = torch.randn(4, H)
+    x[1, 7], x[2, 3] = float("nan"), float("inf")
+    out = w.forward(x, torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1]]), torch.ones(4, 2), None)
+    assert [bool(out[t].isnan().all()) for t in range(4)] == [False, True, True, False]
+    assert out[[0, 3]].isfinite().all()
+
+
 def test_two_numa_parts(tmp_path):
     """threadpool_count=2 (its own process: the engine is process-wide). I = 768 splits into
     256-blocks like the original (512 + 256); the result matches the reference and the tp1

@@ -1101,7 +1101,7 @@ impl MoeLayer {
                             std::slice::from_raw_parts_mut(x_bf16.get().add(t * h / 2), h / 2);
                         kern.stage_bf16(dst, staged);
                     }
-                    let xq = x_q.get().add(t * xq_stride);
+                    let xq = x_q.get().wrapping_add(t * xq_stride); // null unless quantised
                     if q.is_some() {
                         let xq = std::slice::from_raw_parts_mut(xq, h);
                         *x_scale.get().add(t) = quantise_activation(dst, xq);
@@ -1547,7 +1547,7 @@ impl ExpertSource for TensorSource {
 }
 
 mod llamafile;
-pub use llamafile::{gguf_layer_types, GgmlTypes};
+pub use llamafile::GgmlTypes;
 
 #[cfg(test)]
 mod tests;

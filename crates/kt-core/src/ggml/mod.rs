@@ -683,7 +683,8 @@ impl DotKernel {
         if let Err(e) = self.check(k, row_bytes, activation.len()) {
             panic!("DotKernel::dot_rows: {e}");
         }
-        for (o, row) in out.iter_mut().zip(rows.chunks_exact(row_bytes.max(1))) {
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = &rows[r * row_bytes..(r + 1) * row_bytes];
             // SAFETY: every row has row_bytes bytes, checked against k and the activation.
             *o = unsafe { self.dot_unchecked(k, row, activation) };
         }

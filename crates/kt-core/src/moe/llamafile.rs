@@ -206,16 +206,6 @@ fn layer_tensors<'m>(
     Ok(t)
 }
 
-/// The ggml types of `layer`'s experts in `model` (checked as [`MoeLayer::load_gguf`] checks
-/// them, against `config`).
-pub fn gguf_layer_types(model: &GgufModel, layer: usize, config: &MoeConfig) -> Result<GgmlTypes> {
-    let t = layer_tensors(model, layer, config)?;
-    Ok(GgmlTypes {
-        gate_up: t[0].ggml_type(),
-        down: t[2].ggml_type(),
-    })
-}
-
 impl MoeLayer {
     /// Copy layer `layer`'s experts from a GGUF model (`blk.{layer}.ffn_{gate,up,down}_exps.weight`,
     /// dims `[k, n, experts]`) into this [`WeightFormat::Gguf`] layer. The file decides the ggml
