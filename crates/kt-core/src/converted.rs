@@ -94,8 +94,9 @@ impl LayerShape {
 /// `.kt` files by (part, expert, projection index, is_scale).
 type KtFiles = HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>;
 
-/// Gives one part of one expert's projection as (matrix bytes, fp32 scale bytes).
-pub type PartBytes<'a> = dyn Fn(usize, Proj, usize) -> Result<(Vec<u8>, Vec<u8>)> + 'a;
+/// Gives one part of one expert's projection as (matrix bytes, fp32 scale bytes), borrowed
+/// from wherever they live (a loaded layer), so writing never copies a whole layer.
+pub type PartBytes<'a> = dyn Fn(usize, Proj, usize) -> Result<(&'a [u8], &'a [u8])> + 'a;
 
 enum Store {
     Merged(Checkpoint),
@@ -339,7 +340,7 @@ pub fn write_folders(dir: &Path, shape: &LayerShape, part: &PartBytes) -> Result
         for e in 0..shape.experts {
             for (proj, _) in PROJS {
                 let (q, s) = part(e, proj, n)?;
-                for (bytes, scale) in [(&q, false), (&s, true)] {
+                for (bytes, scale) in [(q, false), (s, true)] {
                     let name = kt_file_name(prefix, e, proj, scale, bytes.len());
                     write_atomically(&sub.join(name), bytes)?;
                 }
@@ -358,7 +359,7 @@ pub fn write_merged_shard(
     part: &PartBytes,
 ) -> Result<Vec<String>> {
     use safetensors::tensor::{Dtype, TensorView};
-    let mut owned: Vec<(String, Dtype, Vec<u8>)> = Vec::new();
+    let mut owned: Vec<(String, Dtype, &[u8])> = Vec::new();
     for n in 0..shape.parts {
         for e in 0..shape.experts {
             for (proj, _) in [PROJS[2], PROJS[0], PROJS[1]] {
@@ -377,21 +378,29 @@ pub fn write_merged_shard(
                 .map_err(|e| Error::Format(format!("{name}: {e}")))
         })
         .collect::<Result<_>>()?;
-    let bytes = safetensors::tensor::serialize(views, None)
-        .map_err(|e| Error::Format(format!("serialising {}: {e}", file.display())))?;
-    write_atomically(file, &bytes)?;
+    // Streamed to a temporary name, then renamed: no whole-shard buffer, no half-written shard.
+    let tmp = partial_name(file);
+    safetensors::tensor::serialize_to_file(views, None, &tmp)
+        .map_err(|e| Error::Format(format!("writing {}: {e}", file.display())))?;
+    File::open(&tmp)?.sync_data()?;
+    std::fs::rename(&tmp, file)?;
     // Weight-map order of the original's index: part, expert, down/gate/up, weight then scale.
     Ok(owned.into_iter().map(|(name, _, _)| name).collect())
+}
+
+/// The temporary name a file is written under before its rename.
+pub fn partial_name(path: &Path) -> PathBuf {
+    path.with_extension(format!(
+        "{}.partial-{}",
+        path.extension().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ))
 }
 
 /// Write `bytes` to `path` through a temporary file in the same directory and a rename.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let tmp = path.with_extension(format!(
-        "{}.partial-{}",
-        path.extension().unwrap_or_default().to_string_lossy(),
-        std::process::id()
-    ));
+    let tmp = partial_name(path);
     {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;

@@ -850,13 +850,8 @@ impl MoeLayer {
     }
 
     /// One part of one slot's quantised projection in the original's file form (matrix bytes,
-    /// fp32 scale bytes), for writing converted files.
-    pub fn quantised_part(
-        &self,
-        slot: usize,
-        proj: Proj,
-        part: usize,
-    ) -> Result<(Vec<u8>, Vec<u8>)> {
+    /// little-endian fp32 scale bytes), borrowed from the layer: for writing converted files.
+    pub fn quantised_part(&self, slot: usize, proj: Proj, part: usize) -> Result<(&[u8], &[u8])> {
         let q = self
             .parts
             .get(part)
@@ -880,13 +875,13 @@ impl MoeLayer {
             Proj::Down => (2, self.config.hidden, ip),
         };
         let start = self.format.matrix_bytes(slot * n, k);
-        let bytes =
-            q.mats[which].as_slice()[start..start + self.format.matrix_bytes(n, k)].to_vec();
-        let scales = q.scales[which].as_slice()[slot * n..(slot + 1) * n]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        Ok((bytes, scales))
+        let bytes = &q.mats[which].as_slice()[start..start + self.format.matrix_bytes(n, k)];
+        let scales = &q.scales[which].as_slice()[slot * n..(slot + 1) * n];
+        #[cfg(target_endian = "little")]
+        // SAFETY: f32 has no padding; on a little-endian target its bytes are the file's bytes.
+        let scale_bytes =
+            unsafe { std::slice::from_raw_parts(scales.as_ptr() as *const u8, scales.len() * 4) };
+        Ok((bytes, scale_bytes))
     }
 
     /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights
