@@ -260,7 +260,7 @@ impl KernelSet {
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
         if level < Level::Avx512Bf16 {
-            return Self::for_level(level);
+            return Self::for_level(level)?.with_best_amx();
         }
         let force = std::env::var("KT_BF16_KERNEL").unwrap_or_default();
         let use_bf16 = match force.as_str() {
