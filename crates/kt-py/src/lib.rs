@@ -61,6 +61,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         kt_core::kernels::amx_min_rows_from_env().py()?,
     )?;
     d.set_item("kernels", kernels)?;
+    d.set_item(
+        "prefetch_bytes",
+        kt_core::kernels::prefetch::ensure_chosen().py()?,
+    )?;
     Ok(d)
 }
 

@@ -683,8 +683,16 @@ impl DotKernel {
         if let Err(e) = self.check(k, row_bytes, activation.len()) {
             panic!("DotKernel::dot_rows: {e}");
         }
+        let pf = crate::kernels::prefetch::distance();
         for (r, o) in out.iter_mut().enumerate() {
             let row = &rows[r * row_bytes..(r + 1) * row_bytes];
+            // Streaming (decode): ask for the bytes `pf` ahead of this row before using it.
+            #[cfg(target_arch = "x86_64")]
+            if pf != 0 {
+                for line in (0..row_bytes).step_by(64) {
+                    crate::kernels::prefetch::ahead(row.as_ptr().wrapping_add(line), pf);
+                }
+            }
             // SAFETY: every row has row_bytes bytes, checked against k and the activation.
             *o = unsafe { self.dot_unchecked(k, row, activation) };
         }

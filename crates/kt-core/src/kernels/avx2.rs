@@ -27,12 +27,17 @@ unsafe fn dot_rows<const R: usize>(
     let mut a = [std::ptr::null::<f32>(); R];
     a.copy_from_slice(&a_rows[..R]);
     let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    // The first pass prefetches both lines of each input pair; the second finds them cached.
+    let pf = super::prefetch::distance();
     for h in 0..2 {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let pf = if h == 0 { pf } else { 0 };
         for q in 0..k / 2 {
             // SAFETY: within the panel and rows by the contract.
             unsafe {
                 let p = panel.add(q * 64 + h * 32);
+                super::prefetch::ahead(p as *const u8, pf);
+                super::prefetch::ahead(p.add(32) as *const u8, pf);
                 for g in 0..2 {
                     let w = _mm256_loadu_si256(p.add(g * 16) as *const __m256i);
                     let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));

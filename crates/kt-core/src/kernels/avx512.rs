@@ -27,10 +27,13 @@ unsafe fn dot_rows<const R: usize>(
     a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let hi_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let pf = super::prefetch::distance();
     for q in 0..k / 2 {
         // SAFETY: q*64+64 ≤ 32*k elements of the panel; 2q+1 < k for each row.
         unsafe {
             let p = panel.add(q * 64);
+            super::prefetch::ahead(p as *const u8, pf);
+            super::prefetch::ahead(p.add(32) as *const u8, pf);
             for h in 0..2 {
                 let w = _mm512_loadu_si512(p.add(h * 32) as *const __m512i);
                 let w_even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));

@@ -26,10 +26,13 @@ unsafe fn dot_rows<const R: usize>(
     let mut a = [std::ptr::null::<u32>(); R];
     a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let pf = super::prefetch::distance();
     for q in 0..k / 2 {
         // SAFETY: panel offset within 32*k; pair q < k/2 of every row.
         unsafe {
             let p = panel.add(q * 64);
+            super::prefetch::ahead(p as *const u8, pf);
+            super::prefetch::ahead(p.add(32) as *const u8, pf);
             let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p as *const __m512i));
             let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(p.add(32) as *const __m512i));
             for r in 0..R {

@@ -276,6 +276,7 @@ mod x86 {
     ) {
         // SAFETY: tile t, half h, line w inside the group; quad 16t+w in each row.
         unsafe {
+            let pf = crate::kernels::prefetch::distance();
             let mut acc = [[_mm512_setzero_si512(); 2]; R];
             // Addresses strictly ascending (half 0's 16 lines, then half 1's): reading both
             // halves in step made two streams 1 KiB apart and halved the DRAM rate (measured).
@@ -283,6 +284,7 @@ mod x86 {
                 for h in 0..2 {
                     for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
                         let wv = _mm512_loadu_si512(line as *const __m512i);
                         for r in 0..R {
                             let x = O::prep(quad512(a[r].add(t * 64 + w * 4)));
@@ -317,12 +319,13 @@ mod x86 {
             let mut acc = [[_mm512_setzero_si512(); 2]; R];
             let mut acc_hi = [[_mm512_setzero_si512(); 2]; R];
             let high = _mm512_set1_epi8(0xF0u8 as i8);
+            let pf = crate::kernels::prefetch::distance();
             for t in 0..k / 128 {
                 for h in 0..2 {
                     for w in 0..16 {
-                        let b = _mm512_loadu_si512(
-                            g.add(t * 2048 + h * 1024 + w * 64) as *const __m512i
-                        );
+                        let line = g.add(t * 2048 + h * 1024 + w * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
+                        let b = _mm512_loadu_si512(line as *const __m512i);
                         let lo = _mm512_and_si512(_mm512_slli_epi16::<4>(b), high);
                         let hi = _mm512_and_si512(b, high);
                         for r in 0..R {
@@ -392,11 +395,13 @@ mod x86 {
     ) {
         // SAFETY: as in the 512-bit loop; addresses ascend as there.
         unsafe {
+            let pf = crate::kernels::prefetch::distance();
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 64 {
                 for h in 0..2 {
                     for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
                         let ws = [
                             _mm256_loadu_si256(line as *const __m256i),
                             _mm256_loadu_si256(line.add(32) as *const __m256i),
@@ -430,11 +435,13 @@ mod x86 {
         // SAFETY: as in the 512-bit loop, in 32-byte halves (8 outputs each).
         unsafe {
             let high = _mm256_set1_epi8(0xF0u8 as i8);
+            let pf = crate::kernels::prefetch::distance();
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 128 {
                 for h in 0..2 {
                     for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
                         for half in 0..2 {
                             let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
                             let ops = [
@@ -597,6 +604,8 @@ mod tests {
     /// `f` equals the format's scalar twin exactly, and the twin equals plain row-major
     /// arithmetic, on random data over the quantisers' whole range.
     fn check(fmt: &Format, f: Int8DotFn, rows_max: usize, name: &str) {
+        // With software prefetching on (it must not change a result).
+        crate::kernels::prefetch::set(crate::kernels::prefetch::CANDIDATE);
         let mut rng = Rng::new(99);
         for &k in fmt.ks {
             let w: Vec<i8> = (0..32 * k).map(|_| (fmt.draw)(&mut rng)).collect();

@@ -28,6 +28,7 @@ pub(crate) use dispatch_rows;
 
 pub mod amx;
 pub mod int8;
+pub mod prefetch;
 pub mod scalar;
 
 /// Largest row block any kernel takes (the AMX kernels' two 16-row tiles).
@@ -259,6 +260,7 @@ impl KernelSet {
     /// `=bf16dot` forces the choice.
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
+        prefetch::ensure_chosen()?;
         if level < Level::Avx512Bf16 {
             return Self::for_level(level)?.with_best_amx();
         }

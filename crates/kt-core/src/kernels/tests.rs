@@ -20,6 +20,8 @@ fn reference(a: &[f32], panel: &[u16], lane: usize, k: usize) -> (f64, f64) {
 }
 
 fn check_fma_against_twin(set: &KernelSet, ks: &[usize]) {
+    // With software prefetching on (it must not change a result).
+    super::prefetch::set(super::prefetch::CANDIDATE);
     let twin = KernelSet::scalar_twin();
     let mut rng = Rng::new(7 + set.level() as u64);
     for &k in ks {
