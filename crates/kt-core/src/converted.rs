@@ -94,10 +94,6 @@ impl LayerShape {
 /// `.kt` files by (part, expert, projection index, is_scale).
 type KtFiles = HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>;
 
-/// Gives one part of one expert's projection as (matrix bytes, fp32 scale bytes), borrowed
-/// from wherever they live (a loaded layer), so writing never copies a whole layer.
-pub type PartBytes<'a> = dyn Fn(usize, Proj, usize) -> Result<(&'a [u8], &'a [u8])> + 'a;
-
 enum Store {
     Merged(Checkpoint),
     Folders(KtFiles),
@@ -126,7 +122,8 @@ pub fn has_converted_layer(path: &Path, layer: usize) -> bool {
     if path.join(format!("_layer_{layer}")).is_dir() {
         return true;
     }
-    Checkpoint::open(path).is_ok_and(|c| c.has(&merged_key(layer, 0, Proj::Gate, 0, false)))
+    let first = merged_key(layer, 0, Proj::Gate, 0, false);
+    Checkpoint::open_subset(path, &|n| n == first).is_ok_and(|c| c.has(&first))
 }
 
 impl ConvertedLayer {
@@ -148,7 +145,8 @@ impl ConvertedLayer {
         let store = if folder.is_dir() {
             Store::Folders(open_folders(&folder, &shape)?)
         } else {
-            let ckpt = Checkpoint::open(path)?;
+            let prefix = format!("blk.{}.ffn_", shape.layer);
+            let ckpt = Checkpoint::open_subset(path, &|n| n.starts_with(&prefix))?;
             let first = merged_key(shape.layer, 0, Proj::Gate, 0, false);
             kt_ensure!(
                 ckpt.has(&first),
@@ -327,87 +325,357 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<KtFiles> {
     Ok(files)
 }
 
-/// Write one layer in the folder layout: `dir/_layer_{L}/_numa_{N}/*.kt`. `part(e, proj, n)`
-/// gives the bytes (as [`ConvertedLayer::part`] returns them). Each file is written to a
-/// temporary name and renamed, so a crash never leaves a half-written file under a final name.
-pub fn write_folders(dir: &Path, shape: &LayerShape, part: &PartBytes) -> Result<()> {
-    let prefix = kt_prefix(shape.format)?;
+/// The temporary name a file or folder is written under before its rename.
+pub fn partial_name(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".partial-{}", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// Whether `name` is a temporary name of [`partial_name`] (from any process).
+pub fn is_partial_name(name: &str) -> bool {
+    name.rsplit_once(".partial-")
+        .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// One tensor of a safetensors file being written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: safetensors::Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+impl TensorEntry {
+    /// Bytes of the tensor's data.
+    pub fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+    }
+}
+
+/// `(begin, end)` byte offsets of a tensor's data after a safetensors header.
+pub type DataRange = (usize, usize);
+
+/// The header of a safetensors file holding `entries` as the `safetensors` library writes it
+/// (Python's `save_file` included): tensors ordered by dtype (widest first) then name, no
+/// metadata, compact JSON padded with spaces to a multiple of 8, after its 8-byte length.
+/// Returns the header bytes and each entry's `(begin, end)` data offsets, in `entries`' order.
+pub fn safetensors_header(entries: &[TensorEntry]) -> Result<(Vec<u8>, Vec<DataRange>)> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&entries[a], &entries[b]);
+        b.dtype.cmp(&a.dtype).then(a.name.cmp(&b.name))
+    });
+    let mut offsets = vec![(0, 0); entries.len()];
+    let mut json = String::from("{");
+    let mut at = 0;
+    for (i, &e) in order.iter().enumerate() {
+        let t = &entries[e];
+        kt_ensure!(
+            i == 0 || entries[order[i - 1]].name != t.name,
+            Invalid,
+            "tensor {} appears twice",
+            t.name
+        );
+        offsets[e] = (at, at + t.bytes());
+        let name = serde_json::to_string(&t.name).map_err(|e| Error::Format(e.to_string()))?;
+        let shape: Vec<String> = t.shape.iter().map(|d| d.to_string()).collect();
+        json.push_str(&format!(
+            "{}{name}:{{\"dtype\":\"{:?}\",\"shape\":[{}],\"data_offsets\":[{at},{}]}}",
+            if i == 0 { "" } else { "," },
+            t.dtype,
+            shape.join(","),
+            at + t.bytes()
+        ));
+        at += t.bytes();
+    }
+    json.push('}');
+    let mut header = json.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    Ok((out, offsets))
+}
+
+/// A safetensors file written in place: the header first, then each tensor's bytes at its
+/// offset, in any order and from any thread, under a temporary name that [`finish`] renames
+/// once every tensor is there (dropping an unfinished writer deletes the temporary file).
+///
+/// [`finish`]: SafetensorsWriter::finish
+pub struct SafetensorsWriter {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: File,
+    data_start: u64,
+    slots: HashMap<String, (usize, usize, usize)>,
+    written: Vec<std::sync::atomic::AtomicBool>,
+    finished: bool,
+}
+
+impl SafetensorsWriter {
+    /// Create `path`'s temporary file with room for `entries`.
+    pub fn create(path: &Path, entries: &[TensorEntry]) -> Result<Self> {
+        let (header, offsets) = safetensors_header(entries)?;
+        let tmp = partial_name(path);
+        let file = File::create(&tmp)?;
+        let end = offsets.iter().map(|o| o.1).max().unwrap_or(0);
+        file.set_len((header.len() + end) as u64)?;
+        std::os::unix::fs::FileExt::write_all_at(&file, &header, 0)?;
+        let slots = entries
+            .iter()
+            .zip(&offsets)
+            .enumerate()
+            .map(|(i, (t, o))| (t.name.clone(), (i, o.0, o.1)))
+            .collect();
+        Ok(SafetensorsWriter {
+            path: path.to_path_buf(),
+            tmp,
+            file,
+            data_start: header.len() as u64,
+            slots,
+            written: entries.iter().map(|_| Default::default()).collect(),
+            finished: false,
+        })
+    }
+
+    /// Write tensor `name`'s bytes (exactly its size).
+    pub fn write(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let Some(&(i, begin, end)) = self.slots.get(name) else {
+            kt_bail!(
+                Invalid,
+                "{}: no tensor {name} in this file",
+                self.path.display()
+            );
+        };
+        kt_ensure!(
+            bytes.len() == end - begin,
+            Invalid,
+            "{}: tensor {name} takes {} bytes, got {}",
+            self.path.display(),
+            end - begin,
+            bytes.len()
+        );
+        std::os::unix::fs::FileExt::write_all_at(
+            &self.file,
+            bytes,
+            self.data_start + begin as u64,
+        )?;
+        self.written[i].store(true, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// Flush to disk and rename into place; fails if a tensor was never written.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some((name, _)) = self
+            .slots
+            .iter()
+            .find(|(_, s)| !self.written[s.0].load(std::sync::atomic::Ordering::Acquire))
+        {
+            kt_bail!(
+                Runtime,
+                "{}: tensor {name} was never written",
+                self.path.display()
+            );
+        }
+        self.file.sync_data()?;
+        std::fs::rename(&self.tmp, &self.path)?;
+        self.finished = true;
+        Ok(())
+    }
+}
+
+impl Drop for SafetensorsWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Where one converted layer goes: a merged expert shard or a `_layer_{L}` folder of `.kt`
+/// files. Parts of it may be written from several threads; nothing appears under a final name
+/// before [`LayerWriter::finish`].
+pub struct LayerWriter {
+    shape: LayerShape,
+    sink: Sink,
+}
+
+enum Sink {
+    /// `None` once finished.
+    Merged(Option<SafetensorsWriter>),
+    Folders {
+        tmp: PathBuf,
+        dir: PathBuf,
+        finished: bool,
+    },
+}
+
+impl LayerWriter {
+    /// The expert shard `file` (merged layout).
+    pub fn merged(file: &Path, shape: LayerShape) -> Result<Self> {
+        kt_prefix(shape.format)?;
+        let mut entries = Vec::new();
+        for (name, scale) in merged_index_order(&shape) {
+            entries.push(TensorEntry {
+                shape: vec![merged_tensor_len(&shape, &name, scale)],
+                dtype: if scale {
+                    safetensors::Dtype::F32
+                } else {
+                    safetensors::Dtype::I8
+                },
+                name,
+            });
+        }
+        Ok(LayerWriter {
+            shape,
+            sink: Sink::Merged(Some(SafetensorsWriter::create(file, &entries)?)),
+        })
+    }
+
+    /// The folder `out/_layer_{L}` (folder layout), built under a temporary name.
+    pub fn folders(out: &Path, shape: LayerShape) -> Result<Self> {
+        kt_prefix(shape.format)?;
+        let dir = out.join(format!("_layer_{}", shape.layer));
+        let tmp = partial_name(&dir);
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        for n in 0..shape.parts {
+            std::fs::create_dir_all(tmp.join(format!("_numa_{n}")))?;
+        }
+        Ok(LayerWriter {
+            shape,
+            sink: Sink::Folders {
+                tmp,
+                dir,
+                finished: false,
+            },
+        })
+    }
+
+    /// Store part `part` of expert `expert`'s projection: matrix bytes in the file layout
+    /// ([`crate::quant::to_file_layout`]) and one scale per row.
+    pub fn put(
+        &self,
+        expert: usize,
+        proj: Proj,
+        part: usize,
+        q: &[u8],
+        scales: &[f32],
+    ) -> Result<()> {
+        let (want_q, want_s) = self.shape.part_bytes(proj);
+        kt_ensure!(
+            q.len() == want_q && scales.len() * 4 == want_s,
+            Invalid,
+            "layer {} expert {expert} {proj:?} part {part}: {} bytes and {} scales, expected {want_q} \
+             and {}",
+            self.shape.layer,
+            q.len(),
+            scales.len(),
+            want_s / 4
+        );
+        let scale_bytes: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        match &self.sink {
+            Sink::Merged(None) => kt_bail!(Runtime, "layer writer used after finish"),
+            Sink::Merged(Some(w)) => {
+                w.write(&merged_key(self.shape.layer, expert, proj, part, false), q)?;
+                w.write(
+                    &merged_key(self.shape.layer, expert, proj, part, true),
+                    &scale_bytes,
+                )
+            }
+            Sink::Folders { tmp, .. } => {
+                let sub = tmp.join(format!("_numa_{part}"));
+                let prefix = kt_prefix(self.shape.format)?;
+                for (bytes, scale) in [(q, false), (&scale_bytes[..], true)] {
+                    let name = kt_file_name(prefix, expert, proj, scale, bytes.len());
+                    std::fs::write(sub.join(name), bytes)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Make the layer visible under its final name (after flushing it to disk).
+    pub fn finish(mut self) -> Result<()> {
+        match &mut self.sink {
+            Sink::Merged(w) => match w.take() {
+                Some(w) => w.finish(),
+                None => kt_bail!(Runtime, "layer writer finished twice"),
+            },
+            Sink::Folders { tmp, dir, finished } => {
+                for n in 0..self.shape.parts {
+                    let sub = tmp.join(format!("_numa_{n}"));
+                    let count = std::fs::read_dir(&sub)?.count();
+                    kt_ensure!(
+                        count == 6 * self.shape.experts,
+                        Runtime,
+                        "{}: {count} files written, expected {}",
+                        sub.display(),
+                        6 * self.shape.experts
+                    );
+                    for entry in std::fs::read_dir(&sub)? {
+                        File::open(entry?.path())?.sync_all()?;
+                    }
+                }
+                if dir.exists() {
+                    std::fs::remove_dir_all(&*dir)?;
+                }
+                std::fs::rename(&*tmp, &*dir)?;
+                *finished = true;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for LayerWriter {
+    fn drop(&mut self) {
+        if let Sink::Folders {
+            tmp,
+            finished: false,
+            ..
+        } = &self.sink
+        {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
+    }
+}
+
+/// The merged shard's tensor names in the original index's order (part, expert, down/gate/up,
+/// weight then scale), with whether each is a scale.
+pub fn merged_index_order(shape: &LayerShape) -> Vec<(String, bool)> {
+    let mut v = Vec::new();
     for n in 0..shape.parts {
-        let sub = dir
-            .join(format!("_layer_{}", shape.layer))
-            .join(format!("_numa_{n}"));
-        std::fs::create_dir_all(&sub)?;
         for e in 0..shape.experts {
-            for (proj, _) in PROJS {
-                let (q, s) = part(e, proj, n)?;
-                for (bytes, scale) in [(q, false), (s, true)] {
-                    let name = kt_file_name(prefix, e, proj, scale, bytes.len());
-                    write_atomically(&sub.join(name), bytes)?;
+            for (proj, _) in [PROJS[2], PROJS[0], PROJS[1]] {
+                for scale in [false, true] {
+                    v.push((merged_key(shape.layer, e, proj, n, scale), scale));
                 }
             }
         }
     }
-    Ok(())
+    v
 }
 
-/// Write one layer's expert shard in the merged layout (the tensors only; the converter adds
-/// the index and the non-expert shard). Byte-identical to the original's shard: the same
-/// safetensors serialisation, no metadata.
-pub fn write_merged_shard(
-    file: &Path,
-    shape: &LayerShape,
-    part: &PartBytes,
-) -> Result<Vec<String>> {
-    use safetensors::tensor::{Dtype, TensorView};
-    let mut owned: Vec<(String, Dtype, &[u8])> = Vec::new();
-    for n in 0..shape.parts {
-        for e in 0..shape.experts {
-            for (proj, _) in [PROJS[2], PROJS[0], PROJS[1]] {
-                let (q, s) = part(e, proj, n)?;
-                owned.push((merged_key(shape.layer, e, proj, n, false), Dtype::I8, q));
-                owned.push((merged_key(shape.layer, e, proj, n, true), Dtype::F32, s));
-            }
-        }
+/// Elements of a merged tensor (I8 bytes or F32 scales).
+fn merged_tensor_len(shape: &LayerShape, name: &str, scale: bool) -> usize {
+    let proj = if name.contains("ffn_down_exps") {
+        Proj::Down
+    } else if name.contains("ffn_gate_exps") {
+        Proj::Gate
+    } else {
+        Proj::Up
+    };
+    let (q, s) = shape.part_bytes(proj);
+    if scale {
+        s / 4
+    } else {
+        q
     }
-    let views: Vec<(String, TensorView)> = owned
-        .iter()
-        .map(|(name, dtype, bytes)| {
-            let elems = bytes.len() / if *dtype == Dtype::F32 { 4 } else { 1 };
-            TensorView::new(*dtype, vec![elems], bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::Format(format!("{name}: {e}")))
-        })
-        .collect::<Result<_>>()?;
-    // Streamed to a temporary name, then renamed: no whole-shard buffer, no half-written shard.
-    let tmp = partial_name(file);
-    safetensors::tensor::serialize_to_file(views, None, &tmp)
-        .map_err(|e| Error::Format(format!("writing {}: {e}", file.display())))?;
-    File::open(&tmp)?.sync_data()?;
-    std::fs::rename(&tmp, file)?;
-    // Weight-map order of the original's index: part, expert, down/gate/up, weight then scale.
-    Ok(owned.into_iter().map(|(name, _, _)| name).collect())
-}
-
-/// The temporary name a file is written under before its rename.
-pub fn partial_name(path: &Path) -> PathBuf {
-    path.with_extension(format!(
-        "{}.partial-{}",
-        path.extension().unwrap_or_default().to_string_lossy(),
-        std::process::id()
-    ))
-}
-
-/// Write `bytes` to `path` through a temporary file in the same directory and a rename.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let tmp = partial_name(path);
-    {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_data()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod affinity;
+pub mod convert;
 pub mod converted;
 pub mod dtype;
 pub mod engine;

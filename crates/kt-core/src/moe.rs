@@ -236,8 +236,7 @@ struct Int8Target {
     sum: SyncPtr<i32>,
 }
 
-/// Quantise `view` (`n × k`) as expert `slot` of `t`: per-row INT8 with the original's rule,
-/// written in its tiled layout, 32 rows at a time.
+/// Quantise `view` (`n × k`) as expert `slot` of `t` ([`crate::quant::quantise_matrix`]).
 ///
 /// # Safety
 /// `t`'s buffers hold at least `slot + 1` experts of `n × k`; no other thread writes expert
@@ -249,38 +248,14 @@ unsafe fn quantise_into(
     slot: usize,
     t: Int8Target,
     format: WeightFormat,
-) {
-    let mut row = vec![0f32; k];
-    let mut q = vec![0i8; k];
-    for r in 0..n {
-        // SAFETY: row r of the view has k elements.
-        unsafe { view.row_f32(r, &mut row) };
-        let (group, local) = (r / PANEL, r % PANEL);
-        let base = format.matrix_bytes(slot * n + group * PANEL, k);
-        // SAFETY: offsets stay inside expert `slot`'s matrix bytes / n scales (contract); the
-        // nibble bytes of a row are only written by this row's loop.
-        unsafe {
-            let (d, sum) = if format == WeightFormat::Int4 {
-                let d = crate::quant::quantize_row_int4(&row, &mut q);
-                for (c, &v) in q.iter().enumerate() {
-                    let (off, nib) = crate::quant::amx_int4_position(local, c, k);
-                    let byte = t.mat.get().add(base + off);
-                    let keep = if nib == 0 { 0xF0 } else { 0x0F };
-                    *byte = (*byte & keep) | (((v as u8) & 0x0F) << (4 * nib));
-                }
-                (d, q.iter().map(|&v| 16 * v as i32).sum())
-            } else {
-                let d = crate::quant::quantize_row_int8(&row, &mut q);
-                for (c, &v) in q.iter().enumerate() {
-                    *t.mat
-                        .get()
-                        .add(base + crate::quant::amx_int8_offset(local, c, k)) = v as u8;
-                }
-                (d, q.iter().map(|&v| v as i32).sum())
-            };
-            *t.scale.get().add(slot * n + r) = d;
-            *t.sum.get().add(slot * n + r) = sum;
-        }
+) -> Result<()> {
+    let bytes = format.matrix_bytes(n, k);
+    // SAFETY: expert `slot`'s ranges of the three buffers belong to this call (contract).
+    unsafe {
+        let mat = std::slice::from_raw_parts_mut(t.mat.get().add(slot * bytes), bytes);
+        let scales = std::slice::from_raw_parts_mut(t.scale.get().add(slot * n), n);
+        let sums = std::slice::from_raw_parts_mut(t.sum.get().add(slot * n), n);
+        crate::quant::quantise_matrix(view, format == WeightFormat::Int4, mat, scales, Some(sums))
     }
 }
 
@@ -677,8 +652,7 @@ impl MoeLayer {
                     };
                     if let Some(q) = &int8_targets[part] {
                         // SAFETY: the task owns expert `slot` of matrix `which` in this part.
-                        unsafe { quantise_into(&view, n, k, slot, q[which], fmt) };
-                        return Ok(());
+                        return unsafe { quantise_into(&view, n, k, slot, q[which], fmt) };
                     }
                     let base = dst[which].0;
                     for p in 0..n / PANEL {
@@ -777,25 +751,27 @@ impl MoeLayer {
                     let (q, s) = files.part(logical[slot], proj, part)?;
                     let (n, k) = shape.part_dims(proj);
                     let t = targets[part][which];
-                    let group_bytes = fmt.matrix_bytes(PANEL, k);
+                    let int4 = fmt == WeightFormat::Int4;
+                    let bytes = fmt.matrix_bytes(n, k);
                     // SAFETY: this task owns expert `slot` of matrix `which` in this part; the
                     // buffers hold E experts of n rows (sizes checked when the files opened).
-                    unsafe {
-                        let dst = t.mat.get().add(fmt.matrix_bytes(slot * n, k));
-                        std::ptr::copy_nonoverlapping(q.as_ptr(), dst, q.len());
-                        for (r, b) in s.chunks_exact(4).enumerate() {
-                            *t.scale.get().add(slot * n + r) =
-                                f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                        }
-                        for (g, group) in q.chunks_exact(group_bytes).enumerate() {
-                            let sums = crate::kernels::int8::row_sums_fast(
-                                group,
-                                k,
-                                fmt == WeightFormat::Int4,
-                            );
-                            let at = t.sum.get().add(slot * n + g * PANEL);
-                            std::ptr::copy_nonoverlapping(sums.as_ptr(), at, PANEL);
-                        }
+                    let (mat, scales, sums) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(t.mat.get().add(slot * bytes), bytes),
+                            std::slice::from_raw_parts_mut(t.scale.get().add(slot * n), n),
+                            std::slice::from_raw_parts_mut(t.sum.get().add(slot * n), n),
+                        )
+                    };
+                    crate::quant::from_file_layout(int4, n, k, q, mat)?;
+                    for (d, b) in scales.iter_mut().zip(s.chunks_exact(4)) {
+                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                    let group_bytes = fmt.matrix_bytes(PANEL, k);
+                    for (group, sums) in mat
+                        .chunks_exact(group_bytes)
+                        .zip(sums.chunks_exact_mut(PANEL))
+                    {
+                        sums.copy_from_slice(&crate::kernels::int8::row_sums_fast(group, k, int4));
                     }
                     Ok(())
                 })();
@@ -849,9 +825,10 @@ impl MoeLayer {
         }
     }
 
-    /// One part of one slot's quantised projection in the original's file form (matrix bytes,
-    /// little-endian fp32 scale bytes), borrowed from the layer: for writing converted files.
-    pub fn quantised_part(&self, slot: usize, proj: Proj, part: usize) -> Result<(&[u8], &[u8])> {
+    /// One part of one slot's quantised projection, borrowed from the layer: the matrix bytes in
+    /// the in-memory layout (the original's file layout after
+    /// [`crate::quant::to_file_layout`]) and the row scales.
+    pub fn quantised_part(&self, slot: usize, proj: Proj, part: usize) -> Result<(&[u8], &[f32])> {
         let q = self
             .parts
             .get(part)
@@ -877,11 +854,7 @@ impl MoeLayer {
         let start = self.format.matrix_bytes(slot * n, k);
         let bytes = &q.mats[which].as_slice()[start..start + self.format.matrix_bytes(n, k)];
         let scales = &q.scales[which].as_slice()[slot * n..(slot + 1) * n];
-        #[cfg(target_endian = "little")]
-        // SAFETY: f32 has no padding; on a little-endian target its bytes are the file's bytes.
-        let scale_bytes =
-            unsafe { std::slice::from_raw_parts(scales.as_ptr() as *const u8, scales.len() * 4) };
-        Ok((bytes, scale_bytes))
+        Ok((bytes, scales))
     }
 
     /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights

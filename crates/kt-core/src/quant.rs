@@ -11,13 +11,47 @@
 //!   matrix of 4-byte words stored transposed — i.e. every 64-byte line holds 16 rows × 4
 //!   consecutive inputs, exactly the operand shape of `vpdpbusd` and of AMX int8 tiles.
 //!
-//! Only inputs up to 3584 wide are covered by the original's own files (its column blocking
-//! beyond that is not reproduced yet); the packers reject wider matrices.
+//! That byte order is also this crate's in-memory layout, with one difference for wide matrices:
+//! the original's files block columns by [`FILE_K_BLOCK`] (3584) and rows by [`file_n_block`]
+//! (64 for INT8, 128 for INT4), so beyond 3584 inputs a 32-row group's tiles are no longer
+//! contiguous in a file. In memory they always are (the kernels stream one group as one run);
+//! [`file_runs`] maps between the two, a handful of large copies per matrix.
 
+use crate::pack::MatrixView;
 use crate::{kt_ensure, Result};
 
-/// Largest input width whose byte order is known (the original blocks columns by 3584).
-pub const MAX_VERIFIED_K: usize = 3584;
+/// Rows of one group: the kernels' and the tiles' output block (the original's N_STEP).
+pub const GROUP_ROWS: usize = 32;
+
+/// The original's column block (K_BLOCK) in its converted files.
+pub const FILE_K_BLOCK: usize = 3584;
+
+/// The original's row block (N_BLOCK) in its converted files: 64 for INT8, 128 for INT4.
+pub fn file_n_block(int4: bool) -> usize {
+    if int4 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Inputs per tile: 64 for INT8, 128 for INT4 (two nibbles per byte).
+pub fn k_step(int4: bool) -> usize {
+    if int4 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Bytes of a quantised `n × k` matrix.
+pub fn matrix_bytes(int4: bool, n: usize, k: usize) -> usize {
+    if int4 {
+        n * k / 2
+    } else {
+        n * k
+    }
+}
 
 /// Quantise one row to INT8; returns the fp32 scale.
 pub fn quantize_row_int8(row: &[f32], q: &mut [i8]) -> f32 {
@@ -75,12 +109,155 @@ pub fn amx_int8_offset(r: usize, c: usize, k: usize) -> usize {
 
 fn check_shape(n: usize, k: usize, kstep: usize) -> Result<()> {
     kt_ensure!(
-        n.is_multiple_of(32) && k.is_multiple_of(kstep) && k <= MAX_VERIFIED_K,
-        Unsupported,
-        "AMX layout of a {n}x{k} matrix: rows must be a multiple of 32, columns a multiple of \
-         {kstep} and at most {MAX_VERIFIED_K}"
+        n.is_multiple_of(GROUP_ROWS) && k > 0 && k.is_multiple_of(kstep),
+        Invalid,
+        "AMX layout of a {n}x{k} matrix: rows must be a multiple of {GROUP_ROWS} and columns a \
+         positive multiple of {kstep}"
     );
     Ok(())
+}
+
+/// The runs that the in-memory layout and the original's file layout share, as (memory offset,
+/// file offset, length) in bytes; together they cover the matrix once. In a file, rows come in
+/// blocks of [`file_n_block`] and columns in blocks of [`FILE_K_BLOCK`] (the last ones may be
+/// short); inside a (row block, column block) each 32-row group's tiles are contiguous, as they
+/// are across the whole width in memory. With `k ≤ 3584` there is one run.
+pub fn file_runs(int4: bool, n: usize, k: usize) -> Result<Vec<(usize, usize, usize)>> {
+    check_shape(n, k, k_step(int4))?;
+    if k <= FILE_K_BLOCK {
+        return Ok(vec![(0, 0, matrix_bytes(int4, n, k))]);
+    }
+    let mut runs = Vec::new();
+    for nb0 in (0..n).step_by(file_n_block(int4)) {
+        let nbs = file_n_block(int4).min(n - nb0);
+        for kb0 in (0..k).step_by(FILE_K_BLOCK) {
+            let kbs = FILE_K_BLOCK.min(k - kb0);
+            for rg in (0..nbs).step_by(GROUP_ROWS) {
+                // In values; INT4 halves every term (all are even).
+                let file = nb0 * k + kb0 * nbs + rg * kbs;
+                let mem = (nb0 + rg) * k + kb0 * GROUP_ROWS;
+                let len = kbs * GROUP_ROWS;
+                runs.push((
+                    matrix_bytes(int4, mem, 1),
+                    matrix_bytes(int4, file, 1),
+                    matrix_bytes(int4, len, 1),
+                ));
+            }
+        }
+    }
+    Ok(runs)
+}
+
+/// Copy a matrix from the in-memory layout to the original's file layout.
+pub fn to_file_layout(int4: bool, n: usize, k: usize, mem: &[u8], file: &mut [u8]) -> Result<()> {
+    relayout(int4, n, k, mem, file, false)
+}
+
+/// Copy a matrix from the original's file layout to the in-memory layout.
+pub fn from_file_layout(int4: bool, n: usize, k: usize, file: &[u8], mem: &mut [u8]) -> Result<()> {
+    relayout(int4, n, k, file, mem, true)
+}
+
+fn relayout(
+    int4: bool,
+    n: usize,
+    k: usize,
+    src: &[u8],
+    dst: &mut [u8],
+    from_file: bool,
+) -> Result<()> {
+    let bytes = matrix_bytes(int4, n, k);
+    kt_ensure!(
+        src.len() == bytes && dst.len() == bytes,
+        Invalid,
+        "a {n}x{k} {} matrix has {bytes} bytes; got {} and {}",
+        if int4 { "INT4" } else { "INT8" },
+        src.len(),
+        dst.len()
+    );
+    for (m, f, len) in file_runs(int4, n, k)? {
+        let (s, d) = if from_file { (f, m) } else { (m, f) };
+        dst[d..d + len].copy_from_slice(&src[s..s + len]);
+    }
+    Ok(())
+}
+
+/// Quantise `view` (rows = outputs, `n × k`) to INT8 or INT4 in the in-memory tiled layout:
+/// `out` gets the matrix bytes, `scales` one fp32 per row, `sums` (if given) each row's sum of
+/// the int8 operands the kernels multiply (`16·v` for INT4).
+///
+/// Each weight is first rounded to bf16: the original converter quantises bf16 tensors (it
+/// casts fp16 and block-FP8 inputs to bf16), so every input precision gives its bytes.
+///
+/// # Safety
+/// `view`'s memory is alive.
+pub unsafe fn quantise_matrix(
+    view: &MatrixView,
+    int4: bool,
+    out: &mut [u8],
+    scales: &mut [f32],
+    mut sums: Option<&mut [i32]>,
+) -> Result<()> {
+    let (n, k) = (view.rows, view.cols);
+    check_shape(n, k, k_step(int4))?;
+    kt_ensure!(
+        out.len() == matrix_bytes(int4, n, k)
+            && scales.len() == n
+            && sums.as_ref().is_none_or(|s| s.len() == n),
+        Invalid,
+        "quantise_matrix: buffers do not fit a {n}x{k} matrix"
+    );
+    let mut row = vec![0f32; k];
+    let mut q = vec![0i8; GROUP_ROWS * k];
+    for g in 0..n / GROUP_ROWS {
+        for i in 0..GROUP_ROWS {
+            let r = g * GROUP_ROWS + i;
+            // SAFETY: r < rows, `row` holds cols values; the view is alive (contract).
+            unsafe { view.row_f32(r, &mut row) };
+            for x in row.iter_mut() {
+                *x = crate::dtype::bf16_bits_to_f32(crate::dtype::f32_to_bf16_bits(*x));
+            }
+            let qr = &mut q[i * k..(i + 1) * k];
+            scales[r] = if int4 {
+                quantize_row_int4(&row, qr)
+            } else {
+                quantize_row_int8(&row, qr)
+            };
+            if let Some(s) = sums.as_deref_mut() {
+                let mult = if int4 { 16 } else { 1 };
+                s[r] = qr.iter().map(|&v| mult * v as i32).sum();
+            }
+        }
+        let group = &mut out[matrix_bytes(int4, g * GROUP_ROWS * k, 1)..]
+            [..matrix_bytes(int4, GROUP_ROWS * k, 1)];
+        scatter_group(&q, k, int4, group);
+    }
+    Ok(())
+}
+
+/// Row-major values of one 32-row group → its tiled bytes: tile t of 64 inputs (INT4: 128,
+/// byte j = input j low nibble, 64 + j high nibble), 16-row halves, each line 16 rows × 4 bytes.
+fn scatter_group(q: &[i8], k: usize, int4: bool, out: &mut [u8]) {
+    let step = k_step(int4);
+    for t in 0..k / step {
+        let tile = &mut out[t * 2048..(t + 1) * 2048];
+        for h in 0..2 {
+            for row16 in 0..16 {
+                let src = &q[(h * 16 + row16) * k + t * step..][..step];
+                for w in 0..16 {
+                    let at = h * 1024 + w * 64 + row16 * 4;
+                    for b in 0..4 {
+                        let j = w * 4 + b;
+                        tile[at + b] = if int4 {
+                            (src[j] as u8 & 0x0F) | ((src[64 + j] as u8) << 4)
+                        } else {
+                            src[j] as u8
+                        };
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Row-major INT8 values `[n][k]` → the original's tiled bytes.

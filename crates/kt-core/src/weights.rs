@@ -42,6 +42,13 @@ impl std::fmt::Debug for Checkpoint {
 impl Checkpoint {
     /// Open every `*.safetensors` file in `path` (a directory or a single file).
     pub fn open(path: &Path) -> Result<Checkpoint> {
+        Self::open_subset(path, &|_| true)
+    }
+
+    /// Like [`Checkpoint::open`], but when a `model.safetensors.index.json` lists the shards,
+    /// only those holding a tensor whose name passes `wanted` are opened (one layer of a
+    /// many-shard checkpoint then maps one or two files, not all of them).
+    pub fn open_subset(path: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Checkpoint> {
         if !path.exists() {
             kt_bail!(NotFound, "weight path {} does not exist", path.display());
         }
@@ -49,15 +56,26 @@ impl Checkpoint {
             let mut v: Vec<PathBuf> = std::fs::read_dir(path)?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .filter(|p| {
+                    !p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().contains(".partial-"))
+                })
                 .collect();
             v.sort();
+            if v.is_empty() {
+                kt_bail!(NotFound, "no .safetensors files in {}", path.display());
+            }
+            // With an index, only the shards that hold wanted tensors (maybe none).
+            if let Some(keep) = shards_from_index(path, wanted) {
+                v.retain(|p| {
+                    p.file_name()
+                        .is_some_and(|n| keep.contains(&*n.to_string_lossy()))
+                });
+            }
             v
         } else {
             vec![path.to_path_buf()]
         };
-        if files.is_empty() {
-            kt_bail!(NotFound, "no .safetensors files in {}", path.display());
-        }
         let mut maps = Vec::new();
         let mut tensors = HashMap::new();
         for (i, f) in files.iter().enumerate() {
@@ -99,6 +117,42 @@ impl Checkpoint {
             maps,
             tensors,
         })
+    }
+
+    /// Every tensor name, in file order (files sorted by name) and by name within a file: the
+    /// order in which the original converter meets them.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<(&str, usize)> = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.file))
+            .collect();
+        v.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
+        v.into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// Drop this process's mapped pages of `name`'s data (the file stays cached by the OS):
+    /// keeps the resident memory of a pass over a large checkpoint bounded.
+    pub fn release(&self, name: &str) {
+        let Some(t) = self.tensors.get(name) else {
+            return;
+        };
+        let page = 4096;
+        let (begin, end) = (
+            t.offset.next_multiple_of(page),
+            (t.offset + t.len) / page * page,
+        );
+        if end > begin {
+            // SAFETY: a read-only shared file mapping: dropping pages only makes later reads
+            // fetch them again from the file; no slice of ours is being read at the time.
+            let _ = unsafe {
+                self.maps[t.file].unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    begin,
+                    end - begin,
+                )
+            };
+        }
     }
 
     /// Whether a tensor exists.
@@ -187,6 +241,22 @@ impl Checkpoint {
     }
 }
 
+/// Shard file names that `model.safetensors.index.json` (if any) lists for wanted tensors.
+fn shards_from_index(
+    dir: &Path,
+    wanted: &dyn Fn(&str) -> bool,
+) -> Option<std::collections::HashSet<String>> {
+    let text = std::fs::read_to_string(dir.join("model.safetensors.index.json")).ok()?;
+    let index: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let map = index.get("weight_map")?.as_object()?;
+    Some(
+        map.iter()
+            .filter(|(name, _)| wanted(name))
+            .filter_map(|(_, file)| file.as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
 /// How a checkpoint names a layer's experts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertNaming {
@@ -221,7 +291,7 @@ fn layer_bases(layer: usize) -> Vec<String> {
 
 /// Expert weights of one layer of a checkpoint.
 pub struct HfLayerSource {
-    ckpt: Checkpoint,
+    ckpt: std::sync::Arc<Checkpoint>,
     naming: ExpertNaming,
     experts: usize,
     intermediate: usize,
@@ -234,12 +304,13 @@ unsafe impl Sync for HfLayerSource {}
 impl HfLayerSource {
     /// Find layer `layer`'s experts in `ckpt`, expecting `experts` experts of `[I][hidden]`.
     pub fn new(
-        ckpt: Checkpoint,
+        ckpt: impl Into<std::sync::Arc<Checkpoint>>,
         layer: usize,
         experts: usize,
         hidden: usize,
         intermediate: usize,
     ) -> Result<Self> {
+        let ckpt = ckpt.into();
         let naming = Self::detect(&ckpt, layer)?;
         let mut views = Vec::with_capacity(experts);
         match &naming {
@@ -329,6 +400,22 @@ impl HfLayerSource {
     /// The checkpoint behind it.
     pub fn checkpoint(&self) -> &Checkpoint {
         &self.ckpt
+    }
+
+    /// Names of the tensors holding this layer's experts (weights and FP8 block scales).
+    pub fn tensor_names(&self) -> Vec<String> {
+        let prefix = match &self.naming {
+            ExpertNaming::PerExpert { base } | ExpertNaming::Packed { base } => {
+                format!("{base}.mlp.experts.")
+            }
+            ExpertNaming::Mixtral { base } => format!("{base}.block_sparse_moe.experts."),
+        };
+        self.ckpt
+            .names()
+            .into_iter()
+            .filter(|n| n.starts_with(&prefix))
+            .map(str::to_owned)
+            .collect()
     }
 }
 

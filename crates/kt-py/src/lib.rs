@@ -1,6 +1,7 @@
 //! `kt_kernel._kt_core`: PyO3 bindings of kt-core. Argument conversion, GIL release and error
 //! mapping only; tensors arrive as addresses already checked by `kt_kernel` (shape, dtype,
 //! device, contiguity).
+use kt_core::convert::{ConvertOptions, ConvertProgress, ConvertReport, InputType};
 use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::dtype::FloatType;
 use kt_core::engine::Engine as CoreEngine;
@@ -12,10 +13,12 @@ use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, 
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
 use kt_core::weights::{Checkpoint, HfLayerSource};
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
 
 mod errors;
 use errors::IntoPy;
@@ -475,9 +478,9 @@ impl MoeLayer {
                         l.config().intermediate,
                     )
                 };
-                let ckpt = Checkpoint::open(&path)?;
-                let naming = HfLayerSource::detect(&ckpt, layer_idx)?;
-                let _ = naming;
+                // Only the shards holding this layer (by the index, when there is one).
+                let tag = format!("layers.{layer_idx}.");
+                let ckpt = Checkpoint::open_subset(&path, &|n| n.contains(&tag))?;
                 // With a map, the checkpoint may hold a different number of logical experts.
                 let experts = match &map {
                     Some(m) => m
@@ -642,6 +645,137 @@ struct SendSource(TensorSource);
 // SAFETY: see load_from_tensors: the memory stays alive and unchanged while the task runs.
 unsafe impl Send for SendSource {}
 
+/// A weight conversion running on its own threads (see `kt_core::convert`): `wait` polls it
+/// without holding the GIL, so the caller can show progress and cancel on Ctrl-C.
+#[pyclass(module = "kt_kernel._kt_core", frozen)]
+struct Conversion {
+    progress: Arc<ConvertProgress>,
+    job: Mutex<Option<std::thread::JoinHandle<kt_core::Result<ConvertReport>>>>,
+    report: Mutex<Option<ConvertReport>>,
+}
+
+#[pymethods]
+impl Conversion {
+    /// Start converting `input` (a Hugging Face checkpoint folder) into `output`.
+    #[new]
+    #[pyo3(signature = (input, output, method, input_type=None, threads=0, threadpool_count=2,
+                        merge=true, resume_layer=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        input: PathBuf,
+        output: PathBuf,
+        method: &str,
+        input_type: Option<&str>,
+        threads: usize,
+        threadpool_count: usize,
+        merge: bool,
+        resume_layer: usize,
+    ) -> PyResult<Self> {
+        let format = match method.to_ascii_lowercase().as_str() {
+            "int8" | "amxint8" => WeightFormat::Int8,
+            "int4" | "amxint4" => WeightFormat::Int4,
+            other => {
+                return Err(PyNotImplementedError::new_err(format!(
+                    "--quant-method {other}: only int8 and int4 (the AMXINT8/AMXINT4 files) are \
+                     written"
+                )))
+            }
+        };
+        let opts = ConvertOptions {
+            input,
+            output,
+            format,
+            input_type: input_type.map(InputType::parse).transpose().py()?,
+            parts: threadpool_count,
+            merge,
+            resume_layer,
+        };
+        let threads = if threads == 0 {
+            Topology::global().total_physical_cores().max(1)
+        } else {
+            threads
+        };
+        let progress = Arc::new(ConvertProgress::default());
+        let p = progress.clone();
+        let job = std::thread::Builder::new()
+            .name("kt-convert".into())
+            .spawn(move || {
+                let pool = Pool::new(PoolConfig::split(threads, 1, None)?)?;
+                kt_core::convert::convert(&pool, &opts, &p)
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the converter: {e}")))?;
+        Ok(Conversion {
+            progress,
+            job: Mutex::new(Some(job)),
+            report: Mutex::new(None),
+        })
+    }
+
+    /// Wait up to `timeout` seconds (None: until done). True once finished; raises the
+    /// conversion's error if it failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let deadline = timeout
+            .map(|t| std::time::Instant::now() + std::time::Duration::from_secs_f64(t.max(0.0)));
+        // Some(result) once the job has ended (taken now), None while it runs.
+        let ended = py.detach(|| loop {
+            let mut job = self.job.lock().unwrap();
+            if job.as_ref().is_none_or(|h| h.is_finished()) {
+                return job.take().map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(kt_core::Error::Runtime("the converter panicked".into()))
+                    })
+                });
+            }
+            drop(job);
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        });
+        match ended {
+            Some(result) => {
+                *self.report.lock().unwrap() = Some(result.py()?);
+                Ok(true)
+            }
+            // Still running, or it ended at an earlier call.
+            None => Ok(self.job.lock().unwrap().is_none()),
+        }
+    }
+
+    /// Ask the conversion to stop at the next matrix (nothing partial stays under a final name).
+    fn cancel(&self) {
+        self.progress.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// Progress so far: layers and input bytes, total and done, and the current layer.
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = &self.progress;
+        let d = PyDict::new(py);
+        d.set_item("layers_total", p.layers_total.load(Ordering::Relaxed))?;
+        d.set_item("layers_done", p.layers_done.load(Ordering::Relaxed))?;
+        d.set_item("layer", p.layer.load(Ordering::Relaxed))?;
+        d.set_item("bytes_total", p.bytes_total.load(Ordering::Relaxed))?;
+        d.set_item("bytes_done", p.bytes_done.load(Ordering::Relaxed))?;
+        Ok(d)
+    }
+
+    /// What the finished conversion did (None before it finished).
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(r) = self.report.lock().unwrap().clone() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("layers", r.layers)?;
+        d.set_item("converted", r.converted)?;
+        d.set_item("input_bytes", r.input_bytes)?;
+        d.set_item("output_bytes", r.output_bytes)?;
+        d.set_item("seconds", r.seconds)?;
+        d.set_item("buffer_bound_bytes", r.buffer_bound_bytes)?;
+        Ok(Some(d))
+    }
+}
+
 #[pymodule]
 fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -653,5 +787,6 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ggml_quantize, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
+    m.add_class::<Conversion>()?;
     Ok(())
 }

@@ -68,11 +68,11 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                 for n in 0..tp {
                     for e in 0..4 {
                         for (proj, _) in PROJS {
-                            let ours = quantised.quantised_part(e, proj, n).unwrap();
                             let (q, s) = files.part(e, proj, n).unwrap();
-                            assert_eq!(ours.0, q, "{dir:?} e={e} {proj:?} part {n}");
-                            assert_eq!(ours.1, s, "{dir:?} e={e} {proj:?} part {n} scales");
-                            assert_eq!(loaded.quantised_part(e, proj, n).unwrap(), ours);
+                            let ours = file_form(&quantised, format, tp, e, proj, n);
+                            assert!(ours.0 == q, "{dir:?} e={e} {proj:?} part {n}");
+                            assert!(ours.1 == s, "{dir:?} e={e} {proj:?} part {n} scales");
+                            assert!(file_form(&loaded, format, tp, e, proj, n) == ours);
                         }
                     }
                 }
@@ -88,8 +88,23 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
             let tmp =
                 std::env::temp_dir().join(format!("kt-write-{bits}-{tp}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&tmp);
-            let part = |e: usize, proj: Proj, n: usize| quantised.quantised_part(e, proj, n);
-            write_folders(&tmp, &shape(format, tp), &part).unwrap();
+            std::fs::create_dir_all(&tmp).unwrap();
+            let fill = |w: LayerWriter| {
+                for n in 0..tp {
+                    for e in 0..4 {
+                        for (proj, _) in PROJS {
+                            let (q, s) = file_form(&quantised, format, tp, e, proj, n);
+                            let s: Vec<f32> = s
+                                .chunks_exact(4)
+                                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                                .collect();
+                            w.put(e, proj, n, &q, &s).unwrap();
+                        }
+                    }
+                }
+                w.finish().unwrap();
+            };
+            fill(LayerWriter::folders(&tmp, shape(format, tp)).unwrap());
             let theirs = root.join(format!("{bits}-tp{tp}-kt/_layer_1"));
             for n in 0..tp {
                 let dir = theirs.join(format!("_numa_{n}"));
@@ -108,9 +123,15 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                     count += 1;
                 }
                 assert_eq!(count, 24);
+                assert_eq!(
+                    std::fs::read_dir(tmp.join(format!("_layer_1/_numa_{n}")))
+                        .unwrap()
+                        .count(),
+                    24
+                );
             }
             let shard = tmp.join("shard.safetensors");
-            write_merged_shard(&shard, &shape(format, tp), &part).unwrap();
+            fill(LayerWriter::merged(&shard, shape(format, tp)).unwrap());
             let original = root.join(format!(
                 "{bits}-tp{tp}-merged/model-00001-of-00002.safetensors"
             ));
@@ -118,9 +139,104 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                 std::fs::read(&shard).unwrap() == std::fs::read(&original).unwrap(),
                 "{original:?}"
             );
+            // Nothing temporary is left behind.
+            for entry in std::fs::read_dir(&tmp).unwrap() {
+                let name = entry.unwrap().file_name().to_string_lossy().to_string();
+                assert!(!is_partial_name(&name), "{name}");
+            }
             std::fs::remove_dir_all(&tmp).unwrap();
         }
     }
+}
+
+/// A layer's part in the original's file form: matrix bytes and little-endian scale bytes.
+fn file_form(
+    l: &MoeLayer,
+    format: WeightFormat,
+    tp: usize,
+    e: usize,
+    proj: Proj,
+    n: usize,
+) -> (Vec<u8>, Vec<u8>) {
+    let (q, s) = l.quantised_part(e, proj, n).unwrap();
+    let (pn, pk) = shape(format, tp).part_dims(proj);
+    let mut file = vec![0u8; q.len()];
+    crate::quant::to_file_layout(format == WeightFormat::Int4, pn, pk, q, &mut file).unwrap();
+    (file, s.iter().flat_map(|v| v.to_le_bytes()).collect())
+}
+
+#[test]
+fn safetensors_headers_equal_the_librarys() {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let mut rng = Rng::new(5);
+    let dtypes = [
+        Dtype::BF16,
+        Dtype::F32,
+        Dtype::I8,
+        Dtype::F8_E4M3,
+        Dtype::F16,
+        Dtype::I64,
+    ];
+    for trial in 0..20 {
+        let n = 1 + rng.below(12);
+        let entries: Vec<TensorEntry> = (0..n)
+            .map(|i| TensorEntry {
+                name: format!("t{}.{}\"x", rng.below(1000), i),
+                dtype: dtypes[rng.below(dtypes.len())],
+                shape: (0..1 + rng.below(3)).map(|_| 1 + rng.below(9)).collect(),
+            })
+            .collect();
+        let data: Vec<Vec<u8>> = entries
+            .iter()
+            .map(|t| (0..t.bytes()).map(|_| rng.below(256) as u8).collect())
+            .collect();
+        let views: Vec<(String, TensorView)> = entries
+            .iter()
+            .zip(&data)
+            .map(|(t, d)| {
+                (
+                    t.name.clone(),
+                    TensorView::new(t.dtype, t.shape.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        let want = safetensors::tensor::serialize(views, None).unwrap();
+        let (header, offsets) = safetensors_header(&entries).unwrap();
+        let mut got = header.clone();
+        got.resize(want.len(), 0);
+        for (t, (d, (b, _))) in entries.iter().zip(data.iter().zip(&offsets)) {
+            got[header.len() + b..header.len() + b + t.bytes()].copy_from_slice(d);
+        }
+        assert!(got == want, "trial {trial}");
+        // And the in-place writer produces the same file.
+        let path =
+            std::env::temp_dir().join(format!("kt-st-{trial}-{}.safetensors", std::process::id()));
+        let w = SafetensorsWriter::create(&path, &entries).unwrap();
+        for (t, d) in entries.iter().zip(&data).rev() {
+            w.write(&t.name, d).unwrap();
+        }
+        w.finish().unwrap();
+        assert!(std::fs::read(&path).unwrap() == want);
+        std::fs::remove_file(&path).unwrap();
+    }
+    // An unfinished writer leaves nothing behind; a missing tensor is an error.
+    let path = std::env::temp_dir().join(format!("kt-st-x-{}.safetensors", std::process::id()));
+    let e = [TensorEntry {
+        name: "a".into(),
+        dtype: Dtype::F32,
+        shape: vec![2],
+    }];
+    drop(SafetensorsWriter::create(&path, &e).unwrap());
+    assert!(!path.exists() && !partial_name(&path).exists());
+    let w = SafetensorsWriter::create(&path, &e).unwrap();
+    assert!(w.write("a", &[0; 4]).is_err() && w.write("b", &[0; 8]).is_err());
+    assert!(w
+        .finish()
+        .unwrap_err()
+        .to_string()
+        .contains("never written"));
+    assert!(!path.exists() && !partial_name(&path).exists());
 }
 
 /// Copy a fixture folder so a test can damage it.

@@ -34,8 +34,128 @@ fn layouts_are_bijections_and_round_trip() {
         amx_int8_offset(0, 0, k) / 64,
         amx_int8_offset(15, 3, k) / 64
     );
-    // Wider than the original files show (column blocking unknown): refused, not guessed.
-    assert!(pack_amx_int8(&vec![0; 32 * 4096], 32, 4096).is_err());
+    // Shapes the tiles cannot hold are refused.
+    assert!(pack_amx_int8(&vec![0; 16 * 64], 16, 64).is_err());
+    assert!(pack_amx_int4(&vec![0; 32 * 64], 32, 64).is_err());
+}
+
+/// The original's file offset of (r, c), written from its buffer's address arithmetic
+/// independently of [`file_runs`]: (byte, nibble).
+fn file_offset(int4: bool, r: usize, c: usize, n: usize, k: usize) -> (usize, usize) {
+    let (nb, step) = if int4 { (128, 128) } else { (64, 64) };
+    let (nb0, kb0) = (r / nb * nb, c / FILE_K_BLOCK * FILE_K_BLOCK);
+    let (nbs, kbs) = (nb.min(n - nb0), FILE_K_BLOCK.min(k - kb0));
+    let (rg, kc) = ((r - nb0) / 32 * 32, c - kb0);
+    let base = nb0 * k + kb0 * nbs + rg * kbs + kc / step * step * 32;
+    let (rr, cc) = (r % 32, kc % step);
+    let inner = |j: usize| (rr / 16) * 1024 + (j / 4) * 64 + (rr % 16) * 4 + j % 4;
+    if int4 {
+        (base / 2 + inner(cc % 64), cc / 64)
+    } else {
+        (base + inner(cc), 0)
+    }
+}
+
+#[test]
+fn wide_matrices_use_the_originals_row_and_column_blocks_in_files() {
+    let mut rng = Rng::new(12);
+    // k beyond one 3584 block (and a short last block); n with a short last row block.
+    for (int4, n, k) in [
+        (false, 160, 7168),
+        (false, 96, 3584 + 640),
+        (true, 160, 7168),
+        (true, 288, 3584 + 256),
+        (false, 64, 2048),
+    ] {
+        let v: Vec<i8> = (0..n * k)
+            .map(|_| if int4 { rng.below(15) as i32 - 7 } else { rng.below(255) as i32 - 127 } as i8)
+            .collect();
+        let mem = if int4 {
+            pack_amx_int4(&v, n, k)
+        } else {
+            pack_amx_int8(&v, n, k)
+        }
+        .unwrap();
+        let mut file = vec![0u8; mem.len()];
+        to_file_layout(int4, n, k, &mem, &mut file).unwrap();
+        for r in 0..n {
+            for c in 0..k {
+                let (at, nib) = file_offset(int4, r, c, n, k);
+                let got = if int4 {
+                    ((file[at] >> (4 * nib)) << 4) as i8 >> 4
+                } else {
+                    file[at] as i8
+                };
+                assert_eq!(got, v[r * k + c], "int4={int4} {n}x{k} ({r},{c})");
+            }
+        }
+        let mut back = vec![0u8; mem.len()];
+        from_file_layout(int4, n, k, &file, &mut back).unwrap();
+        assert!(back == mem);
+        if k <= FILE_K_BLOCK {
+            assert!(file == mem, "narrow matrices keep one layout");
+        }
+    }
+    // The worked example (INT8, 64 x 7168) from the original's address arithmetic.
+    let at = |r, c| file_offset(false, r, c, 64, 7168).0;
+    assert_eq!(
+        [at(0, 0), at(0, 3584), at(31, 3647), at(32, 0), at(63, 7167)],
+        [0, 229376, 231423, 114688, 458751]
+    );
+}
+
+#[test]
+fn matrix_quantiser_equals_the_row_rules_and_the_layout() {
+    let mut rng = Rng::new(21);
+    for int4 in [false, true] {
+        let (n, k) = (64, 384);
+        // fp32 weights: the quantiser sees them rounded to bf16 first.
+        let w = rng.normals(n * k, 0.05);
+        let view = crate::pack::MatrixView::from_bytes(
+            bytemuck_f32(&w),
+            crate::dtype::FloatType::F32,
+            n,
+            k,
+        )
+        .unwrap();
+        let mut out = vec![0u8; matrix_bytes(int4, n, k)];
+        let (mut scales, mut sums) = (vec![0f32; n], vec![0i32; n]);
+        // SAFETY: `w` is alive.
+        unsafe { quantise_matrix(&view, int4, &mut out, &mut scales, Some(&mut sums)) }.unwrap();
+        let mut q = vec![0i8; n * k];
+        for r in 0..n {
+            let row: Vec<f32> = w[r * k..(r + 1) * k]
+                .iter()
+                .map(|&x| crate::dtype::bf16_bits_to_f32(crate::dtype::f32_to_bf16_bits(x)))
+                .collect();
+            let d = if int4 {
+                quantize_row_int4(&row, &mut q[r * k..(r + 1) * k])
+            } else {
+                quantize_row_int8(&row, &mut q[r * k..(r + 1) * k])
+            };
+            assert_eq!(d.to_bits(), scales[r].to_bits());
+            let mult = if int4 { 16 } else { 1 };
+            assert_eq!(
+                sums[r],
+                q[r * k..(r + 1) * k]
+                    .iter()
+                    .map(|&v| mult * v as i32)
+                    .sum::<i32>()
+            );
+        }
+        let want = if int4 {
+            pack_amx_int4(&q, n, k)
+        } else {
+            pack_amx_int8(&q, n, k)
+        }
+        .unwrap();
+        assert!(out == want, "int4={int4}");
+    }
+}
+
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and u8 no alignment needs.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) }
 }
 
 #[test]
