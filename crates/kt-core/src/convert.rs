@@ -22,7 +22,9 @@ use crate::converted::{
 use crate::dtype::FloatType;
 use crate::moe::{ExpertSource, Proj, WeightFormat};
 use crate::pool::Pool;
-use crate::quant::{k_step, matrix_bytes, quantise_matrix, to_file_layout, GROUP_ROWS};
+use crate::quant::{
+    k_step, matrix_bytes, quantise_matrix, to_file_layout, FILE_K_BLOCK, GROUP_ROWS,
+};
 use crate::weights::{Checkpoint, HfLayerSource};
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::path::{Path, PathBuf};
@@ -447,6 +449,11 @@ fn source_bytes(src: &HfLayerSource) -> u64 {
         .sum()
 }
 
+thread_local! {
+    /// One matrix's quantised bytes, its file-layout copy and its scales, per thread.
+    static BUFFERS: std::cell::RefCell<(Vec<u8>, Vec<u8>, Vec<f32>)> = Default::default();
+}
+
 /// Quantise every (part, expert, projection) of one layer into `writer`, one pool task each.
 fn convert_layer(
     pool: &Pool,
@@ -472,14 +479,22 @@ fn convert_layer(
                 _ => m.sub(part * ip, ip, 0, h)?,
             };
             let (n, k) = (view.rows, view.cols);
-            let mut mem = vec![0u8; matrix_bytes(int4, n, k)];
-            let mut scales = vec![0f32; n];
-            // SAFETY: the view points into the checkpoint's maps, alive for this call.
-            unsafe { quantise_matrix(&view, int4, &mut mem, &mut scales, None)? };
-            let mut file = vec![0u8; mem.len()];
-            to_file_layout(int4, n, k, &mem, &mut file)?;
-            drop(mem);
-            writer.put(expert, proj, part, &file, &scales)?;
+            let bytes = matrix_bytes(int4, n, k);
+            // Buffers reused by each thread across tasks (no allocation, no page zeroing).
+            BUFFERS.with_borrow_mut(|(mem, file, scales)| -> Result<()> {
+                mem.resize(bytes, 0);
+                scales.resize(n, 0.0);
+                // SAFETY: the view points into the checkpoint's maps, alive for this call.
+                unsafe { quantise_matrix(&view, int4, mem, scales, None)? };
+                let out = if k <= FILE_K_BLOCK {
+                    &mem[..] // the file layout is the memory layout
+                } else {
+                    file.resize(bytes, 0);
+                    to_file_layout(int4, n, k, mem, file)?;
+                    &file[..]
+                };
+                writer.put(expert, proj, part, out, scales)
+            })?;
             progress
                 .bytes_done
                 .fetch_add((n * k * view.dtype.size()) as u64, Ordering::Relaxed);

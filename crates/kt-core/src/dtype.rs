@@ -145,6 +145,7 @@ pub unsafe fn load_f32(ptr: *const u8, t: FloatType, i: usize) -> f32 {
 ///
 /// # Safety
 /// `src` must point to `dst.len()` readable elements of type `src_type`.
+#[inline(always)]
 pub unsafe fn row_to_f32(src: *const u8, src_type: FloatType, dst: &mut [f32]) {
     // SAFETY: forwarded contract.
     unsafe {

@@ -286,6 +286,7 @@ impl MatrixView {
     ///
     /// # Safety
     /// The view's memory must still be alive; r < rows; `dst.len() == cols`.
+    #[inline(always)]
     pub unsafe fn row_f32(&self, r: usize, dst: &mut [f32]) {
         // SAFETY: forwarded.
         unsafe {

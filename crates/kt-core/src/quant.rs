@@ -54,8 +54,9 @@ pub fn matrix_bytes(int4: bool, n: usize, k: usize) -> usize {
 }
 
 /// Quantise one row to INT8; returns the fp32 scale.
+#[inline(always)]
 pub fn quantize_row_int8(row: &[f32], q: &mut [i8]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let amax = abs_max(row);
     let d = amax * (1.0f32 / 127.0);
     fill_q8(row, d, q);
     d
@@ -63,8 +64,9 @@ pub fn quantize_row_int8(row: &[f32], q: &mut [i8]) -> f32 {
 
 /// Quantise one row to INT4 values in [−7, 7] (one per i8); returns the fp32 scale `d`
 /// (weights are `v × 16 × d`).
+#[inline(always)]
 pub fn quantize_row_int4(row: &[f32], v: &mut [i8]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let amax = abs_max(row);
     let d = (amax as f64 / 112.0) as f32;
     fill_q8(row, d, v);
     for x in v.iter_mut() {
@@ -75,6 +77,7 @@ pub fn quantize_row_int4(row: &[f32], v: &mut [i8]) -> f32 {
     d
 }
 
+#[inline(always)]
 fn fill_q8(row: &[f32], d: f32, q: &mut [i8]) {
     if d == 0.0 {
         q.fill(0);
@@ -82,20 +85,7 @@ fn fill_q8(row: &[f32], d: f32, q: &mut [i8]) {
     }
     let inv = 1.0f32 / d;
     for (o, &w) in q.iter_mut().zip(row) {
-        *o = round_half_even(w * inv).clamp(-128.0, 127.0) as i8;
-    }
-}
-
-/// Round half to even with plain arithmetic (`f32::round_ties_even` becomes a libm call on
-/// baseline x86-64, which made quantisation slow). Exact for |x| < 2^22; larger values only
-/// occur beyond the int8 range, where the caller saturates anyway.
-#[inline(always)]
-fn round_half_even(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
-    if x.abs() < 4_194_304.0 {
-        (x + MAGIC) - MAGIC
-    } else {
-        x
+        *o = round_to_i8(w * inv);
     }
 }
 
@@ -209,30 +199,155 @@ pub unsafe fn quantise_matrix(
     );
     let mut row = vec![0f32; k];
     let mut q = vec![0i8; GROUP_ROWS * k];
+    let mut sums = sums.as_deref_mut();
     for g in 0..n / GROUP_ROWS {
-        for i in 0..GROUP_ROWS {
-            let r = g * GROUP_ROWS + i;
-            // SAFETY: r < rows, `row` holds cols values; the view is alive (contract).
-            unsafe { view.row_f32(r, &mut row) };
-            for x in row.iter_mut() {
-                *x = crate::dtype::bf16_bits_to_f32(crate::dtype::f32_to_bf16_bits(*x));
-            }
-            let qr = &mut q[i * k..(i + 1) * k];
-            scales[r] = if int4 {
-                quantize_row_int4(&row, qr)
-            } else {
-                quantize_row_int8(&row, qr)
-            };
-            if let Some(s) = sums.as_deref_mut() {
-                let mult = if int4 { 16 } else { 1 };
-                s[r] = qr.iter().map(|&v| mult * v as i32).sum();
-            }
-        }
+        let rows = g * GROUP_ROWS..(g + 1) * GROUP_ROWS;
+        let group_sums = sums.as_deref_mut().map(|s| &mut s[rows.clone()]);
+        // SAFETY: rows of the view (contract); buffers sized above.
+        unsafe {
+            quantise_group(
+                view,
+                rows.start,
+                int4,
+                &mut row,
+                &mut q,
+                &mut scales[rows],
+                group_sums,
+            )
+        };
         let group = &mut out[matrix_bytes(int4, g * GROUP_ROWS * k, 1)..]
             [..matrix_bytes(int4, GROUP_ROWS * k, 1)];
         scatter_group(&q, k, int4, group);
     }
     Ok(())
+}
+
+/// Quantise the 32 rows from `r0` into `q` (row-major), with AVX2 where the CPU has it: the
+/// same code compiled twice, so both give identical bytes (the AVX2 copy is vectorised).
+///
+/// # Safety
+/// Rows `r0..r0+32` of `view` exist and its memory is alive; `row` holds `k` values, `q`
+/// `32·k`, `scales` 32, `sums` 32.
+unsafe fn quantise_group(
+    view: &MatrixView,
+    r0: usize,
+    int4: bool,
+    row: &mut [f32],
+    q: &mut [i8],
+    scales: &mut [f32],
+    sums: Option<&mut [i32]>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the features were just detected; the rest is the caller's contract.
+        return unsafe { quantise_group_avx2(view, r0, int4, row, q, scales, sums) };
+    }
+    // SAFETY: the caller's contract.
+    unsafe { quantise_group_body(view, r0, int4, row, q, scales, sums) }
+}
+
+/// [`quantise_group`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; [`quantise_group`]'s contract.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantise_group_avx2(
+    view: &MatrixView,
+    r0: usize,
+    int4: bool,
+    row: &mut [f32],
+    q: &mut [i8],
+    scales: &mut [f32],
+    sums: Option<&mut [i32]>,
+) {
+    // SAFETY: forwarded.
+    unsafe { quantise_group_body(view, r0, int4, row, q, scales, sums) }
+}
+
+#[inline(always)]
+unsafe fn quantise_group_body(
+    view: &MatrixView,
+    r0: usize,
+    int4: bool,
+    row: &mut [f32],
+    q: &mut [i8],
+    scales: &mut [f32],
+    mut sums: Option<&mut [i32]>,
+) {
+    let k = row.len();
+    // bf16 inputs are already bf16 values: the rounding below would change nothing.
+    let round = view.dtype != crate::dtype::FloatType::BF16;
+    for i in 0..GROUP_ROWS {
+        // SAFETY: row r0 + i exists (contract); `row` holds cols values.
+        unsafe { view.row_f32(r0 + i, row) };
+        if round {
+            for x in row.iter_mut() {
+                *x = round_to_bf16(*x);
+            }
+        }
+        let qr = &mut q[i * k..(i + 1) * k];
+        scales[i] = if int4 {
+            quantize_row_int4(row, qr)
+        } else {
+            quantize_row_int8(row, qr)
+        };
+        if let Some(s) = sums.as_deref_mut() {
+            let mult = if int4 { 16 } else { 1 };
+            s[i] = qr.iter().map(|&v| mult * v as i32).sum();
+        }
+    }
+}
+
+/// `x` rounded half to even and saturated to i8 (NaN → 0), branch-free so loops vectorise
+/// (`f32::round_ties_even` is a libm call on baseline x86-64, and `as i8` a scalar one).
+#[inline(always)]
+fn round_to_i8(x: f32) -> i8 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+                                     // Exact for |x| < 2^22; larger values saturate below exactly as after exact rounding.
+    let r = ((x + MAGIC) - MAGIC).clamp(-128.0, 127.0);
+    let r = if r.is_nan() { 0.0 } else { r };
+    // SAFETY: r is integral, finite and within [-128, 127].
+    unsafe { r.to_int_unchecked::<i32>() as i8 }
+}
+
+/// Round to the nearest bf16 value, ties to even (NaN stays NaN), with plain integer
+/// arithmetic so it vectorises.
+#[inline(always)]
+fn round_to_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    let r = (b.wrapping_add(0x7FFF + ((b >> 16) & 1))) & 0xFFFF_0000;
+    if x.is_nan() {
+        x
+    } else {
+        f32::from_bits(r)
+    }
+}
+
+/// Largest |x| of a row, NaN ignored (as `f32::max` does), on the bit patterns so it vectorises.
+#[inline(always)]
+fn abs_max(row: &[f32]) -> f32 {
+    let lane = |v: f32| {
+        let b = v.to_bits() & 0x7FFF_FFFF;
+        if b > 0x7F80_0000 {
+            0
+        } else {
+            b
+        }
+    };
+    // Eight independent lanes: the shape the vectoriser turns into one register.
+    let mut acc = [0u32; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = (*a).max(lane(v));
+        }
+    }
+    let m = tail
+        .iter()
+        .fold(acc.into_iter().max().unwrap_or(0), |m, &v| m.max(lane(v)));
+    f32::from_bits(m)
 }
 
 /// Row-major values of one 32-row group → its tiled bytes: tile t of 64 inputs (INT4: 128,
@@ -246,14 +361,15 @@ fn scatter_group(q: &[i8], k: usize, int4: bool, out: &mut [u8]) {
                 let src = &q[(h * 16 + row16) * k + t * step..][..step];
                 for w in 0..16 {
                     let at = h * 1024 + w * 64 + row16 * 4;
-                    for b in 0..4 {
+                    let word: [u8; 4] = std::array::from_fn(|b| {
                         let j = w * 4 + b;
-                        tile[at + b] = if int4 {
+                        if int4 {
                             (src[j] as u8 & 0x0F) | ((src[64 + j] as u8) << 4)
                         } else {
                             src[j] as u8
-                        };
-                    }
+                        }
+                    });
+                    tile[at..at + 4].copy_from_slice(&word);
                 }
             }
         }
@@ -343,14 +459,45 @@ mod tests;
 #[cfg(test)]
 mod rounding_tests {
     #[test]
-    fn round_half_even_matches_std() {
+    fn rounding_to_i8_matches_std() {
+        let want = |x: f32| x.round_ties_even().clamp(-128.0, 127.0) as i8;
         let mut x = -300.0f32;
         while x < 300.0 {
-            assert_eq!(super::round_half_even(x), x.round_ties_even(), "{x}");
+            assert_eq!(super::round_to_i8(x), want(x), "{x}");
             x += 0.125;
         }
-        for v in [1e7f32, -1e9, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.5] {
-            assert_eq!(super::round_half_even(v), v.round_ties_even(), "{v}");
+        for v in [
+            1e7f32,
+            -1e9,
+            0.5,
+            1.5,
+            2.5,
+            -0.5,
+            -2.5,
+            126.5,
+            127.5,
+            -128.5,
+            4194303.5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-40,
+        ] {
+            assert_eq!(super::round_to_i8(v), want(v), "{v}");
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_matches_the_half_crate() {
+        let mut rng = crate::rng::Rng::new(3);
+        for _ in 0..100_000 {
+            let x = f32::from_bits(rng.next_u64() as u32);
+            let want = crate::dtype::bf16_bits_to_f32(crate::dtype::f32_to_bf16_bits(x));
+            let got = super::round_to_bf16(x);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{x}"
+            );
         }
     }
 }
