@@ -199,7 +199,6 @@ pub unsafe fn quantise_matrix(
     );
     let mut row = vec![0f32; k];
     let mut q = vec![0i8; GROUP_ROWS * k];
-    let mut sums = sums.as_deref_mut();
     for g in 0..n / GROUP_ROWS {
         let rows = g * GROUP_ROWS..(g + 1) * GROUP_ROWS;
         let group_sums = sums.as_deref_mut().map(|s| &mut s[rows.clone()]);
