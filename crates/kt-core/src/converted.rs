@@ -7,14 +7,18 @@
 //! `_layer_{L}/_numa_{N}/{INT8|INT4}_{gate|up|down}_{e}_{B}Byte_{quant|scale}_.kt`, raw bytes,
 //! `B` = the file size. Part `N` of `threadpool_count` holds rows `[N·I/tp, (N+1)·I/tp)` of
 //! gate/up and the same columns of down (re-quantised per part), so files only fit a layer with
-//! the same `threadpool_count`. The matrix bytes are the tiled layout of [`crate::quant`], which
-//! is also this crate's in-memory layout: loading is a copy.
+//! the same `threadpool_count`. The matrix bytes are the tiled layout of [`crate::quant`] (the
+//! in-memory layout up to 3584 inputs; wider matrices are re-blocked, see
+//! [`crate::quant::file_runs`]).
+//!
+//! Loading reads each matrix with positioned reads straight into the layer's memory (one copy
+//! out of the page cache, on every loading thread at once, nothing mapped), after the file
+//! sizes and safetensors headers have been checked against the layer's shape.
 use crate::moe::{Proj, WeightFormat};
-use crate::weights::Checkpoint;
 use crate::{kt_bail, kt_ensure, Error, Result};
-use memmap2::Mmap;
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// The projections in file-name spelling.
@@ -91,15 +95,23 @@ impl LayerShape {
     }
 }
 
-/// `.kt` files by (part, expert, projection index, is_scale).
-type KtFiles = HashMap<(usize, usize, usize, bool), (PathBuf, Mmap)>;
-
-enum Store {
-    Merged(Checkpoint),
-    Folders(KtFiles),
+/// Where one tensor's bytes are: a file, an offset and a length.
+#[derive(Debug, Clone)]
+struct Located {
+    file: usize,
+    offset: u64,
+    len: usize,
+    /// The tensor's name or the file's path, for messages.
+    name: String,
 }
 
-/// One layer's converted files, opened (memory-mapped) and checked against the layer's shape.
+/// Files of one layer, opened, and each (part, expert, projection index, is_scale) located.
+struct Store {
+    files: Vec<File>,
+    at: HashMap<(usize, usize, usize, bool), Located>,
+}
+
+/// One layer's converted files, opened and checked against the layer's shape.
 pub struct ConvertedLayer {
     shape: LayerShape,
     store: Store,
@@ -123,7 +135,102 @@ pub fn has_converted_layer(path: &Path, layer: usize) -> bool {
         return true;
     }
     let first = merged_key(layer, 0, Proj::Gate, 0, false);
-    Checkpoint::open_subset(path, &|n| n == first).is_ok_and(|c| c.has(&first))
+    merged_shards(path, &|n| n == first)
+        .ok()
+        .is_some_and(|files| {
+            files.iter().any(|f| {
+                File::open(f)
+                    .and_then(|h| read_safetensors_header(&h, f))
+                    .is_ok_and(|t| t.contains_key(&first))
+            })
+        })
+}
+
+/// The safetensors files of `dir` that may hold wanted tensors: by the index when there is
+/// one, else all of them.
+fn merged_shards(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| !is_partial_name(&n.to_string_lossy()))
+        })
+        .collect();
+    files.sort();
+    if let Ok(text) = std::fs::read_to_string(dir.join("model.safetensors.index.json")) {
+        if let Some(map) = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("weight_map").and_then(|m| m.as_object()).cloned())
+        {
+            let keep: std::collections::HashSet<&str> = map
+                .iter()
+                .filter(|(k, _)| wanted(k))
+                .filter_map(|(_, f)| f.as_str())
+                .collect();
+            files.retain(|p| {
+                p.file_name()
+                    .is_some_and(|n| keep.contains(&*n.to_string_lossy()))
+            });
+        }
+    }
+    Ok(files)
+}
+
+/// A tensor in a safetensors header: dtype name, absolute byte offset, length.
+type HeaderEntry = (String, u64, usize);
+
+/// The tensors of a safetensors file (read with two small reads), checked to lie inside it.
+fn read_safetensors_header(
+    file: &File,
+    path: &Path,
+) -> std::io::Result<HashMap<String, HeaderEntry>> {
+    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let size = file.metadata()?.len();
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0)?;
+    let n = u64::from_le_bytes(len);
+    if n > size.saturating_sub(8) || n > 1 << 30 {
+        return Err(bad(format!(
+            "{}: not a safetensors file (header length {n})",
+            path.display()
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8)?;
+    let meta: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("{}: bad safetensors header: {e}", path.display())))?;
+    let start = 8 + n;
+    let mut out = HashMap::new();
+    for (name, info) in meta {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = info
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .unwrap_or("")
+            .to_string();
+        let offs: Vec<u64> = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .map(|o| o.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default();
+        let [b, e] = offs[..] else {
+            return Err(bad(format!(
+                "{}: tensor {name} has no data offsets",
+                path.display()
+            )));
+        };
+        if b > e || start + e > size {
+            return Err(bad(format!(
+                "{}: tensor {name} points outside the file (truncated?)",
+                path.display()
+            )));
+        }
+        out.insert(name, (dtype, start + b, (e - b) as usize));
+    }
+    Ok(out)
 }
 
 impl ConvertedLayer {
@@ -143,25 +250,9 @@ impl ConvertedLayer {
         }
         let folder = path.join(format!("_layer_{}", shape.layer));
         let store = if folder.is_dir() {
-            Store::Folders(open_folders(&folder, &shape)?)
+            open_folders(&folder, &shape)?
         } else {
-            let prefix = format!("blk.{}.ffn_", shape.layer);
-            let ckpt = Checkpoint::open_subset(path, &|n| n.starts_with(&prefix))?;
-            let first = merged_key(shape.layer, 0, Proj::Gate, 0, false);
-            kt_ensure!(
-                ckpt.has(&first),
-                NotFound,
-                "{} holds no converted weights for layer {} (neither {first} nor a _layer_{} \
-                 folder)",
-                path.display(),
-                shape.layer,
-                shape.layer
-            );
-            let found = (0..)
-                .take_while(|&n| ckpt.has(&merged_key(shape.layer, 0, Proj::Gate, n, false)))
-                .count();
-            check_parts(found, &shape, path)?;
-            Store::Merged(ckpt)
+            open_merged(path, &shape)?
         };
         let layer = ConvertedLayer {
             shape,
@@ -172,7 +263,7 @@ impl ConvertedLayer {
         for part in 0..shape.parts {
             for e in 0..shape.experts {
                 for (proj, _) in PROJS {
-                    layer.part(e, proj, part)?;
+                    layer.locate(e, proj, part)?;
                 }
             }
         }
@@ -184,53 +275,37 @@ impl ConvertedLayer {
         &self.shape
     }
 
-    /// Quantised bytes and fp32 scale bytes of one part of one expert's projection.
-    pub fn part(&self, expert: usize, proj: Proj, part: usize) -> Result<(&[u8], &[u8])> {
+    /// Where one part's matrix and scales are, checked against the sizes the shape implies.
+    fn locate(&self, expert: usize, proj: Proj, part: usize) -> Result<(&Located, &Located)> {
         let (want_q, want_s) = self.shape.part_bytes(proj);
         let pi = PROJS.iter().position(|(p, _)| *p == proj).unwrap();
-        let get = |scale: bool| -> Result<(&[u8], String)> {
-            match &self.store {
-                Store::Merged(ckpt) => {
-                    let key = merged_key(self.shape.layer, expert, proj, part, scale);
-                    let (bytes, dtype) = ckpt.raw(&key)?;
-                    let want_dtype = if scale { "F32" } else { "I8" };
-                    kt_ensure!(
-                        dtype == want_dtype,
-                        Format,
-                        "{key} has dtype {dtype}, converted files store {want_dtype}"
-                    );
-                    Ok((bytes, key))
-                }
-                Store::Folders(files) => match files.get(&(part, expert, pi, scale)) {
-                    Some((path, map)) => Ok((&map[..], path.display().to_string())),
-                    None => kt_bail!(
-                        NotFound,
-                        "{}: expert {expert} {} {} of part {part} is missing",
-                        self.origin.display(),
-                        proj_name(proj),
-                        if scale { "scale" } else { "quant" }
-                    ),
-                },
+        let get = |scale: bool| -> Result<&Located> {
+            match self.store.at.get(&(part, expert, pi, scale)) {
+                Some(l) => Ok(l),
+                None => kt_bail!(
+                    NotFound,
+                    "{}: expert {expert} {} {} of part {part} is missing",
+                    self.origin.display(),
+                    proj_name(proj),
+                    if scale { "scale" } else { "quant" }
+                ),
             }
         };
-        let (q, qname) = get(false)?;
-        let (s, sname) = get(true)?;
-        for (bytes, want, name, what) in
-            [(q, want_q, qname, "weights"), (s, want_s, sname, "scales")]
-        {
-            if bytes.len() != want {
+        let (q, s) = (get(false)?, get(true)?);
+        for (l, want, what) in [(q, want_q, "weights"), (s, want_s, "scales")] {
+            if l.len != want {
                 let (n, k) = self.shape.part_dims(proj);
-                let hint =
-                    if what == "weights" && (bytes.len() * 2 == want || bytes.len() == want * 2) {
-                        " (the other of AMXINT8/AMXINT4?)"
-                    } else {
-                        ""
-                    };
+                let hint = if what == "weights" && (l.len * 2 == want || l.len == want * 2) {
+                    " (the other of AMXINT8/AMXINT4?)"
+                } else {
+                    ""
+                };
                 kt_bail!(
                     Format,
-                    "{name}: {} bytes of {what}, expected {want} for a {n}x{k} part of a {} layer \
+                    "{}: {} bytes of {what}, expected {want} for a {n}x{k} part of a {} layer \
                      with threadpool_count={}{hint}",
-                    bytes.len(),
+                    l.name,
+                    l.len,
                     kt_prefix(self.shape.format)?,
                     self.shape.parts
                 );
@@ -238,6 +313,121 @@ impl ConvertedLayer {
         }
         Ok((q, s))
     }
+
+    /// One part of one expert's projection as stored: matrix bytes (the original's file
+    /// layout) and little-endian fp32 scale bytes.
+    pub fn part(&self, expert: usize, proj: Proj, part: usize) -> Result<(Vec<u8>, Vec<u8>)> {
+        let (q, s) = self.locate(expert, proj, part)?;
+        let read = |l: &Located| -> Result<Vec<u8>> {
+            let mut v = vec![0u8; l.len];
+            self.store.files[l.file].read_exact_at(&mut v, l.offset)?;
+            Ok(v)
+        };
+        Ok((read(q)?, read(s)?))
+    }
+
+    /// Read one part of one expert's projection into the in-memory layout: `mem` gets the
+    /// matrix (re-blocked from the file layout where it differs), `scales` the row scales.
+    pub fn read_into(
+        &self,
+        expert: usize,
+        proj: Proj,
+        part: usize,
+        mem: &mut [u8],
+        scales: &mut [f32],
+    ) -> Result<()> {
+        let (q, s) = self.locate(expert, proj, part)?;
+        let (n, k) = self.shape.part_dims(proj);
+        let int4 = self.shape.format == WeightFormat::Int4;
+        kt_ensure!(
+            mem.len() == q.len && scales.len() * 4 == s.len,
+            Invalid,
+            "read_into: buffers of {} and {} bytes for {} and {}",
+            mem.len(),
+            scales.len() * 4,
+            q.len,
+            s.len
+        );
+        let file = &self.store.files[q.file];
+        for (m, f, len) in crate::quant::file_runs(int4, n, k)? {
+            file.read_exact_at(&mut mem[m..m + len], q.offset + f as u64)?;
+        }
+        // SAFETY: f32 has no padding and every bit pattern is valid; the slice covers `scales`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(scales.as_mut_ptr() as *mut u8, scales.len() * 4)
+        };
+        self.store.files[s.file].read_exact_at(bytes, s.offset)?;
+        for v in scales.iter_mut() {
+            *v = f32::from_le_bytes(v.to_ne_bytes());
+        }
+        Ok(())
+    }
+}
+
+/// Locate every expert tensor of `shape.layer` in the merged shards under `path`.
+fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
+    let prefix = format!("blk.{}.ffn_", shape.layer);
+    let mut store = Store {
+        files: Vec::new(),
+        at: HashMap::new(),
+    };
+    let mut names: HashMap<String, (usize, HeaderEntry)> = HashMap::new();
+    for p in merged_shards(path, &|n| n.starts_with(&prefix))? {
+        let f = File::open(&p)?;
+        let header = read_safetensors_header(&f, &p).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidData => Error::Format(e.to_string()),
+            _ => Error::from(e),
+        })?;
+        let idx = store.files.len();
+        names.extend(
+            header
+                .into_iter()
+                .filter(|(n, _)| n.starts_with(&prefix))
+                .map(|(n, h)| (n, (idx, h))),
+        );
+        store.files.push(f);
+    }
+    let first = merged_key(shape.layer, 0, Proj::Gate, 0, false);
+    kt_ensure!(
+        names.contains_key(&first),
+        NotFound,
+        "{} holds no converted weights for layer {} (neither {first} nor a _layer_{} folder)",
+        path.display(),
+        shape.layer,
+        shape.layer
+    );
+    let found = (0..)
+        .take_while(|&n| names.contains_key(&merged_key(shape.layer, 0, Proj::Gate, n, false)))
+        .count();
+    check_parts(found, shape, path)?;
+    for part in 0..shape.parts {
+        for e in 0..shape.experts {
+            for (pi, (proj, _)) in PROJS.iter().enumerate() {
+                for scale in [false, true] {
+                    let key = merged_key(shape.layer, e, *proj, part, scale);
+                    let Some((file, (dtype, offset, len))) = names.get(&key) else {
+                        continue; // reported as missing by `locate`
+                    };
+                    let want_dtype = if scale { "F32" } else { "I8" };
+                    kt_ensure!(
+                        dtype == want_dtype,
+                        Format,
+                        "{key} has dtype {dtype}, converted files store {want_dtype}"
+                    );
+                    store.at.insert(
+                        (part, e, pi, scale),
+                        Located {
+                            file: *file,
+                            offset: *offset,
+                            len: *len,
+                            name: key,
+                        },
+                    );
+                }
+            }
+        }
+    }
+    Ok(store)
 }
 
 fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
@@ -254,7 +444,7 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
 }
 
 /// Map every `.kt` file of a `_layer_L` folder, checking names, sizes and the part count.
-fn open_folders(folder: &Path, shape: &LayerShape) -> Result<KtFiles> {
+fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
     let prefix = kt_prefix(shape.format)?;
     let mut parts = Vec::new();
     for entry in std::fs::read_dir(folder)? {
@@ -276,7 +466,10 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<KtFiles> {
         parts.len()
     );
     check_parts(parts.len(), shape, folder)?;
-    let mut files = HashMap::new();
+    let mut store = Store {
+        files: Vec::new(),
+        at: HashMap::new(),
+    };
     for part in 0..shape.parts {
         let dir = folder.join(format!("_numa_{part}"));
         for entry in std::fs::read_dir(&dir)? {
@@ -316,13 +509,19 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<KtFiles> {
                 "{}: the name says {bytes} bytes but the file has {len} (truncated?)",
                 path.display()
             );
-            // SAFETY: read-only map of a file we just checked; like every mmap reader, a
-            // concurrent truncation by another process could fault.
-            let map = unsafe { Mmap::map(&file) }?;
-            files.insert((part, e, pi, kind == "scale"), (path, map));
+            store.at.insert(
+                (part, e, pi, kind == "scale"),
+                Located {
+                    file: store.files.len(),
+                    offset: 0,
+                    len,
+                    name: path.display().to_string(),
+                },
+            );
+            store.files.push(file);
         }
     }
-    Ok(files)
+    Ok(store)
 }
 
 /// The temporary name a file or folder is written under before its rename.

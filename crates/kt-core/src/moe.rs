@@ -748,7 +748,6 @@ impl MoeLayer {
                 let (slot, which) = (task / 3, task % 3);
                 let proj = crate::converted::PROJS[which].0;
                 let result = (|| -> Result<()> {
-                    let (q, s) = files.part(logical[slot], proj, part)?;
                     let (n, k) = shape.part_dims(proj);
                     let t = targets[part][which];
                     let int4 = fmt == WeightFormat::Int4;
@@ -762,10 +761,7 @@ impl MoeLayer {
                             std::slice::from_raw_parts_mut(t.sum.get().add(slot * n), n),
                         )
                     };
-                    crate::quant::from_file_layout(int4, n, k, q, mat)?;
-                    for (d, b) in scales.iter_mut().zip(s.chunks_exact(4)) {
-                        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+                    files.read_into(logical[slot], proj, part, mat, scales)?;
                     let group_bytes = fmt.matrix_bytes(PANEL, k);
                     for (group, sums) in mat
                         .chunks_exact(group_bytes)

@@ -5,7 +5,7 @@ use crate::kernels::KernelSet;
 use crate::moe::{MoeConfig, MoeLayer, Workspace};
 use crate::pool::{Pool, PoolConfig};
 use crate::rng::Rng;
-use crate::weights::HfLayerSource;
+use crate::weights::{Checkpoint, HfLayerSource};
 
 fn fixtures() -> Option<PathBuf> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/amx");
