@@ -368,7 +368,16 @@ def ensure_gguf(torch, args, ckpt: Checkpoint, wdir: Path):
         for proj in ("gate", "up", "down"):
             # GGUF stores [E, rows, cols] with the same row-major layout as HF.
             w = ckpt.stacked(torch, layer, proj, args.experts).float().numpy()
-            q = gguf.quants.quantize(w, qtype)
+            try:
+                q = gguf.quants.quantize(w, qtype)
+            except NotImplementedError:
+                # gguf-py has no quantiser for this type (e.g. Q4_K): use kt_kernel's, which only
+                # our package has, so run ours first with a shared --weights-dir.
+                import numpy as np
+                from kt_kernel import _kt_core
+
+                raw = _kt_core.ggml_quantize(qtype.name, w.tobytes(), 0, "float32")
+                q = np.frombuffer(raw, dtype=np.uint8).reshape(w.shape[0], w.shape[1], -1)
             writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", q, raw_dtype=qtype)
             del w
         writer.write_header_to_file()
