@@ -144,5 +144,45 @@ fn layer_format(
     g.finish();
 }
 
-criterion_group!(benches, panel_kernels, int_kernels, layer);
+/// GGUF dot kernels: 32 weight rows (k = 2048) against 1 and 8 activation rows, the
+/// single-row kernel per pair and `dot_many` (the multi-row kernel, a weight row decoded once
+/// per 4 activation rows). Throughput counts multiply-adds (Gelem/s × 2 = GOP/s).
+fn ggml_kernels(c: &mut Criterion) {
+    use kt_core::ggml::{quantize, quantize_activation, DotKernel, GgmlType};
+    let k = 2048;
+    let mut rng = kt_core::rng::Rng::new(5);
+    let mut grp = c.benchmark_group("ggml_dot_k2048");
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let kernel = DotKernel::best(ty).unwrap();
+        let w = quantize(ty, &rng.normals(32 * k, 0.02)).unwrap();
+        let rb = ty.row_bytes(k).unwrap();
+        let format = ty.activation_format().unwrap();
+        for acts_n in [1, 8] {
+            let acts: Vec<Vec<u8>> = (0..acts_n)
+                .map(|_| quantize_activation(format, &rng.normals(k, 1.0)).unwrap())
+                .collect();
+            let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+            let mut out = vec![0f32; acts_n * 32];
+            grp.throughput(Throughput::Elements((32 * k * acts_n) as u64));
+            let label = format!("{}-{}", ty.name(), kernel.name());
+            grp.bench_function(BenchmarkId::new(format!("{label}/pairs"), acts_n), |b| {
+                b.iter(|| {
+                    for (i, a) in refs.iter().enumerate() {
+                        for j in 0..32 {
+                            out[i * 32 + j] = kernel.dot(k, &w[j * rb..(j + 1) * rb], a);
+                        }
+                    }
+                })
+            });
+            if acts_n > 1 && kernel.has_rows_kernel() {
+                grp.bench_function(BenchmarkId::new(format!("{label}/many"), acts_n), |b| {
+                    b.iter(|| kernel.dot_many(k, &w, &refs, &mut out, 32))
+                });
+            }
+        }
+    }
+    grp.finish();
+}
+
+criterion_group!(benches, panel_kernels, int_kernels, ggml_kernels, layer);
 criterion_main!(benches);

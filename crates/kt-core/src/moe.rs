@@ -1150,12 +1150,12 @@ impl MoeLayer {
                         }
                     }
                     if let Some((gp, plan)) = gguf {
-                        for i in 0..nr {
-                            // SAFETY: ptrs_q[i] is a quantised x row of xq_stride bytes.
-                            let xa = unsafe { std::slice::from_raw_parts(ptrs_q[i], xq_stride) };
-                            let (gi, ui) = (&mut g[i * PANEL..], &mut u[i * PANEL..]);
-                            plan.gate_up_panel(gp, e, p, xa, gi, ui);
+                        let mut xs = [&[][..]; MAX_ROWS];
+                        for (x, &ptr) in xs.iter_mut().zip(&ptrs_q[..nr]) {
+                            // SAFETY: each pointer is a quantised x row of xq_stride bytes.
+                            *x = unsafe { std::slice::from_raw_parts(ptr, xq_stride) };
                         }
+                        plan.gate_up_panel(gp, e, p, &xs[..nr], &mut g, &mut u);
                     }
                     // SAFETY: rows of x have h floats (h/2 pairs staged); panels panel_len(h).
                     unsafe {
@@ -1276,12 +1276,13 @@ impl MoeLayer {
                                 }
                             }
                             if let Some((gp, plan)) = gguf {
-                                for i in 0..nr {
-                                    // SAFETY: ptrs_q[i] is a quantised act row of aq_stride bytes.
-                                    let a =
-                                        unsafe { std::slice::from_raw_parts(ptrs_q[i], aq_stride) };
-                                    plan.down_panel(gp, e, p, a, &mut o[i * PANEL..]);
+                                let mut acts = [&[][..]; MAX_ROWS];
+                                for (a, &ptr) in acts.iter_mut().zip(&ptrs_q[..nr]) {
+                                    // SAFETY: each pointer is a quantised act row of aq_stride
+                                    // bytes.
+                                    *a = unsafe { std::slice::from_raw_parts(ptr, aq_stride) };
                                 }
+                                plan.down_panel(gp, e, p, &acts[..nr], &mut o);
                             }
                             // SAFETY: act rows have ip floats (ip/2 staged pairs); panel_len(ip).
                             unsafe {

@@ -41,6 +41,8 @@ mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
+mod x86_avx2_rows;
+#[cfg(target_arch = "x86_64")]
 mod x86_avx512;
 
 #[cfg(test)]
@@ -532,12 +534,24 @@ pub fn vec_dot(ty: GgmlType, k: usize, weight_row: &[u8], activation: &[u8]) -> 
 /// kernel's type, `activation` exactly `k` values in its activation format, `k` a valid multiple.
 type RawDotFn = unsafe fn(usize, &[u8], &[u8]) -> f32;
 
+/// A multi-row kernel: `out[r] = dot(weight_row, activations[r])` for up to
+/// [`DOT_MANY_ROWS`] activation rows, each result equal to the single-row twin's.
+///
+/// # Safety
+/// As [`RawDotFn`] for every row; `1 ≤ activations.len() ≤ DOT_MANY_ROWS`; `out` holds as many.
+type RawRowsFn = unsafe fn(usize, &[u8], &[&[u8]], &mut [f32]);
+
+/// Activation rows a multi-row kernel takes per call.
+pub const DOT_MANY_ROWS: usize = 4;
+
 /// A dot-product kernel for one weight type, chosen once for this CPU.
 #[derive(Clone, Copy)]
 pub struct DotKernel {
     weight_type: GgmlType,
     name: &'static str,
     raw: RawDotFn,
+    /// One weight row against several activation rows (prefill), where the type has one.
+    rows: Option<RawRowsFn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -553,6 +567,7 @@ impl DotKernel {
             weight_type: ty,
             name: "scalar",
             raw: dot::scalar_fn(ty).ok_or_else(|| unsupported(ty, "dot product"))?,
+            rows: None,
         })
     }
 
@@ -577,6 +592,8 @@ impl DotKernel {
                 if let Some(raw) = x86_avx512::dot_fn(ty) {
                     kernel.name = "avx512-vnni";
                     kernel.raw = raw;
+                    // Prefill: the AVX2 multi-row kernels (AVX-512 CPUs have AVX2).
+                    kernel.rows = x86_avx2_rows::rows_fn(ty).filter(|_| x86_avx2::available());
                     return Ok(kernel);
                 }
             }
@@ -585,6 +602,7 @@ impl DotKernel {
                     kernel.name = "avx2";
                     kernel.raw = raw;
                 }
+                kernel.rows = x86_avx2_rows::rows_fn(ty);
             }
         }
         Ok(kernel)
@@ -695,6 +713,81 @@ impl DotKernel {
             }
             // SAFETY: every row has row_bytes bytes, checked against k and the activation.
             *o = unsafe { self.dot_unchecked(k, row, activation) };
+        }
+    }
+
+    /// Whether this kernel has a multi-row form (used by [`DotKernel::dot_many`] for two or
+    /// more activation rows).
+    pub fn has_rows_kernel(&self) -> bool {
+        self.rows.is_some()
+    }
+
+    /// `out[i · out_stride + j] = dot(weight row j, activations[i])` for the contiguous weight
+    /// rows in `rows` and every activation row: each result equal to [`DotKernel::dot`]'s,
+    /// computed with the multi-row kernel (a weight row decoded once per
+    /// [`DOT_MANY_ROWS`] activation rows) when there is one and more than one row.
+    ///
+    /// # Panics
+    /// If the sizes do not fit.
+    pub fn dot_many(
+        &self,
+        k: usize,
+        rows: &[u8],
+        activations: &[&[u8]],
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let row_bytes = match self.weight_type.row_bytes(k) {
+            Ok(b) => b,
+            Err(e) => panic!("DotKernel::dot_many: {e}"),
+        };
+        let n = rows.len() / row_bytes.max(1);
+        assert!(
+            rows.len() == n * row_bytes && n <= out_stride,
+            "DotKernel::dot_many: {} bytes are not whole rows of {k} {} values, or {n} rows \
+             exceed the output stride {out_stride}",
+            rows.len(),
+            self.weight_type
+        );
+        if let Some(last) = activations.len().checked_sub(1) {
+            assert!(
+                out.len() >= last * out_stride + n,
+                "DotKernel::dot_many: output too short"
+            );
+        }
+        for a in activations {
+            if let Err(e) = self.check(k, row_bytes, a.len()) {
+                panic!("DotKernel::dot_many: {e}");
+            }
+        }
+        let multi = self.rows.filter(|_| activations.len() > 1);
+        let pf = crate::kernels::prefetch::distance();
+        let mut lanes = [0f32; DOT_MANY_ROWS];
+        for j in 0..n {
+            let row = &rows[j * row_bytes..(j + 1) * row_bytes];
+            #[cfg(target_arch = "x86_64")]
+            if pf != 0 {
+                for line in (0..row_bytes).step_by(64) {
+                    crate::kernels::prefetch::ahead(row.as_ptr().wrapping_add(line), pf);
+                }
+            }
+            match multi {
+                Some(f) => {
+                    for (c, acts) in activations.chunks(DOT_MANY_ROWS).enumerate() {
+                        // SAFETY: sizes checked above; the constructor checked the CPU.
+                        unsafe { f(k, row, acts, &mut lanes[..acts.len()]) };
+                        for (i, v) in lanes[..acts.len()].iter().enumerate() {
+                            out[(c * DOT_MANY_ROWS + i) * out_stride + j] = *v;
+                        }
+                    }
+                }
+                None => {
+                    for (i, a) in activations.iter().enumerate() {
+                        // SAFETY: sizes checked above.
+                        out[i * out_stride + j] = unsafe { self.dot_unchecked(k, row, a) };
+                    }
+                }
+            }
         }
     }
 }

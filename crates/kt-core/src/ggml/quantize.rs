@@ -73,7 +73,32 @@ fn inverse(d: f32) -> f32 {
 
 /// `round_half_even(v)` clamped to `[lo, hi]`.
 fn code(v: f32, lo: i32, hi: i32) -> i32 {
-    (v.round_ties_even() as i32).clamp(lo, hi)
+    (rne(v) as i32).clamp(lo, hi)
+}
+
+/// `v` rounded half to even like `f32::round_ties_even`, with plain arithmetic (on baseline
+/// x86-64 that is a libm call, which dominated activation quantisation). Exact for
+/// |v| < 2^22; larger values come back unchanged, and every caller clamps to a range far
+/// below that, where both saturate alike. NaN stays NaN.
+#[inline(always)]
+fn rne(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+    if v.abs() < 4_194_304.0 {
+        (v + MAGIC) - MAGIC
+    } else {
+        v
+    }
+}
+
+/// The f64 form of [`rne`], exact for |v| < 2^51.
+#[inline(always)]
+fn rne64(v: f64) -> f64 {
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
+    if v.abs() < 2_251_799_813_685_248.0 {
+        (v + MAGIC) - MAGIC
+    } else {
+        v
+    }
 }
 
 /// Pack 32 four-bit values into 16 bytes (value j low nibble, value j+16 high nibble).
@@ -408,10 +433,50 @@ fn q8_k_block(x: &[f32], b: &mut [u8]) {
     for (j, xs) in x.chunks_exact(16).enumerate() {
         let mut sum = 0i32;
         for (l, &v) in xs.iter().enumerate() {
-            let q = ((iscale as f64 * v as f64).round_ties_even() as i32).clamp(-127, 127);
+            let q = (rne64(iscale as f64 * v as f64) as i32).clamp(-127, 127);
             sum += q;
             b[4 + 16 * j + l] = q as i8 as u8;
         }
         b[260 + 2 * j..262 + 2 * j].copy_from_slice(&(sum as i16).to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    #[test]
+    fn plain_rounding_equals_round_ties_even() {
+        let mut rng = crate::rng::Rng::new(6);
+        // Equal as the integers the callers convert them to (−0.0 and +0.0 both give 0).
+        let check = |v: f32| {
+            if v.abs() < 4_194_304.0 {
+                assert_eq!(super::rne(v) as i32, v.round_ties_even() as i32, "{v}");
+            }
+            let w = v as f64 * 0.37;
+            assert_eq!(super::rne64(w) as i64, w.round_ties_even() as i64, "{w}");
+        };
+        for i in -2000..2000 {
+            check(i as f32 * 0.25);
+        }
+        for _ in 0..100_000 {
+            check(rng.normal() * 300.0);
+        }
+        for v in [
+            0.5f32,
+            1.5,
+            2.5,
+            -0.5,
+            -1.5,
+            126.5,
+            -127.5,
+            4_194_303.5,
+            1e30,
+            -1e30,
+        ] {
+            check(v);
+        }
+        assert!(super::rne(f32::NAN).is_nan() && super::rne64(f64::NAN).is_nan());
+        assert_eq!(super::code(1e30, -127, 127), 127);
+        assert_eq!(super::code(-1e30, -127, 127), -127);
+        assert_eq!(super::code(f32::NAN, -127, 127), 0);
     }
 }

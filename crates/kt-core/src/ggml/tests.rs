@@ -456,6 +456,73 @@ fn simd_kernels_equal_their_scalar_twins() {
 }
 
 #[test]
+fn multi_row_kernels_equal_the_single_row_twins() {
+    let sel = isa::global().unwrap();
+    let mut rng = Rng::new(77);
+    let mut checked = 0;
+    for ty in SUPPORTED_TYPES {
+        let twin = DotKernel::scalar(ty).unwrap();
+        let format = ty.activation_format().unwrap();
+        for level in [Level::Avx2, Level::Avx512Vnni] {
+            if level > sel.detected {
+                continue;
+            }
+            let kernel = DotKernel::for_level(ty, level).unwrap();
+            if !kernel.has_rows_kernel() {
+                continue;
+            }
+            let k = 4 * ty.k_multiple().unwrap().max(256);
+            let n = 5;
+            let w: Vec<u8> = (0..n)
+                .flat_map(|r| {
+                    if r % 2 == 0 {
+                        random_blocks(ty, k / ty.block_size(), &mut rng)
+                    } else {
+                        quantize(ty, &rng.normals(k, 0.1)).unwrap()
+                    }
+                })
+                .collect();
+            // 1..=9 rows: one call, a partial chunk, several chunks; saturated and non-finite
+            // activations included.
+            for count in 1..=9 {
+                let acts: Vec<Vec<u8>> = (0..count)
+                    .map(|i| {
+                        let x: Vec<f32> = match i % 4 {
+                            3 => (0..k)
+                                .map(|c| if c % 3 == 0 { -2.0 } else { 2.0 })
+                                .collect(),
+                            _ => rng.normals(k, 1.0),
+                        };
+                        quantize_activation(format, &x).unwrap()
+                    })
+                    .collect();
+                let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+                let stride = n + 2;
+                let mut out = vec![f32::NAN; count * stride];
+                kernel.dot_many(k, &w, &refs, &mut out, stride);
+                let rb = ty.row_bytes(k).unwrap();
+                for (i, a) in acts.iter().enumerate() {
+                    for j in 0..n {
+                        let want = twin.dot(k, &w[j * rb..(j + 1) * rb], a);
+                        let got = out[i * stride + j];
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{ty} {} rows={count} act {i} weight row {j}: {got} vs {want}",
+                            kernel.name()
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    if sel.detected >= Level::Avx2 {
+        assert!(checked > 0);
+    }
+}
+
+#[test]
 fn best_kernels_exist_for_every_supported_type() {
     for ty in SUPPORTED_TYPES {
         let k = DotKernel::best(ty).unwrap();

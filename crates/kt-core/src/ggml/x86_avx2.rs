@@ -99,7 +99,7 @@ fn mul_sum_i8(w: __m256i, a: __m256i) -> __m256i {
 /// Eight int32 partial sums of `scale · q · a` for unsigned `q` ≤ 63 (pairs stay < 2^15).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn scaled_mul_sum_u8(q: __m256i, a: __m256i, scales: __m256i) -> __m256i {
+pub(super) fn scaled_mul_sum_u8(q: __m256i, a: __m256i, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), scales)
 }
 
@@ -357,7 +357,7 @@ fn k_affine(w: &[u8], a: &[u8], five_bits: bool) -> f32 {
 /// order: values 0–31, 32–63, 64–95, 96–127 of the half.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q6_k_half(wb: &[u8], n: usize) -> [__m256i; 4] {
+pub(super) fn q6_k_half(wb: &[u8], n: usize) -> [__m256i; 4] {
     let (low4, low2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     let ql0 = load32(&wb[64 * n..]);
     let ql1 = load32(&wb[64 * n + 32..]);

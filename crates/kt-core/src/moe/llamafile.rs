@@ -76,29 +76,40 @@ impl GgmlPlan {
         quantise(self.down.activation_format(), act, out);
     }
 
-    /// `g`, `u` (32 values each): panel `p` of expert `e` against one quantised x row.
+    /// `g`, `u` (32 values per x row, row i at `32·i`): panel `p` of expert `e` against the
+    /// quantised x rows `xs` (one row streams the panel; several share each weight row).
     pub fn gate_up_panel(
         &self,
         part: &GgmlPart,
         e: usize,
         p: usize,
-        x: &[u8],
+        xs: &[&[u8]],
         g: &mut [f32],
         u: &mut [f32],
     ) {
         let (h, run) = (self.hidden, PANEL * self.row_bytes);
         let at = (e * (part.rows / PANEL) + p) * 2 * run;
         let gu = &part.gate_up.as_slice()[at..at + 2 * run];
-        self.gate_up.dot_rows(h, &gu[..run], x, &mut g[..PANEL]);
-        self.gate_up.dot_rows(h, &gu[run..], x, &mut u[..PANEL]);
+        if let [x] = xs {
+            self.gate_up.dot_rows(h, &gu[..run], x, &mut g[..PANEL]);
+            self.gate_up.dot_rows(h, &gu[run..], x, &mut u[..PANEL]);
+        } else {
+            self.gate_up.dot_many(h, &gu[..run], xs, g, PANEL);
+            self.gate_up.dot_many(h, &gu[run..], xs, u, PANEL);
+        }
     }
 
-    /// `o` (32 values): down rows `32p..32p+32` of expert `e` against one quantised act row.
-    pub fn down_panel(&self, part: &GgmlPart, e: usize, p: usize, act: &[u8], o: &mut [f32]) {
+    /// `o` (32 values per act row, row i at `32·i`): down rows `32p..32p+32` of expert `e`
+    /// against the quantised act rows `acts`.
+    pub fn down_panel(&self, part: &GgmlPart, e: usize, p: usize, acts: &[&[u8]], o: &mut [f32]) {
         let rb = part.down_row_bytes;
         let at = (e * self.hidden + p * PANEL) * rb;
         let rows = &part.down.as_slice()[at..at + PANEL * rb];
-        self.down.dot_rows(part.rows, rows, act, &mut o[..PANEL]);
+        if let [act] = acts {
+            self.down.dot_rows(part.rows, rows, act, &mut o[..PANEL]);
+        } else {
+            self.down.dot_many(part.rows, rows, acts, o, PANEL);
+        }
     }
 }
 
