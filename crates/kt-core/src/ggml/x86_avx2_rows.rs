@@ -162,7 +162,7 @@ fn k_affine_rows<const R: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32], five_bi
                 high = _mm256_srli_epi16::<2>(high);
             }
             // vpshufb with a mask selecting 16-bit word j: scale j in every word.
-            let word = |j: usize| _mm256_set1_epi16(((2 * j + 1) << 8 | 2 * j) as i16);
+            let word = |j: usize| _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16);
             let s_lo = _mm256_shuffle_epi8(scales, word(2 * c));
             let s_hi = _mm256_shuffle_epi8(scales, word(2 * c + 1));
             for r in 0..R {
