@@ -179,6 +179,20 @@ fn ggml_kernels(c: &mut Criterion) {
                     b.iter(|| kernel.dot_many(k, &w, &refs, &mut out, 32))
                 });
             }
+            if kernel.has_x8() {
+                let gb = kernel.memory_row_bytes(k).unwrap() * 8;
+                let mut groups = vec![0u8; 4 * gb];
+                for g in 0..4 {
+                    kernel.repack_x8(
+                        &w[g * 8 * rb..(g + 1) * 8 * rb],
+                        k,
+                        &mut groups[g * gb..(g + 1) * gb],
+                    );
+                }
+                grp.bench_function(BenchmarkId::new(format!("{label}/x8"), acts_n), |b| {
+                    b.iter(|| kernel.dot_x8(k, &groups, &refs, &mut out, 32))
+                });
+            }
         }
     }
     grp.finish();

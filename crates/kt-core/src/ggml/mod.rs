@@ -38,10 +38,13 @@ pub mod blocks;
 mod dequant;
 mod dot;
 mod quantize;
+pub mod x8;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx2_rows;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2_x8;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
 
@@ -544,6 +547,17 @@ type RawRowsFn = unsafe fn(usize, &[u8], &[&[u8]], &mut [f32]);
 /// Activation rows a multi-row kernel takes per call.
 pub const DOT_MANY_ROWS: usize = 4;
 
+/// An x8 kernel ([`x8`]): `out[i · stride + r] = dot(row r of an interleaved group of eight,
+/// activations[i])` for up to [`X8_ROWS`] activation rows.
+///
+/// # Safety
+/// The group holds eight rows of `k` values in the type's x8 layout; the [`RawRowsFn`]
+/// contract for the activations; `out` holds `(activations.len() − 1) · stride + 8`.
+type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &mut [f32], usize);
+
+/// Activation rows an x8 kernel takes per call.
+pub const X8_ROWS: usize = 4;
+
 /// A dot-product kernel for one weight type, chosen once for this CPU.
 #[derive(Clone, Copy)]
 pub struct DotKernel {
@@ -552,6 +566,8 @@ pub struct DotKernel {
     raw: RawDotFn,
     /// One weight row against several activation rows (prefill), where the type has one.
     rows: Option<RawRowsFn>,
+    /// Eight interleaved rows ([`x8`]) against activation rows, where the type has a layout.
+    x8: Option<RawX8Fn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -568,6 +584,7 @@ impl DotKernel {
             name: "scalar",
             raw: dot::scalar_fn(ty).ok_or_else(|| unsupported(ty, "dot product"))?,
             rows: None,
+            x8: None,
         })
     }
 
@@ -594,6 +611,7 @@ impl DotKernel {
                     kernel.raw = raw;
                     // Prefill: the AVX2 multi-row kernels (AVX-512 CPUs have AVX2).
                     kernel.rows = x86_avx2_rows::rows_fn(ty).filter(|_| x86_avx2::available());
+                    kernel.x8 = x86_avx2_x8::x8_fn(ty).filter(|_| x86_avx2::available());
                     return Ok(kernel);
                 }
             }
@@ -603,6 +621,7 @@ impl DotKernel {
                     kernel.raw = raw;
                 }
                 kernel.rows = x86_avx2_rows::rows_fn(ty);
+                kernel.x8 = x86_avx2_x8::x8_fn(ty);
             }
         }
         Ok(kernel)
@@ -713,6 +732,76 @@ impl DotKernel {
             }
             // SAFETY: every row has row_bytes bytes, checked against k and the activation.
             *o = unsafe { self.dot_unchecked(k, row, activation) };
+        }
+    }
+
+    /// Whether this kernel works on the x8 layout ([`x8`]): layers then store this type's
+    /// rows interleaved in groups of eight ([`DotKernel::repack_x8`]).
+    pub fn has_x8(&self) -> bool {
+        self.x8.is_some()
+    }
+
+    /// Bytes of `k` values of one row in the layout this kernel reads (x8 groups count an
+    /// eighth of a group per row).
+    pub fn memory_row_bytes(&self, k: usize) -> Result<usize> {
+        if self.has_x8() {
+            Ok(x8::group_bytes(self.weight_type, k) / x8::GROUP)
+        } else {
+            self.weight_type.row_bytes(k)
+        }
+    }
+
+    /// Repack eight consecutive file rows of `k` values into one x8 group.
+    ///
+    /// # Panics
+    /// Without an x8 layout, or if the sizes do not fit.
+    pub fn repack_x8(&self, rows: &[u8], k: usize, out: &mut [u8]) {
+        assert!(self.has_x8(), "{} has no x8 layout here", self.weight_type);
+        x8::repack_q4_k(rows, k, out);
+    }
+
+    /// `out[i · out_stride + r] = dot(row r, activations[i])` for the x8 groups in `groups`
+    /// (rows 8g.. of group g) and every activation row, each result equal to
+    /// [`DotKernel::dot`]'s on the file rows.
+    ///
+    /// # Panics
+    /// Without an x8 kernel, or if the sizes do not fit.
+    pub fn dot_x8(
+        &self,
+        k: usize,
+        groups: &[u8],
+        activations: &[&[u8]],
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let f = self.x8.expect("dot_x8 needs an x8 kernel");
+        let gb = x8::group_bytes(self.weight_type, k);
+        let n = groups.len() / gb;
+        assert!(
+            groups.len() == n * gb && n * x8::GROUP <= out_stride,
+            "DotKernel::dot_x8: bad group bytes"
+        );
+        if let Some(last) = activations.len().checked_sub(1) {
+            assert!(
+                out.len() >= last * out_stride + n * x8::GROUP,
+                "DotKernel::dot_x8: output too short"
+            );
+        }
+        let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
+        for a in activations {
+            if let Err(e) = self.check(k, row_bytes, a.len()) {
+                panic!("DotKernel::dot_x8: {e}");
+            }
+        }
+        // (The kernels prefetch as they stream: a burst per group would stall on the core's
+        // few outstanding misses.)
+        for g in 0..n {
+            let group = &groups[g * gb..(g + 1) * gb];
+            for (c, acts) in activations.chunks(X8_ROWS).enumerate() {
+                let at = c * X8_ROWS * out_stride + g * x8::GROUP;
+                // SAFETY: sizes checked above; the constructor checked the CPU.
+                unsafe { f(k, group, acts, &mut out[at..], out_stride) };
+            }
         }
     }
 

@@ -523,6 +523,96 @@ fn multi_row_kernels_equal_the_single_row_twins() {
 }
 
 #[test]
+fn x8_layouts_give_the_single_row_results() {
+    let sel = isa::global().unwrap();
+    let mut rng = Rng::new(88);
+    for ty in SUPPORTED_TYPES.into_iter().filter(|t| x8::has_layout(*t)) {
+        let twin = DotKernel::scalar(ty).unwrap();
+        let format = ty.activation_format().unwrap();
+        let k = 3 * 256;
+        let rb = ty.row_bytes(k).unwrap();
+        // Two groups of eight rows: random blocks and quantised values.
+        let w: Vec<u8> = (0..16)
+            .flat_map(|r| {
+                if r % 2 == 0 {
+                    random_blocks(ty, k / ty.block_size(), &mut rng)
+                } else {
+                    quantize(ty, &rng.normals(k, 0.1)).unwrap()
+                }
+            })
+            .collect();
+        let gb = x8::group_bytes(ty, k);
+        let mut groups = vec![0u8; 2 * gb];
+        for g in 0..2 {
+            x8::repack_q4_k(
+                &w[g * 8 * rb..(g + 1) * 8 * rb],
+                k,
+                &mut groups[g * gb..(g + 1) * gb],
+            );
+        }
+        for count in [1, 2, 3, 4, 5, 9] {
+            let acts: Vec<Vec<u8>> = (0..count)
+                .map(|i| {
+                    let x: Vec<f32> = if i % 3 == 2 {
+                        (0..k)
+                            .map(|c| if c % 3 == 0 { -2.0 } else { 2.0 })
+                            .collect()
+                    } else {
+                        rng.normals(k, 1.0)
+                    };
+                    quantize_activation(format, &x).unwrap()
+                })
+                .collect();
+            let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+            let stride = 20;
+            let want = |i: usize, r: usize| twin.dot(k, &w[r * rb..(r + 1) * rb], &acts[i]);
+            // The scalar twin of the layout.
+            let mut out = vec![f32::NAN; count * stride];
+            for g in 0..2 {
+                x8::dot_q4_k_scalar(
+                    k,
+                    &groups[g * gb..(g + 1) * gb],
+                    &refs,
+                    &mut out[g * 8..],
+                    stride,
+                );
+            }
+            for i in 0..count {
+                for r in 0..16 {
+                    assert_eq!(
+                        out[i * stride + r].to_bits(),
+                        want(i, r).to_bits(),
+                        "{ty} scalar x8 {i} {r}"
+                    );
+                }
+            }
+            // The SIMD kernels.
+            for level in [Level::Avx2, Level::Avx512Vnni] {
+                if level > sel.detected {
+                    continue;
+                }
+                let kernel = DotKernel::for_level(ty, level).unwrap();
+                if !kernel.has_x8() {
+                    continue;
+                }
+                let mut out = vec![f32::NAN; count * stride];
+                kernel.dot_x8(k, &groups, &refs, &mut out, stride);
+                for i in 0..count {
+                    for r in 0..16 {
+                        assert_eq!(
+                            out[i * stride + r].to_bits(),
+                            want(i, r).to_bits(),
+                            "{ty} {} x8 rows={count} act {i} row {r}",
+                            kernel.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn best_kernels_exist_for_every_supported_type() {
     for ty in SUPPORTED_TYPES {
         let k = DotKernel::best(ty).unwrap();

@@ -15,7 +15,7 @@
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
 use super::{MoeConfig, MoeLayer, PartWeights, SyncPtr, WeightFormat, PANEL};
-use crate::ggml::{ActivationFormat, DotKernel, GgmlType};
+use crate::ggml::{x8, ActivationFormat, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
 use crate::pack::AlignedBuf;
 use crate::pool::{Pool, Team};
@@ -44,7 +44,8 @@ pub(super) struct GgmlPlan {
     pub down: DotKernel,
     /// H.
     pub hidden: usize,
-    /// Bytes of one gate/up row (H values).
+    /// Bytes of one gate/up row (H values) in memory: the file's blocks, or an eighth of an
+    /// interleaved group when the kernel reads the x8 layout (`ggml::x8`).
     pub row_bytes: usize,
     /// Bytes of one token's x in the gate/up activation format.
     pub x_bytes: usize,
@@ -56,7 +57,7 @@ pub(super) struct GgmlPart {
     pub rows: usize,
     pub gate_up: AlignedBuf<u8>,
     pub down: AlignedBuf<u8>,
-    /// Bytes of one down row's slice (`ip` values of the down type).
+    /// Bytes of one down row's slice (`ip` values of the down type) in memory (x8 as above).
     pub down_row_bytes: usize,
     /// Bytes of one SwiGLU row (`ip` values) in the down activation format.
     pub act_bytes: usize,
@@ -90,7 +91,10 @@ impl GgmlPlan {
         let (h, run) = (self.hidden, PANEL * self.row_bytes);
         let at = (e * (part.rows / PANEL) + p) * 2 * run;
         let gu = &part.gate_up.as_slice()[at..at + 2 * run];
-        if let [x] = xs {
+        if self.gate_up.has_x8() {
+            self.gate_up.dot_x8(h, &gu[..run], xs, g, PANEL);
+            self.gate_up.dot_x8(h, &gu[run..], xs, u, PANEL);
+        } else if let [x] = xs {
             self.gate_up.dot_rows(h, &gu[..run], x, &mut g[..PANEL]);
             self.gate_up.dot_rows(h, &gu[run..], x, &mut u[..PANEL]);
         } else {
@@ -105,7 +109,9 @@ impl GgmlPlan {
         let rb = part.down_row_bytes;
         let at = (e * self.hidden + p * PANEL) * rb;
         let rows = &part.down.as_slice()[at..at + PANEL * rb];
-        if let [act] = acts {
+        if self.down.has_x8() {
+            self.down.dot_x8(part.rows, rows, acts, o, PANEL);
+        } else if let [act] = acts {
             self.down.dot_rows(part.rows, rows, act, &mut o[..PANEL]);
         } else {
             self.down.dot_many(part.rows, rows, acts, o, PANEL);
@@ -269,8 +275,12 @@ impl MoeLayer {
             gate_up: DotKernel::for_level(types.gate_up, level)?,
             down: DotKernel::for_level(types.down, level)?,
             hidden: c.hidden,
-            row_bytes: gate.row_bytes(),
+            row_bytes: 0,
             x_bytes: types.gate_up.activation_format()?.row_bytes(c.hidden)?,
+        };
+        let plan = GgmlPlan {
+            row_bytes: plan.gate_up.memory_row_bytes(c.hidden)?,
+            ..plan
         };
         let unit = split_unit(&c, parts, types.down, down.name())?;
         let ranges = c.part_ranges_in_units(parts, unit);
@@ -278,7 +288,7 @@ impl MoeLayer {
         let mut new_parts = Vec::with_capacity(parts);
         for inter in ranges {
             let ip = inter.len();
-            let down_row_bytes = types.down.row_bytes(ip)?;
+            let down_row_bytes = plan.down.memory_row_bytes(ip)?;
             let gate_up_bytes = e_count * 2 * ip * plan.row_bytes;
             new_parts.push(PartWeights {
                 inter,
@@ -315,7 +325,7 @@ impl MoeLayer {
             })
             .collect();
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
-        let rb = plan.row_bytes;
+        let (rb, file_rb) = (plan.row_bytes, gate.row_bytes());
         let down_block = types.down.block_size();
         let down_block_bytes = types.down.type_size();
         pool.run_parts(&|part, team: &Team| {
@@ -329,16 +339,22 @@ impl MoeLayer {
                     if which < 2 {
                         let src = [gate, up][which].expert(e)?;
                         for p in 0..ip / PANEL {
-                            let from = &src[(inter.start + p * PANEL) * rb..][..PANEL * rb];
+                            let from =
+                                &src[(inter.start + p * PANEL) * file_rb..][..PANEL * file_rb];
                             let to = ((slot * (ip / PANEL) + p) * 2 + which) * PANEL * rb;
                             // SAFETY: (slot, which, p) owns this run of the part's gate_up
-                            // buffer (E·2·ip rows of rb bytes); the source is PANEL·rb bytes.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    from.as_ptr(),
-                                    gu_dst.get().add(to),
-                                    from.len(),
-                                );
+                            // buffer (E·2·ip rows of rb bytes).
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(gu_dst.get().add(to), PANEL * rb)
+                            };
+                            if plan.gate_up.has_x8() {
+                                let group = x8::GROUP;
+                                for (g, out) in dst.chunks_exact_mut(group * rb).enumerate() {
+                                    let rows = &from[g * group * file_rb..][..group * file_rb];
+                                    plan.gate_up.repack_x8(rows, h, out);
+                                }
+                            } else {
+                                dst.copy_from_slice(from);
                             }
                         }
                     } else {
@@ -347,16 +363,29 @@ impl MoeLayer {
                             down.row_bytes(),
                             inter.start / down_block * down_block_bytes,
                         );
-                        for r in 0..h {
-                            let from = &src[r * src_rb + col..][..drb];
-                            // SAFETY: row r of slot's down matrix in this part: drb bytes owned
-                            // by this task.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    from.as_ptr(),
-                                    down_dst.get().add((slot * h + r) * drb),
-                                    drb,
-                                );
+                        let file_drb = types.down.row_bytes(ip)?;
+                        // SAFETY: slot's down matrix in this part (h rows of drb bytes) is this
+                        // task's.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                down_dst.get().add(slot * h * drb),
+                                h * drb,
+                            )
+                        };
+                        if plan.down.has_x8() {
+                            let group = x8::GROUP;
+                            let mut rows = vec![0u8; group * file_drb];
+                            for (g, out) in dst.chunks_exact_mut(group * drb).enumerate() {
+                                for (i, row) in rows.chunks_exact_mut(file_drb).enumerate() {
+                                    row.copy_from_slice(
+                                        &src[(g * group + i) * src_rb + col..][..file_drb],
+                                    );
+                                }
+                                plan.down.repack_x8(&rows, ip, out);
+                            }
+                        } else {
+                            for (r, out) in dst.chunks_exact_mut(drb).enumerate() {
+                                out.copy_from_slice(&src[r * src_rb + col..][..drb]);
                             }
                         }
                     }
