@@ -757,7 +757,7 @@ impl DotKernel {
     /// Without an x8 layout, or if the sizes do not fit.
     pub fn repack_x8(&self, rows: &[u8], k: usize, out: &mut [u8]) {
         assert!(self.has_x8(), "{} has no x8 layout here", self.weight_type);
-        x8::repack_q4_k(rows, k, out);
+        x8::repack(self.weight_type, rows, k, out);
     }
 
     /// `out[i · out_stride + r] = dot(row r, activations[i])` for the x8 groups in `groups`

@@ -544,7 +544,8 @@ fn x8_layouts_give_the_single_row_results() {
         let gb = x8::group_bytes(ty, k);
         let mut groups = vec![0u8; 2 * gb];
         for g in 0..2 {
-            x8::repack_q4_k(
+            x8::repack(
+                ty,
                 &w[g * 8 * rb..(g + 1) * 8 * rb],
                 k,
                 &mut groups[g * gb..(g + 1) * gb],
@@ -569,7 +570,8 @@ fn x8_layouts_give_the_single_row_results() {
             // The scalar twin of the layout.
             let mut out = vec![f32::NAN; count * stride];
             for g in 0..2 {
-                x8::dot_q4_k_scalar(
+                x8::dot_scalar(
+                    ty,
                     k,
                     &groups[g * gb..(g + 1) * gb],
                     &refs,

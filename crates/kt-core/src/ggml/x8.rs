@@ -11,6 +11,16 @@
 //! - `160..1184`: nibbles, `[sub-block j][step p][row r][byte b]`: the low nibble is value
 //!   `8p + b` of sub-block j of row r, the high nibble value `8p + 4 + b`.
 //!
+//! Q8_0 x8, per block of 32 inputs, 272 bytes (file: 8 × 34): `0..16` the rows' `d` (fp16),
+//! `16..272` the values `[quad p][row r][4 bytes]` (quad p = values 4p..4p + 4).
+//!
+//! Q6_K x8, per super-block of 256 inputs, 1680 bytes (file: 8 × 210): `0..16` the rows' `d`
+//! (fp16); `16..144` the signed scales `[sub-block j of 16][row r]`; `144..1168` the low four
+//! bits as Q4_K's nibbles but in steps of 8 values (`[step s][row r][byte b]`: low nibble value
+//! `8s + b`, high nibble `8s + 4 + b`); `1168..1680` the top two bits `[step pair t][row r]
+//! [byte b]`: bits 0–1 and 2–3 for step `2t`'s low and high nibble, 4–5 and 6–7 for step
+//! `2t + 1`'s.
+//!
 //! Every result equals the single-row scalar twin (`dot.rs`) bit for bit: the same exact
 //! integer sums per super-block and the same f32 operations per (row, token), in super-block
 //! order. The scalar kernel here is the twin of the SIMD ones on this layout.
@@ -23,17 +33,163 @@ pub const GROUP: usize = 8;
 /// Bytes of one Q4_K x8 super-block (eight rows).
 pub const Q4_K_X8_BYTES: usize = 1184;
 
+/// Bytes of one Q8_0 x8 block (eight rows).
+pub const Q8_0_X8_BYTES: usize = 272;
+
+/// Bytes of one Q6_K x8 super-block (eight rows).
+pub const Q6_K_X8_BYTES: usize = 1680;
+
 /// Bytes of a group of eight rows of `k` values of `ty` in the x8 layout (`ty` must have one).
 pub fn group_bytes(ty: GgmlType, k: usize) -> usize {
     match ty {
         GgmlType::Q4_K => k / 256 * Q4_K_X8_BYTES,
+        GgmlType::Q6_K => k / 256 * Q6_K_X8_BYTES,
+        GgmlType::Q8_0 => k / 32 * Q8_0_X8_BYTES,
         _ => unreachable!("{ty} has no x8 layout"),
     }
 }
 
 /// Whether `ty` has an x8 layout.
 pub fn has_layout(ty: GgmlType) -> bool {
-    ty == GgmlType::Q4_K
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q8_0)
+}
+
+/// Repack eight consecutive file rows of `k` values of `ty` (`rows`) into one x8 group (`out`,
+/// [`group_bytes`]).
+pub fn repack(ty: GgmlType, rows: &[u8], k: usize, out: &mut [u8]) {
+    match ty {
+        GgmlType::Q4_K => repack_q4_k(rows, k, out),
+        GgmlType::Q6_K => repack_q6_k(rows, k, out),
+        GgmlType::Q8_0 => repack_q8_0(rows, k, out),
+        _ => unreachable!("{ty} has no x8 layout"),
+    }
+}
+
+/// The scalar twin of `ty`'s x8 kernels (see [`dot_q4_k_scalar`] for the contract).
+pub fn dot_scalar(
+    ty: GgmlType,
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    match ty {
+        GgmlType::Q4_K => dot_q4_k_scalar(k, group, acts, out, stride),
+        GgmlType::Q6_K => dot_q6_k_scalar(k, group, acts, out, stride),
+        GgmlType::Q8_0 => dot_q8_0_scalar(k, group, acts, out, stride),
+        _ => unreachable!("{ty} has no x8 layout"),
+    }
+}
+
+/// Q8_0 rows into x8 blocks.
+pub fn repack_q8_0(rows: &[u8], k: usize, out: &mut [u8]) {
+    let blocks = k / 32;
+    let row_bytes = blocks * Q8_0_BYTES;
+    assert!(rows.len() == GROUP * row_bytes && out.len() == blocks * Q8_0_X8_BYTES);
+    for blk in 0..blocks {
+        let o = &mut out[blk * Q8_0_X8_BYTES..(blk + 1) * Q8_0_X8_BYTES];
+        for r in 0..GROUP {
+            let b = &rows[r * row_bytes + blk * Q8_0_BYTES..][..Q8_0_BYTES];
+            o[2 * r..2 * r + 2].copy_from_slice(&b[0..2]);
+            for p in 0..8 {
+                o[16 + (p * GROUP + r) * 4..][..4].copy_from_slice(&b[2 + 4 * p..2 + 4 * p + 4]);
+            }
+        }
+    }
+}
+
+/// Scalar twin of the Q8_0 x8 kernels (Q8_0 activations).
+pub fn dot_q8_0_scalar(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+    for (i, a) in acts.iter().enumerate() {
+        let mut acc = [0f32; GROUP];
+        for blk in 0..k / 32 {
+            let g = &group[blk * Q8_0_X8_BYTES..(blk + 1) * Q8_0_X8_BYTES];
+            let ab = &a[blk * Q8_0_BYTES..(blk + 1) * Q8_0_BYTES];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let mut isum = 0i32;
+                for p in 0..8 {
+                    for b in 0..4 {
+                        let w = (g[16 + (p * GROUP + r) * 4 + b] as i8) as i32;
+                        isum += w * (ab[2 + 4 * p + b] as i8) as i32;
+                    }
+                }
+                *acc += super::dot::legacy_term(f16_at(g, 2 * r), f16_at(ab, 0), isum);
+            }
+        }
+        out[i * stride..i * stride + GROUP].copy_from_slice(&acc);
+    }
+}
+
+/// Q6_K rows into x8 super-blocks.
+pub fn repack_q6_k(rows: &[u8], k: usize, out: &mut [u8]) {
+    let blocks = k / 256;
+    let row_bytes = blocks * Q6_K_BYTES;
+    assert!(rows.len() == GROUP * row_bytes && out.len() == blocks * Q6_K_X8_BYTES);
+    out.fill(0);
+    for sb in 0..blocks {
+        let o = &mut out[sb * Q6_K_X8_BYTES..(sb + 1) * Q6_K_X8_BYTES];
+        for r in 0..GROUP {
+            let b = &rows[r * row_bytes + sb * Q6_K_BYTES..][..Q6_K_BYTES];
+            o[2 * r..2 * r + 2].copy_from_slice(&b[208..210]);
+            for j in 0..16 {
+                o[16 + j * GROUP + r] = b[192 + j];
+            }
+            let v = |e: usize| super::dequant::q6_value(b, e) as u8;
+            for step in 0..32 {
+                for byte in 0..4 {
+                    let (lo, hi) = (v(8 * step + byte), v(8 * step + 4 + byte));
+                    o[144 + (step * GROUP + r) * 4 + byte] = (lo & 0x0F) | ((hi & 0x0F) << 4);
+                    let top = ((lo >> 4) | ((hi >> 4) << 2)) << (4 * (step % 2));
+                    o[1168 + ((step / 2) * GROUP + r) * 4 + byte] |= top;
+                }
+            }
+        }
+    }
+}
+
+/// Value `8·step + b` (low nibble) or `8·step + 4 + b` (high) of row r of a Q6_K x8 block.
+fn q6_x8_value(g: &[u8], step: usize, r: usize, b: usize, high: bool) -> i32 {
+    let nib = g[144 + (step * GROUP + r) * 4 + b];
+    let top = g[1168 + ((step / 2) * GROUP + r) * 4 + b] >> (4 * (step % 2));
+    let (low4, top2) = if high {
+        (nib >> 4, (top >> 2) & 3)
+    } else {
+        (nib & 0x0F, top & 3)
+    };
+    (low4 | (top2 << 4)) as i32
+}
+
+/// Scalar twin of the Q6_K x8 kernels (Q8_K activations).
+pub fn dot_q6_k_scalar(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+    for (i, a) in acts.iter().enumerate() {
+        let mut acc = [0f32; GROUP];
+        for sb in 0..k / 256 {
+            let g = &group[sb * Q6_K_X8_BYTES..(sb + 1) * Q6_K_X8_BYTES];
+            let ab = &a[sb * Q8_K_BYTES..(sb + 1) * Q8_K_BYTES];
+            let bsums = q8_k_bsums(ab);
+            let da = f32_at(ab, 0);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let mut sumi = 0i32;
+                let mut scales = [0u8; 16];
+                for j in 0..16 {
+                    scales[j] = g[16 + j * GROUP + r];
+                    let mut s = 0i32;
+                    for step in 2 * j..2 * j + 2 {
+                        for b in 0..4 {
+                            let q8 = |e: usize| (ab[4 + e] as i8) as i32;
+                            s += q6_x8_value(g, step, r, b, false) * q8(8 * step + b);
+                            s += q6_x8_value(g, step, r, b, true) * q8(8 * step + 4 + b);
+                        }
+                    }
+                    sumi += (scales[j] as i8) as i32 * s;
+                }
+                sumi -= super::dot::q6_k_offset(&scales, &bsums);
+                *acc += super::dot::k_term(f16_at(g, 2 * r), da, sumi);
+            }
+        }
+        out[i * stride..i * stride + GROUP].copy_from_slice(&acc);
+    }
 }
 
 /// Repack eight consecutive file rows of `k` Q4_K values (`rows`, `8 · k/256 · 144` bytes)

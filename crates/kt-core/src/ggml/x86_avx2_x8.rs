@@ -1,8 +1,8 @@
 //! AVX2 kernels on the x8 layout ([`super::x8`]): one 8-lane vector per token holds the eight
 //! rows' results. Equal to the scalar twin bit for bit (exact integer sums, the twin's f32
 //! operations lane by lane).
-use super::blocks::Q8_K_BYTES;
-use super::x8::{GROUP, Q4_K_X8_BYTES};
+use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
+use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use std::arch::x86_64::*;
 
 /// Token rows per call.
@@ -12,6 +12,8 @@ pub(super) const ROWS: usize = super::X8_ROWS;
 pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     match ty {
         super::GgmlType::Q4_K => Some(q4_k),
+        super::GgmlType::Q6_K => Some(q6_k),
+        super::GgmlType::Q8_0 => Some(q8_0),
         _ => None,
     }
 }
@@ -23,13 +25,202 @@ pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
 /// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
 pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
-    unsafe {
-        match acts.len() {
-            1 => q4_k_rows::<1>(k, group, acts, out, stride),
-            2 => q4_k_rows::<2>(k, group, acts, out, stride),
-            3 => q4_k_rows::<3>(k, group, acts, out, stride),
-            4 => q4_k_rows::<4>(k, group, acts, out, stride),
+    unsafe { by_rows!(q4_k_rows, acts, (k, group, acts, out, stride)) }
+}
+
+/// Q6_K x8 against up to [`ROWS`] Q8_K rows (contract of [`q4_k`]).
+///
+/// # Safety
+/// As [`q4_k`].
+pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+    // SAFETY: forwarded.
+    unsafe { by_rows!(q6_k_rows, acts, (k, group, acts, out, stride)) }
+}
+
+/// Q8_0 x8 against up to [`ROWS`] Q8_0 rows (contract of [`q4_k`]).
+///
+/// # Safety
+/// As [`q4_k`].
+pub(super) unsafe fn q8_0(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+    // SAFETY: forwarded.
+    unsafe { by_rows!(q8_0_rows, acts, (k, group, acts, out, stride)) }
+}
+
+/// Call `$kernel::<R>` for the number of token rows.
+macro_rules! by_rows {
+    ($kernel:ident, $a:expr, $args:tt) => {
+        match $a.len() {
+            1 => $kernel::<1> $args,
+            2 => $kernel::<2> $args,
+            3 => $kernel::<3> $args,
+            4 => $kernel::<4> $args,
             n => panic!("x8 kernels take 1..={ROWS} token rows, got {n}"),
+        }
+    };
+}
+use by_rows;
+
+/// The activation rows' starts, checked to hold `bytes` each; and `out` checked for R rows.
+#[inline(always)]
+fn starts<const R: usize>(
+    acts: &[&[u8]],
+    bytes: usize,
+    out: &[f32],
+    stride: usize,
+) -> [*const u8; R] {
+    let mut a = [std::ptr::null::<u8>(); R];
+    for (p, row) in a.iter_mut().zip(acts) {
+        assert!(row.len() >= bytes, "activation row too short");
+        *p = row.as_ptr();
+    }
+    assert!(out.len() >= (R - 1) * stride + GROUP, "output too short");
+    a
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_0_rows<const R: usize>(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks = k / 32;
+    assert!(group.len() >= blocks * Q8_0_X8_BYTES);
+    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let pf = crate::kernels::prefetch::distance();
+    // SAFETY (all loads): offsets inside the checked group and activation blocks.
+    unsafe {
+        for blk in 0..blocks {
+            let g = group.as_ptr().add(blk * Q8_0_X8_BYTES);
+            let mut isum = [_mm256_setzero_si256(); R];
+            for p in 0..8 {
+                let at = g.add(16 + 32 * p);
+                if p % 2 == 0 {
+                    crate::kernels::prefetch::ahead(at, pf);
+                }
+                let w = _mm256_loadu_si256(at as *const __m256i);
+                let aw = _mm256_abs_epi8(w);
+                for r in 0..R {
+                    let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
+                    let x = _mm256_set1_epi32((q as *const i32).read_unaligned());
+                    // |w| · (x · sign w): pairs ≤ 2·128·127, exact in i16.
+                    let pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
+            for r in 0..R {
+                let da = a[r].add(blk * Q8_0_BYTES);
+                let da = _mm256_cvtph_ps(_mm_set1_epi16((da as *const i16).read_unaligned()));
+                let term = _mm256_mul_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum[r]));
+                acc[r] = _mm256_add_ps(acc[r], term);
+            }
+        }
+        for r in 0..R {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), acc[r]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q6_k_rows<const R: usize>(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks = k / 256;
+    assert!(group.len() >= blocks * Q6_K_X8_BYTES);
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
+    let low4 = _mm256_set1_epi8(0x0F);
+    let two = _mm256_set1_epi8(0x03);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let pf = crate::kernels::prefetch::distance();
+    // SAFETY (all loads): offsets inside the checked group and activation blocks.
+    unsafe {
+        for sb in 0..blocks {
+            let g = group.as_ptr().add(sb * Q6_K_X8_BYTES);
+            crate::kernels::prefetch::ahead(g, pf);
+            crate::kernels::prefetch::ahead(g.add(64), pf);
+            crate::kernels::prefetch::ahead(g.add(128), pf);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for t in 0..16 {
+                // Two steps (one sub-block of 16 values): their top bits share one vector.
+                let top = _mm256_loadu_si256(g.add(1168 + 32 * t) as *const __m256i);
+                crate::kernels::prefetch::ahead(g.add(1168 + 32 * t), pf);
+                // The rows' signed scale of sub-block t as (s, s) 16-bit pairs.
+                let s32 =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 8 * t) as *const __m128i));
+                let scales = _mm256_or_si256(
+                    _mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
+                    _mm256_slli_epi32::<16>(s32),
+                );
+                for half in 0..2 {
+                    let step = 2 * t + half;
+                    let at = g.add(144 + 32 * step);
+                    crate::kernels::prefetch::ahead(at, pf);
+                    let x = _mm256_loadu_si256(at as *const __m256i);
+                    // This step's four top bits per byte: bits 0–1 (low nibble's value),
+                    // 2–3 (high nibble's).
+                    let bits = if half == 0 {
+                        top
+                    } else {
+                        _mm256_srli_epi16::<4>(top)
+                    };
+                    let bits = _mm256_and_si256(bits, low4);
+                    let lo = _mm256_or_si256(
+                        _mm256_and_si256(x, low4),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(bits, two)),
+                    );
+                    let hi = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(x), low4),
+                        _mm256_slli_epi16::<2>(_mm256_and_si256(bits, _mm256_set1_epi8(0x0C))),
+                    );
+                    for r in 0..R {
+                        let q = a[r].add(sb * Q8_K_BYTES + 4 + 8 * step);
+                        let a0 = _mm256_set1_epi32((q as *const i32).read_unaligned());
+                        let a1 = _mm256_set1_epi32((q.add(4) as *const i32).read_unaligned());
+                        // Values ≤ 63: two pairs of products fit an i16 lane.
+                        let s16 = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, a0),
+                            _mm256_maddubs_epi16(hi, a1),
+                        );
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(s16, scales));
+                    }
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
+            for r in 0..R {
+                let ab = a[r].add(sb * Q8_K_BYTES);
+                let mut offset = _mm256_setzero_si256();
+                for q in 0..8 {
+                    // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs; their bsums.
+                    let s_lo =
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
+                    let s_hi =
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
+                    let pairs = _mm256_or_si256(
+                        _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
+                        _mm256_slli_epi32::<16>(s_hi),
+                    );
+                    let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
+                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs, b));
+                }
+                // Minus 32 · Σ_j scale_j · bsums[j], the 6-bit offset the twin removes.
+                let s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32::<5>(offset));
+                let da = _mm256_set1_ps((ab as *const f32).read_unaligned());
+                let term = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s));
+                acc[r] = _mm256_add_ps(acc[r], term);
+            }
+        }
+        for r in 0..R {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), acc[r]);
         }
     }
 }
@@ -45,12 +236,7 @@ unsafe fn q4_k_rows<const R: usize>(
 ) {
     let blocks = k / 256;
     assert!(group.len() >= blocks * Q4_K_X8_BYTES);
-    let mut a = [std::ptr::null::<u8>(); R];
-    for (p, row) in a.iter_mut().zip(acts) {
-        assert!(row.len() >= blocks * Q8_K_BYTES);
-        *p = row.as_ptr();
-    }
-    assert!(out.len() >= (R - 1) * stride + GROUP);
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
     let low4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
