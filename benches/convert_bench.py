@@ -27,12 +27,14 @@ import sys
 import tempfile
 import time
 
-# The converter's peak resident memory, beyond what importing kt_kernel (and torch) takes.
+# The converter's peak resident memory (VmHWM: ru_maxrss would inherit this parent's peak
+# across exec), beyond what importing kt_kernel (and torch) takes.
+HWM = "int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
 PEAK = (
-    "import resource, sys; from kt_kernel import convert; s = convert.main(sys.argv[1:]); "
-    "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(s)"
+    "import sys; from kt_kernel import convert; s = convert.main(sys.argv[1:]); "
+    f"print('PEAK', {HWM}); sys.exit(s)"
 )
-BASE = "import resource, kt_kernel; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+BASE = f"import kt_kernel; print({HWM})"
 
 LOAD = r"""
 import json, os, statistics, sys, time, torch

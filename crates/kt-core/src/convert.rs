@@ -11,8 +11,8 @@
 //! It streams: one layer at a time, each (part, expert, projection) quantised by a pool task
 //! straight from the memory-mapped input into a buffer of that one matrix, then written at its
 //! place in the output. Memory is therefore bounded by `threads ×` one expert matrix (int8
-//! bytes, its f32 row and a 32-row group of int8 values), whatever the model size; input pages
-//! are dropped from the process after each layer. Every file (and each `_layer_{L}` folder)
+//! bytes, its f32 row and a 32-row group of int8 values), whatever the model size, and each
+//! expert matrix's input pages are dropped from the process once all its parts are written. Every file (and each `_layer_{L}` folder)
 //! appears under its final name only when complete, so an interrupted run leaves no
 //! half-written shard, and `resume_layer` continues where it stopped.
 use crate::converted::{
@@ -464,14 +464,19 @@ fn convert_layer(
 ) -> Result<()> {
     let int4 = shape.format == WeightFormat::Int4;
     let (h, ip) = (shape.hidden, shape.intermediate / shape.parts);
+    // Task order: expert, projection, part — so a matrix's parts finish close together and its
+    // input pages can be dropped at once (resident input stays at a few matrices).
     let tasks = shape.parts * shape.experts * 3;
+    let parts_done: Vec<AtomicUsize> = (0..shape.experts * 3)
+        .map(|_| AtomicUsize::new(0))
+        .collect();
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     pool.parallel_for_all(tasks, &|task| {
         if progress.cancel.load(Ordering::Relaxed) || first_error.lock().unwrap().is_some() {
             return;
         }
-        let (part, rest) = (task / (shape.experts * 3), task % (shape.experts * 3));
-        let (expert, proj) = (rest / 3, PROJS[rest % 3].0);
+        let (matrix, part) = (task / shape.parts, task % shape.parts);
+        let (expert, proj) = (matrix / 3, PROJS[matrix % 3].0);
         let result = (|| -> Result<()> {
             let m = src.matrix(expert, proj)?;
             let view = match proj {
@@ -498,6 +503,10 @@ fn convert_layer(
             progress
                 .bytes_done
                 .fetch_add((n * k * view.dtype.size()) as u64, Ordering::Relaxed);
+            if parts_done[matrix].fetch_add(1, Ordering::AcqRel) + 1 == shape.parts {
+                let bytes = m.rows * m.row_stride * m.dtype.size();
+                src.checkpoint().release_bytes(m.ptr, bytes);
+            }
             Ok(())
         })();
         if let Err(err) = result {

@@ -155,6 +155,30 @@ impl Checkpoint {
         }
     }
 
+    /// Like [`Checkpoint::release`] for the bytes `[ptr, ptr + len)` of one of this
+    /// checkpoint's maps (e.g. one expert's matrix); other addresses are ignored.
+    pub fn release_bytes(&self, ptr: *const u8, len: usize) {
+        let page = 4096;
+        for map in &self.maps {
+            let base = map.as_ptr() as usize;
+            let (p, end) = (ptr as usize, ptr as usize + len);
+            if p >= base && end <= base + map.len() {
+                let (b, e) = (
+                    (p - base).next_multiple_of(page),
+                    (end - base) / page * page,
+                );
+                if e > b {
+                    // SAFETY: as in `release`: a read-only file mapping; nothing reads these
+                    // bytes at the moment (the caller is done with them).
+                    let _ = unsafe {
+                        map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, b, e - b)
+                    };
+                }
+                return;
+            }
+        }
+    }
+
     /// Whether a tensor exists.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
