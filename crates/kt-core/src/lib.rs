@@ -33,6 +33,8 @@ pub mod probe;
 pub mod quant;
 pub mod rng;
 pub mod routing;
+#[cfg(test)]
+mod testutil;
 pub mod topology;
 pub mod weights;
 

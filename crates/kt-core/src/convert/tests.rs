@@ -5,21 +5,17 @@ use super::*;
 use crate::converted::ConvertedLayer;
 use crate::kernels::KernelSet;
 use crate::moe::{MoeConfig, MoeLayer, Workspace};
-use crate::pool::PoolConfig;
 use crate::rng::Rng;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::collections::BTreeMap;
 
 fn fixtures() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/amx");
-    p.is_dir().then_some(p)
+    crate::testutil::fixtures("amx")
 }
 
 fn pool(parts: usize) -> Pool {
-    let mut cfg = PoolConfig::split(2.max(parts), parts, None).unwrap();
-    cfg.pin = false;
-    Pool::new(cfg).unwrap()
+    crate::testutil::pool(parts, 2)
 }
 
 fn tmpdir(tag: &str) -> PathBuf {

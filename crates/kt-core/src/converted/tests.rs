@@ -3,19 +3,16 @@
 use super::*;
 use crate::kernels::KernelSet;
 use crate::moe::{MoeConfig, MoeLayer, Workspace};
-use crate::pool::{Pool, PoolConfig};
+use crate::pool::Pool;
 use crate::rng::Rng;
 use crate::weights::{Checkpoint, HfLayerSource};
 
 fn fixtures() -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/amx");
-    p.is_dir().then_some(p)
+    crate::testutil::fixtures("amx")
 }
 
 fn pool(parts: usize) -> Pool {
-    let mut cfg = PoolConfig::split(2.max(parts), parts, None).unwrap();
-    cfg.pin = false;
-    Pool::new(cfg).unwrap()
+    crate::testutil::pool(parts, 2)
 }
 
 fn shape(format: WeightFormat, parts: usize) -> LayerShape {

@@ -455,6 +455,40 @@ fn simd_kernels_equal_their_scalar_twins() {
     }
 }
 
+/// `n` weight rows of `k` values of `ty`: random blocks (every bit pattern) and quantised
+/// values, alternately.
+fn weight_rows(ty: GgmlType, k: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+    (0..n)
+        .flat_map(|r| {
+            if r % 2 == 0 {
+                random_blocks(ty, k / ty.block_size(), rng)
+            } else {
+                quantize(ty, &rng.normals(k, 0.1)).unwrap()
+            }
+        })
+        .collect()
+}
+
+/// `count` activation rows in `format`; every fourth saturates (codes ±127 everywhere).
+fn activation_rows(
+    format: ActivationFormat,
+    k: usize,
+    count: usize,
+    rng: &mut Rng,
+) -> Vec<Vec<u8>> {
+    (0..count)
+        .map(|i| {
+            let x: Vec<f32> = match i % 4 {
+                3 => (0..k)
+                    .map(|c| if c % 3 == 0 { -2.0 } else { 2.0 })
+                    .collect(),
+                _ => rng.normals(k, 1.0),
+            };
+            quantize_activation(format, &x).unwrap()
+        })
+        .collect()
+}
+
 #[test]
 fn multi_row_kernels_equal_the_single_row_twins() {
     let sel = isa::global().unwrap();
@@ -473,29 +507,11 @@ fn multi_row_kernels_equal_the_single_row_twins() {
             }
             let k = 4 * ty.k_multiple().unwrap().max(256);
             let n = 5;
-            let w: Vec<u8> = (0..n)
-                .flat_map(|r| {
-                    if r % 2 == 0 {
-                        random_blocks(ty, k / ty.block_size(), &mut rng)
-                    } else {
-                        quantize(ty, &rng.normals(k, 0.1)).unwrap()
-                    }
-                })
-                .collect();
-            // 1..=9 rows: one call, a partial chunk, several chunks; saturated and non-finite
-            // activations included.
+            let w = weight_rows(ty, k, n, &mut rng);
+            // 1..=9 rows: one call, a partial chunk, several chunks; saturated activations
+            // included.
             for count in 1..=9 {
-                let acts: Vec<Vec<u8>> = (0..count)
-                    .map(|i| {
-                        let x: Vec<f32> = match i % 4 {
-                            3 => (0..k)
-                                .map(|c| if c % 3 == 0 { -2.0 } else { 2.0 })
-                                .collect(),
-                            _ => rng.normals(k, 1.0),
-                        };
-                        quantize_activation(format, &x).unwrap()
-                    })
-                    .collect();
+                let acts = activation_rows(format, k, count, &mut rng);
                 let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
                 let stride = n + 2;
                 let mut out = vec![f32::NAN; count * stride];
@@ -532,15 +548,7 @@ fn x8_layouts_give_the_single_row_results() {
         let k = 3 * 256;
         let rb = ty.row_bytes(k).unwrap();
         // Two groups of eight rows: random blocks and quantised values.
-        let w: Vec<u8> = (0..16)
-            .flat_map(|r| {
-                if r % 2 == 0 {
-                    random_blocks(ty, k / ty.block_size(), &mut rng)
-                } else {
-                    quantize(ty, &rng.normals(k, 0.1)).unwrap()
-                }
-            })
-            .collect();
+        let w = weight_rows(ty, k, 16, &mut rng);
         let gb = x8::group_bytes(ty, k);
         let mut groups = vec![0u8; 2 * gb];
         for g in 0..2 {
@@ -552,18 +560,7 @@ fn x8_layouts_give_the_single_row_results() {
             );
         }
         for count in [1, 2, 3, 4, 5, 9] {
-            let acts: Vec<Vec<u8>> = (0..count)
-                .map(|i| {
-                    let x: Vec<f32> = if i % 3 == 2 {
-                        (0..k)
-                            .map(|c| if c % 3 == 0 { -2.0 } else { 2.0 })
-                            .collect()
-                    } else {
-                        rng.normals(k, 1.0)
-                    };
-                    quantize_activation(format, &x).unwrap()
-                })
-                .collect();
+            let acts = activation_rows(format, k, count, &mut rng);
             let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
             let stride = 20;
             let want = |i: usize, r: usize| twin.dot(k, &w[r * rb..(r + 1) * rb], &acts[i]);

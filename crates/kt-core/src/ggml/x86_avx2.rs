@@ -357,7 +357,7 @@ fn k_affine(w: &[u8], a: &[u8], five_bits: bool) -> f32 {
 /// order: values 0–31, 32–63, 64–95, 96–127 of the half.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q6_k_half(wb: &[u8], n: usize) -> [__m256i; 4] {
+fn q6_k_half(wb: &[u8], n: usize) -> [__m256i; 4] {
     let (low4, low2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     let ql0 = load32(&wb[64 * n..]);
     let ql1 = load32(&wb[64 * n + 32..]);

@@ -1,47 +1,19 @@
-//! AVX2 kernels for one weight row against up to [`ROWS`] activation rows at once (prefill): a
-//! super-block's weights are decoded once and multiplied with every row, instead of once per
-//! row. Each row's result equals the single-row scalar twin bit for bit: the integer sums are
+//! AVX2 kernels for one weight row against up to [`super::DOT_MANY_ROWS`] activation rows at once (prefill) for
+//! types without an x8 layout (Q5_K): a super-block's weights are decoded once and multiplied
+//! with every row, instead of once per row. Each row's result equals the single-row scalar twin bit for bit: the integer sums are
 //! exact in any order, and the f32 terms are the twin's operations, one row per lane, added in
 //! super-block order.
 use super::blocks::*;
-use super::x86_avx2::{f16_one_at, f16_pair_at, k4_min_lanes, load32};
-use super::x86_avx2::{q6_k_half, q6_k_offset_lanes, scaled_mul_sum_u8};
+use super::x86_avx2::{f16_pair_at, k4_min_lanes, load32, scaled_mul_sum_u8};
 use super::{GgmlType, RawRowsFn};
 use std::arch::x86_64::*;
-
-/// Activation rows per call.
-pub(super) const ROWS: usize = 4;
 
 /// The multi-row AVX2 kernel for `ty`, if there is one.
 pub(super) fn rows_fn(ty: GgmlType) -> Option<RawRowsFn> {
     Some(match ty {
-        GgmlType::Q4_K => q4_k_rows,
         GgmlType::Q5_K => q5_k_rows,
-        GgmlType::Q6_K => q6_k_rows,
         _ => return None,
     })
-}
-
-/// Call `$kernel::<R>` for the number of activation rows.
-macro_rules! by_rows {
-    ($kernel:ident, $a:expr, $args:tt) => {
-        match $a.len() {
-            1 => $kernel::<1> $args,
-            2 => $kernel::<2> $args,
-            3 => $kernel::<3> $args,
-            4 => $kernel::<4> $args,
-            n => panic!("multi-row ggml kernels take 1..={ROWS} activation rows, got {n}"),
-        }
-    };
-}
-
-/// Q4_K × Q8_K rows.
-///
-/// # Safety
-/// AVX2, FMA and F16C available; the `RawRowsFn` size contract.
-unsafe fn q4_k_rows(_k: usize, w: &[u8], a: &[&[u8]], out: &mut [f32]) {
-    // SAFETY: forwarded.
-    unsafe { by_rows!(k_affine_rows, a, (w, a, out, false)) }
 }
 
 /// Q5_K × Q8_K rows.
@@ -50,23 +22,9 @@ unsafe fn q4_k_rows(_k: usize, w: &[u8], a: &[&[u8]], out: &mut [f32]) {
 /// AVX2, FMA and F16C available; the `RawRowsFn` size contract.
 unsafe fn q5_k_rows(_k: usize, w: &[u8], a: &[&[u8]], out: &mut [f32]) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(k_affine_rows, a, (w, a, out, true)) }
-}
-
-/// Q6_K × Q8_K rows.
-///
-/// # Safety
-/// AVX2, FMA and F16C available; the `RawRowsFn` size contract.
-unsafe fn q6_k_rows(_k: usize, w: &[u8], a: &[&[u8]], out: &mut [f32]) {
-    // SAFETY: forwarded.
-    unsafe { by_rows!(q6_k_rows_r, a, (w, a, out)) }
-}
-
-/// Lane r of the result is row r's term `(d · d_a) · sumi` (the twin's `k_term`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn k_terms4(d: f32, da: __m128, sumi: __m128i) -> __m128 {
-    _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(d), da), _mm_cvtepi32_ps(sumi))
+    unsafe {
+        crate::kernels::dispatch_rows!(k_affine_rows, "Q5_K rows", a, (w, a, out, true); 1 2 3 4)
+    }
 }
 
 /// Store lanes `0..R` of `acc` to `out`.
@@ -121,7 +79,7 @@ fn row_starts<const R: usize>(a: &[&[u8]], blocks: usize) -> [*const u8; R] {
     p
 }
 
-/// Q4_K (`five_bits` false) or Q5_K super-blocks of one weight row against R rows.
+/// Q5_K super-blocks (Q4_K with `five_bits` false) of one weight row against R rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
@@ -185,42 +143,6 @@ fn k_affine_rows<const R: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32], five_bi
         let (d, dmin) = f16_pair_at(wb, 0);
         let terms = min_terms4(d, dmin, scales4(&ab), hsum4(sums), hsum4(mins));
         acc = _mm_add_ps(acc, terms);
-    }
-    store_lanes::<R>(acc, out);
-}
-
-/// Q6_K super-blocks of one weight row against R rows.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)]
-fn q6_k_rows_r<const R: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32]) {
-    let mut acc = _mm_setzero_ps();
-    for (sb, wb) in w.chunks_exact(Q6_K_BYTES).enumerate() {
-        let mut ab = [&[][..]; R];
-        for r in 0..R {
-            ab[r] = &a[r][sb * Q8_K_BYTES..][..Q8_K_BYTES];
-        }
-        let mut sums = [_mm256_setzero_si256(); 4];
-        for n in 0..2 {
-            for (i, q) in q6_k_half(wb, n).into_iter().enumerate() {
-                let sub = 8 * n + 2 * i;
-                let scales = _mm256_setr_m128i(
-                    _mm_set1_epi16((wb[192 + sub] as i8) as i16),
-                    _mm_set1_epi16((wb[193 + sub] as i8) as i16),
-                );
-                for r in 0..R {
-                    let x = load32(&ab[r][4 + 128 * n + 32 * i..]);
-                    sums[r] = _mm256_add_epi32(sums[r], scaled_mul_sum_u8(q, x, scales));
-                }
-            }
-        }
-        for r in 0..R {
-            sums[r] = _mm256_sub_epi32(sums[r], q6_k_offset_lanes(&wb[192..], ab[r]));
-        }
-        acc = _mm_add_ps(
-            acc,
-            k_terms4(f16_one_at(wb, 208), scales4(&ab), hsum4(sums)),
-        );
     }
     store_lanes::<R>(acc, out);
 }

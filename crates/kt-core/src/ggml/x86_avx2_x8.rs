@@ -5,9 +5,6 @@ use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use std::arch::x86_64::*;
 
-/// Token rows per call.
-pub(super) const ROWS: usize = super::X8_ROWS;
-
 /// The x8 kernel for `ty`, if it has one.
 pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     match ty {
@@ -18,47 +15,89 @@ pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     }
 }
 
-/// Q4_K x8 against up to [`ROWS`] Q8_K rows: `out[i · stride + r]` for the group's rows r.
+/// Q4_K x8 against up to [`super::X8_ROWS`] Q8_K rows: `out[i · stride + r]` for the group's rows r.
 ///
 /// # Safety
 /// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
 /// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
 pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(q4_k_rows, acts, (k, group, acts, out, stride)) }
+    unsafe {
+        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+    }
 }
 
-/// Q6_K x8 against up to [`ROWS`] Q8_K rows (contract of [`q4_k`]).
+/// Q6_K x8 against up to [`super::X8_ROWS`] Q8_K rows (contract of [`q4_k`]).
 ///
 /// # Safety
 /// As [`q4_k`].
 pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(q6_k_rows, acts, (k, group, acts, out, stride)) }
+    unsafe {
+        crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+    }
 }
 
-/// Q8_0 x8 against up to [`ROWS`] Q8_0 rows (contract of [`q4_k`]).
+/// Q8_0 x8 against up to [`super::X8_ROWS`] Q8_0 rows (contract of [`q4_k`]).
 ///
 /// # Safety
 /// As [`q4_k`].
 pub(super) unsafe fn q8_0(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(q8_0_rows, acts, (k, group, acts, out, stride)) }
+    unsafe {
+        crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+    }
 }
 
-/// Call `$kernel::<R>` for the number of token rows.
-macro_rules! by_rows {
-    ($kernel:ident, $a:expr, $args:tt) => {
-        match $a.len() {
-            1 => $kernel::<1> $args,
-            2 => $kernel::<2> $args,
-            3 => $kernel::<3> $args,
-            4 => $kernel::<4> $args,
-            n => panic!("x8 kernels take 1..={ROWS} token rows, got {n}"),
-        }
-    };
+/// Eight unsigned bytes at `p` as (v, v) 16-bit pairs, one per 32-bit lane (the rows' scales
+/// for `vpmaddwd`).
+///
+/// # Safety
+/// 8 readable bytes at `p`; AVX2 in the caller.
+#[inline(always)]
+unsafe fn u8_pairs(p: *const u8) -> __m256i {
+    // SAFETY: the contract above.
+    unsafe {
+        let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
+    }
 }
-use by_rows;
+
+/// Eight signed bytes at `p` as (v, v) 16-bit pairs.
+///
+/// # Safety
+/// As [`u8_pairs`].
+#[inline(always)]
+unsafe fn i8_pairs(p: *const u8) -> __m256i {
+    // SAFETY: the contract above.
+    unsafe {
+        let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_or_si256(
+            _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+            _mm256_slli_epi32::<16>(v),
+        )
+    }
+}
+
+/// Prefetch a super-block's first three lines (its headers: scales, minima).
+#[inline(always)]
+fn prefetch_headers(g: *const u8, pf: usize) {
+    for line in 0..3 {
+        crate::kernels::prefetch::ahead(g.wrapping_add(64 * line), pf);
+    }
+}
+
+/// Store each token's eight row results at `out[r · stride..]`.
+///
+/// # Safety
+/// `out` holds `(R − 1) · stride + 8` (checked by [`starts`]); AVX2 in the caller.
+#[inline(always)]
+unsafe fn store_rows<const R: usize>(acc: &[__m256; R], out: &mut [f32], stride: usize) {
+    for (r, v) in acc.iter().enumerate() {
+        // SAFETY: the contract above.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), *v) };
+    }
+}
 
 /// The activation rows' starts, checked to hold `bytes` each; and `out` checked for R rows.
 #[inline(always)]
@@ -120,9 +159,7 @@ unsafe fn q8_0_rows<const R: usize>(
                 acc[r] = _mm256_add_ps(acc[r], term);
             }
         }
-        for r in 0..R {
-            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), acc[r]);
-        }
+        store_rows(&acc, out, stride);
     }
 }
 
@@ -146,21 +183,14 @@ unsafe fn q6_k_rows<const R: usize>(
     unsafe {
         for sb in 0..blocks {
             let g = group.as_ptr().add(sb * Q6_K_X8_BYTES);
-            crate::kernels::prefetch::ahead(g, pf);
-            crate::kernels::prefetch::ahead(g.add(64), pf);
-            crate::kernels::prefetch::ahead(g.add(128), pf);
+            prefetch_headers(g, pf);
             let mut sumi = [_mm256_setzero_si256(); R];
             for t in 0..16 {
                 // Two steps (one sub-block of 16 values): their top bits share one vector.
                 let top = _mm256_loadu_si256(g.add(1168 + 32 * t) as *const __m256i);
                 crate::kernels::prefetch::ahead(g.add(1168 + 32 * t), pf);
                 // The rows' signed scale of sub-block t as (s, s) 16-bit pairs.
-                let s32 =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 8 * t) as *const __m128i));
-                let scales = _mm256_or_si256(
-                    _mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
-                    _mm256_slli_epi32::<16>(s32),
-                );
+                let scales = i8_pairs(g.add(16 + 8 * t));
                 for half in 0..2 {
                     let step = 2 * t + half;
                     let at = g.add(144 + 32 * step);
@@ -196,21 +226,24 @@ unsafe fn q6_k_rows<const R: usize>(
                 }
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
+            // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs (for every token).
+            let pairs: [__m256i; 8] = std::array::from_fn(|q| {
+                let s_lo =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
+                let s_hi =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
+                _mm256_or_si256(
+                    _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
+                    _mm256_slli_epi32::<16>(s_hi),
+                )
+            });
             for r in 0..R {
                 let ab = a[r].add(sb * Q8_K_BYTES);
                 let mut offset = _mm256_setzero_si256();
-                for q in 0..8 {
-                    // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs; their bsums.
-                    let s_lo =
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
-                    let s_hi =
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
-                    let pairs = _mm256_or_si256(
-                        _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
-                        _mm256_slli_epi32::<16>(s_hi),
-                    );
+                for (q, pair) in pairs.iter().enumerate() {
+                    // The bsums of sub-blocks 2q, 2q + 1 in every lane.
                     let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
-                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs, b));
+                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(*pair, b));
                 }
                 // Minus 32 · Σ_j scale_j · bsums[j], the 6-bit offset the twin removes.
                 let s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32::<5>(offset));
@@ -219,9 +252,7 @@ unsafe fn q6_k_rows<const R: usize>(
                 acc[r] = _mm256_add_ps(acc[r], term);
             }
         }
-        for r in 0..R {
-            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), acc[r]);
-        }
+        store_rows(&acc, out, stride);
     }
 }
 
@@ -245,16 +276,12 @@ unsafe fn q4_k_rows<const R: usize>(
     unsafe {
         for sb in 0..blocks {
             let g = group.as_ptr().add(sb * Q4_K_X8_BYTES);
-            // The super-block's header lines (scales and minima), then one line per two steps.
-            crate::kernels::prefetch::ahead(g, pf);
-            crate::kernels::prefetch::ahead(g.add(64), pf);
-            crate::kernels::prefetch::ahead(g.add(128), pf);
+            // The super-block's header lines, then one line per two steps.
+            prefetch_headers(g, pf);
             let mut sumi = [_mm256_setzero_si256(); R];
             for j in 0..8 {
                 // The rows' scales as (s, s) 16-bit pairs, one pair per 32-bit lane.
-                let s32 =
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(g.add(32 + 8 * j) as *const __m128i));
-                let scales = _mm256_or_si256(s32, _mm256_slli_epi32::<16>(s32));
+                let scales = u8_pairs(g.add(32 + 8 * j));
                 let mut acc16 = [_mm256_setzero_si256(); R];
                 for p in 0..4 {
                     let at = g.add(160 + (j * 4 + p) * 32);
@@ -311,8 +338,6 @@ unsafe fn q4_k_rows<const R: usize>(
                 acc[r] = _mm256_add_ps(acc[r], term);
             }
         }
-        for r in 0..R {
-            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride), acc[r]);
-        }
+        store_rows(&acc, out, stride);
     }
 }

@@ -2,7 +2,6 @@
 use super::*;
 use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
 use crate::kernels::runnable_levels;
-use crate::pool::PoolConfig;
 use crate::rng::Rng;
 
 struct Weights {
@@ -109,9 +108,7 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
 }
 
 fn pool(parts: usize, threads: usize) -> Pool {
-    let mut cfg = PoolConfig::split(threads, parts, None).unwrap();
-    cfg.pin = false;
-    Pool::new(cfg).unwrap()
+    crate::testutil::pool(parts, threads)
 }
 
 fn routing_inputs(rng: &mut Rng, qlen: usize, e: usize, k: usize) -> (Vec<i64>, Vec<f32>) {

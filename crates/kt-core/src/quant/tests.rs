@@ -175,8 +175,7 @@ fn quantisers_follow_the_rules() {
 }
 
 fn fixtures() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/amx");
-    p.is_dir().then_some(p)
+    crate::testutil::fixtures("amx")
 }
 
 fn tensor_bytes(file: &std::path::Path, name: &str) -> (Vec<u8>, String, Vec<usize>) {
