@@ -70,7 +70,10 @@ fn int_kernels(c: &mut Criterion) {
         for (name, f, group) in [("int8", set.int8_fn(), &g8), ("int4", set.int4_fn(), &g4)] {
             for rows in [1, set.int8_rows()] {
                 let a: Vec<Vec<u8>> = (0..rows)
-                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                    .map(|_| {
+                        let biased: Vec<u8> = (0..k).map(|_| 1 + rng.below(255) as u8).collect();
+                        kt_core::kernels::int8::activation_row(&biased)
+                    })
                     .collect();
                 let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
                 let mut out = vec![0i32; rows * 32];

@@ -79,7 +79,7 @@ fn main() {
     let kk = 2048;
     let group = vec![1u8; 32 * kk];
     let sums = [0i32; 32];
-    let a = vec![129u8; kk];
+    let a = kt_core::kernels::int8::activation_row(&vec![129u8; kk]);
     let mut out = [0i32; 32];
     let t = Instant::now();
     for _ in 0..20000 {

@@ -42,7 +42,7 @@ fn main() {
     // The int8 kernel over the same bytes read as 32-row int8 groups of k = 2048.
     let kk = 2048;
     let groups = panels * panel * 2 / (32 * kk);
-    let a = vec![129u8; kk];
+    let a = kt_core::kernels::int8::activation_row(&vec![129u8; kk]);
     let sums = [0i32; 32];
     let mut best_int8 = 0f64;
     for _round in 0..6 {

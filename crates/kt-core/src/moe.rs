@@ -259,15 +259,19 @@ unsafe fn quantise_into(
     }
 }
 
-/// Quantise an fp32 row to biased unsigned int8 (`q + 128`) for the int8 kernels; returns the
-/// row's scale.
+/// Quantise an fp32 row to an int8 kernels' activation row (biased `q + 128`, then the copies
+/// of [`crate::kernels::int8::fill_activation_copies`]; `out` holds `ACT_COPIES · row.len()`);
+/// returns the row's scale.
 fn quantise_activation(row: &[f32], out: &mut [u8]) -> f32 {
-    // SAFETY: i8 and u8 have the same layout; the slice covers exactly `out`.
-    let signed = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut i8, out.len()) };
+    let biased = &mut out[..row.len()];
+    // SAFETY: i8 and u8 have the same layout; the slice covers exactly `biased`.
+    let signed =
+        unsafe { std::slice::from_raw_parts_mut(biased.as_mut_ptr() as *mut i8, biased.len()) };
     let d = crate::quant::quantize_row_int8(row, signed);
-    for b in out.iter_mut() {
+    for b in biased.iter_mut() {
         *b ^= 0x80;
     }
+    crate::kernels::int8::fill_activation_copies(out);
     // A NaN would quantise to 0 silently; a NaN scale keeps it visible in this row's output.
     if row.iter().any(|v| v.is_nan()) {
         f32::NAN
@@ -364,11 +368,12 @@ impl Workspace {
                 grow(&mut s.act_bf16, rows * p.inter.len() / 2)?;
             }
             if layer.format.is_quantised() {
-                // Bytes of a quantised x / act row: one per value for int8, the activation
-                // format's blocks for GGUF.
+                // Bytes of a quantised x / act row: the int8 kernels' activation rows, or the
+                // activation format's blocks for GGUF.
+                let copies = crate::kernels::int8::ACT_COPIES;
                 let (xb, ab) = match (&layer.ggml, &p.g) {
                     (Some(plan), Some(g)) => (plan.x_bytes, g.act_bytes),
-                    _ => (c.hidden, p.inter.len()),
+                    _ => (copies * c.hidden, copies * p.inter.len()),
                 };
                 grow(&mut s.x_q, tokens * xb)?;
                 grow(&mut s.x_scale, tokens)?;
@@ -1047,8 +1052,9 @@ impl MoeLayer {
             // GGUF: this part's blocks and the layer's plan; quantised rows are then blocks
             // of the types' activation formats (strides in bytes).
             let gguf = pw.g.as_ref().zip(self.ggml.as_ref());
-            let xq_stride = gguf.map_or(h, |(_, plan)| plan.x_bytes);
-            let aq_stride = gguf.map_or(ip, |(g, _)| g.act_bytes);
+            let copies = crate::kernels::int8::ACT_COPIES;
+            let xq_stride = gguf.map_or(copies * h, |(_, plan)| plan.x_bytes);
+            let aq_stride = gguf.map_or(copies * ip, |(g, _)| g.act_bytes);
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
@@ -1067,7 +1073,7 @@ impl MoeLayer {
                     }
                     let xq = x_q.get().wrapping_add(t * xq_stride); // null unless quantised
                     if q.is_some() {
-                        let xq = std::slice::from_raw_parts_mut(xq, h);
+                        let xq = std::slice::from_raw_parts_mut(xq, xq_stride);
                         *x_scale.get().add(t) = quantise_activation(dst, xq);
                     }
                     if let Some((_, plan)) = gguf {
@@ -1125,7 +1131,7 @@ impl MoeLayer {
                     if let Some(qw) = q {
                         for (which, dst) in [(0usize, &mut g), (1, &mut u)] {
                             // SAFETY: panel rows qrow..qrow+32 of an E*ip x h matrix; x_q rows
-                            // hold h bytes; acc holds nr*32.
+                            // are activation rows of h values; acc holds nr*32.
                             unsafe {
                                 qfn(
                                     &ptrs_q[..nr],
@@ -1256,7 +1262,7 @@ impl MoeLayer {
                             if let Some(qw) = q {
                                 let qrow = e * h + p * PANEL;
                                 // SAFETY: down rows qrow..qrow+32 of an E*h x ip matrix; act_q rows
-                                // hold ip bytes.
+                                // are activation rows of ip values.
                                 unsafe {
                                     qfn(
                                         &ptrs_q[..nr],

@@ -6,6 +6,39 @@
 //! Activations arrive quantised per token row and biased to unsigned (`a + 128`), which
 //! `vpdpbusd` needs; `out = Σ a_u8·w − 128·Σ w` (the row sums are precomputed at load) is the
 //! exact signed dot product. Every variant returns the same i32 values as the scalar twin.
+//!
+//! An activation row is [`ACT_COPIES`] copies of its `k` values: biased (`a + 128`, read by the
+//! scalar twin, VNNI and AMX), signed `a`, and `|a|` — the operands of the sign trick, so the
+//! AVX2 kernels broadcast them instead of recomputing them for every weight line
+//! ([`fill_activation_copies`]).
+
+/// Copies of its values in an activation row (biased, signed, absolute).
+pub const ACT_COPIES: usize = 3;
+
+/// Complete an activation row whose first `k` bytes hold the biased values: the signed values
+/// and their magnitudes follow.
+pub fn fill_activation_copies(row: &mut [u8]) {
+    let k = row.len() / ACT_COPIES;
+    assert_eq!(
+        row.len(),
+        ACT_COPIES * k,
+        "an activation row holds {ACT_COPIES} copies"
+    );
+    let (biased, rest) = row.split_at_mut(k);
+    let (signed, abs) = rest.split_at_mut(k);
+    for ((b, s), a) in biased.iter().zip(signed.iter_mut()).zip(abs.iter_mut()) {
+        let v = (*b ^ 0x80) as i8;
+        *s = v as u8;
+        *a = v.unsigned_abs();
+    }
+}
+
+/// An activation row of [`ACT_COPIES`] copies from biased values (tests and tools).
+pub fn activation_row(biased: &[u8]) -> Vec<u8> {
+    let mut row = [biased, biased, biased].concat();
+    fill_activation_copies(&mut row);
+    row
+}
 
 /// `out[r*32 + j] = Σ_kk (a_rows[r][kk] − 128) · W[j][kk]` for one 32-row group.
 ///
@@ -13,7 +46,8 @@
 /// (signed [−127, 127] biased by 128); within that range every variant is exact.
 ///
 /// # Safety
-/// The CPU supports the variant; each `a_rows[r]` points to `k` bytes; `group` to `32*k` bytes
+/// The CPU supports the variant; each `a_rows[r]` points to an activation row of
+/// `ACT_COPIES · k` bytes (see the module docs); `group` to `32*k` bytes
 /// in the tiled layout; `row_sums` to 32 values `Σ_kk W[j][kk]`; `out` to `32*rows` i32;
 /// `k % 64 == 0`; rows ≤ the variant's block.
 pub type Int8DotFn = unsafe fn(
@@ -217,6 +251,16 @@ mod x86 {
         type Act: Copy;
         unsafe fn prep(quad: __m256i) -> Self::Act;
         unsafe fn dot(acc: __m256i, a: Self::Act, w: __m256i) -> __m256i;
+        /// The operand for the activation quad at `off` of the row at `row` (`k` values a
+        /// copy): by default prepared from the biased copy.
+        ///
+        /// # Safety
+        /// An activation row of `ACT_COPIES · k` bytes at `row`; `off + 4 ≤ k`.
+        #[inline(always)]
+        unsafe fn prep_at(row: *const u8, _k: usize, off: usize) -> Self::Act {
+            // SAFETY: forwarded.
+            unsafe { Self::prep(quad256(row.add(off))) }
+        }
     }
 
     /// AVX2: the sign trick with `vpsignb`.
@@ -239,6 +283,12 @@ mod x86 {
                 let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x));
                 _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
             }
+        }
+        /// |a| and a broadcast from their copies: no per-line work.
+        #[inline(always)]
+        unsafe fn prep_at(row: *const u8, k: usize, off: usize) -> Self::Act {
+            // SAFETY: the signed copy starts at k, the absolute one at 2k (trait contract).
+            unsafe { (quad256(row.add(2 * k + off)), quad256(row.add(k + off))) }
         }
     }
 
@@ -422,7 +472,7 @@ mod x86 {
                             _mm256_loadu_si256(line.add(32) as *const __m256i),
                         ];
                         for r in 0..R {
-                            let x = O::prep(quad256(a[r].add(t * 64 + w * 4)));
+                            let x = O::prep_at(a[r], k, t * 64 + w * 4);
                             for q in 0..2 {
                                 acc[r][2 * h + q] = O::dot(acc[r][2 * h + q], x, ws[q]);
                             }
@@ -464,9 +514,8 @@ mod x86 {
                                 _mm256_and_si256(b, high),
                             ];
                             for r in 0..R {
-                                let base = a[r].add(t * 128 + w * 4);
                                 for (c, wv) in ops.iter().enumerate() {
-                                    let x = O::prep(quad256(base.add(64 * c)));
+                                    let x = O::prep_at(a[r], k, t * 128 + w * 4 + 64 * c);
                                     let q = 2 * h + half;
                                     acc[r][q] = O::dot(acc[r][q], x, *wv);
                                 }
@@ -673,7 +722,10 @@ mod tests {
             let sums = (fmt.sums)(&group, k);
             for rows in 1..=rows_max {
                 let a: Vec<Vec<u8>> = (0..rows)
-                    .map(|_| (0..k).map(|_| 1 + rng.below(255) as u8).collect())
+                    .map(|_| {
+                        let biased: Vec<u8> = (0..k).map(|_| 1 + rng.below(255) as u8).collect();
+                        activation_row(&biased)
+                    })
                     .collect();
                 let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
                 let mut got = vec![0i32; rows * 32];

@@ -100,7 +100,7 @@ fn calibrate() -> usize {
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8 & 0x7f;
         }
-        let a = vec![129u8; k];
+        let a = super::int8::activation_row(&vec![129u8; k]);
         let sums = [0i32; 32];
         let rate = |d: usize| {
             set(d);
