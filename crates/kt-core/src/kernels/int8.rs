@@ -191,7 +191,9 @@ mod x86 {
     //! VNNI instruction (`vpdpbusd`, on biased unsigned activations, fixed up by the row sums
     //! at the end) or the sign trick without VNNI (`vpmaddubsw` on |a| and sign-moved weights,
     //! then `vpmaddwd` with ones; with |a|, |w| ≤ 127 every i16 pair sum ≤ 32258 is exact, and
-    //! −128 never occurs because the quantisers do not produce it). Each op is a few
+    //! −128 never occurs because the quantisers do not produce it). The 256-bit AMXINT4 loop
+    //! sign-extends the nibbles instead and multiplies them with the biased activations
+    //! (`Op256::dot_nibbles`: AVX2 needs no sign op there). Each op is a few
     //! instructions; the loops, layouts and epilogues are shared, so the variants this CPU
     //! cannot run (AVX-VNNI here) differ from tested code only in that op.
     use std::arch::x86_64::*;
@@ -261,6 +263,15 @@ mod x86 {
             // SAFETY: forwarded.
             unsafe { Self::prep(quad256(row.add(off))) }
         }
+        /// `acc += Σ_4 a_lo·w_lo + Σ_4 a_hi·w_hi` per i32 lane, for unsigned (biased)
+        /// activations and small signed weights (|w| ≤ 8, the AMXINT4 nibbles).
+        unsafe fn dot_nibbles(
+            acc: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i;
     }
 
     /// AVX2: the sign trick with `vpsignb`.
@@ -290,6 +301,25 @@ mod x86 {
             // SAFETY: the signed copy starts at k, the absolute one at 2k (trait contract).
             unsafe { (quad256(row.add(2 * k + off)), quad256(row.add(k + off))) }
         }
+        /// |a·w| ≤ 255·8: both nibbles' pair sums share one i16 lane (≤ 8160), so one
+        /// `vpmaddwd` widens the two products.
+        #[inline(always)]
+        unsafe fn dot_nibbles(
+            acc: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(a_lo, w_lo),
+                    _mm256_maddubs_epi16(a_hi, w_hi),
+                );
+                _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+            }
+        }
     }
 
     /// AVX-VNNI (VEX-encoded `vpdpbusd`, CPUs with AVX2 but no AVX-512).
@@ -305,6 +335,17 @@ mod x86 {
         unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
             // SAFETY: only inlined into functions with avxvnni enabled.
             unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
+        }
+        #[inline(always)]
+        unsafe fn dot_nibbles(
+            acc: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, a_lo, w_lo), a_hi, w_hi) }
         }
     }
 
@@ -484,7 +525,10 @@ mod x86 {
         }
     }
 
-    /// AMXINT4 group, 256-bit.
+    /// AMXINT4 group, 256-bit: nibbles sign-extended to `v` (`(b ^ 0x88) & 0x0F − 8`, once
+    /// per weight vector for all rows) against the biased activations, so AVX2 needs no
+    /// per-row sign op (see [`Op256::dot_nibbles`]). `out = 16·Σ a_u8·v − 128·Σ 16·v` is the
+    /// same integer as the scalar twin's.
     ///
     /// # Safety
     /// The [`super::Int4DotFn`] contract; the caller enables the op's features.
@@ -497,61 +541,12 @@ mod x86 {
         s: *const i32,
         o: *mut i32,
     ) {
-        // SAFETY: as in the 512-bit loop, in 32-byte halves (8 outputs each).
-        unsafe {
-            let high = _mm256_set1_epi8(0xF0u8 as i8);
-            let pf = crate::kernels::prefetch::distance();
-            let mut acc = [[_mm256_setzero_si256(); 4]; R];
-            for t in 0..k / 128 {
-                for h in 0..2 {
-                    for w in 0..16 {
-                        let line = g.add(t * 2048 + h * 1024 + w * 64);
-                        crate::kernels::prefetch::ahead(line, pf);
-                        for half in 0..2 {
-                            let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
-                            let ops = [
-                                _mm256_and_si256(_mm256_slli_epi16::<4>(b), high),
-                                _mm256_and_si256(b, high),
-                            ];
-                            for r in 0..R {
-                                for (c, wv) in ops.iter().enumerate() {
-                                    let x = O::prep_at(a[r], k, t * 128 + w * 4 + 64 * c);
-                                    let q = 2 * h + half;
-                                    acc[r][q] = O::dot(acc[r][q], x, *wv);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            store256::<R, O>(&acc, s, o)
-        }
-    }
-
-    /// AMXINT4 group with plain AVX2: nibbles sign-extended to `v` (`(b ^ 0x88) & 0x0F − 8`,
-    /// once per weight vector for all rows) against the biased activations. Unlike the sign
-    /// trick on `16·v` this needs no per-row sign op, and a low- plus high-nibble product pair
-    /// (|sum| ≤ 2·2·255·8 = 8160) fits one i16 lane, so one `vpmaddwd` serves both.
-    /// `out = 16·Σ a_u8·v − 128·Σ 16·v` is the same integer as the scalar twin's.
-    ///
-    /// # Safety
-    /// The [`super::Int4DotFn`] contract; AVX2 in the caller.
-    #[inline(always)]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn int4_256_nibbles<const R: usize>(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
         // SAFETY: tile t, half h, line w inside the group (2048-byte tiles); inputs
         // 128t + 4w (+64) inside each row's biased copy.
         unsafe {
             let flip = _mm256_set1_epi8(0x88u8 as i8);
             let nibble = _mm256_set1_epi8(0x0F);
             let eight = _mm256_set1_epi8(8);
-            let ones = _mm256_set1_epi16(1);
             let pf = crate::kernels::prefetch::distance();
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 128 {
@@ -574,12 +569,9 @@ mod x86 {
                             let a_lo = quad256(a[r].add(t * 128 + w * 4));
                             let a_hi = quad256(a[r].add(t * 128 + 64 + w * 4));
                             for half in 0..2 {
-                                let p = _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(a_lo, lo[half]),
-                                    _mm256_maddubs_epi16(a_hi, hi[half]),
-                                );
                                 let q = 2 * h + half;
-                                acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(p, ones));
+                                acc[r][q] =
+                                    O::dot_nibbles(acc[r][q], a_lo, lo[half], a_hi, hi[half]);
                             }
                         }
                     }
@@ -733,34 +725,10 @@ mod x86 {
         /// AMXINT8 with AVX2 (sign trick).
         dot_avx2, int8_avx2, int8_256, Avx2Sign, "avx2", "avx2 int8 dot"; 1 2 3 4
     );
-    /// AMXINT4 with AVX2 (sign-extended nibbles, see [`int4_256_nibbles`]).
-    ///
-    /// # Safety
-    /// The CPU has AVX2; the [`super::Int4DotFn`] contract.
-    pub unsafe fn dot_int4_avx2(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(int4_avx2, "avx2 int4 dot", a, (a, k, g, s, o); 1 2 3 4)
-        }
-    }
-
-    #[target_feature(enable = "avx2")]
-    unsafe fn int4_avx2<const R: usize>(
-        a: &[*const u8],
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        // SAFETY: forwarded; AVX2 is enabled here.
-        unsafe { int4_256_nibbles::<R>(a, k, g, s, o) }
-    }
+    entry!(
+        /// AMXINT4 with AVX2 (sign-extended nibbles, one `vpmaddwd` per nibble pair).
+        dot_int4_avx2, int4_avx2, int4_256, Avx2Sign, "avx2", "avx2 int4 dot"; 1 2 3 4
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
