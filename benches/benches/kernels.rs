@@ -123,23 +123,30 @@ fn layer_format(
     g.sample_size(10);
     for tokens in [1usize, 32, 512] {
         let x = rng.normals(tokens * h, 1.0);
-        let (ids, w) = routing(&mut rng, tokens, e, k);
+        // Fresh routing per call (cycled): one fixed routing would keep a decode's few
+        // experts of both layers in the last-level cache (int4: 2 × 9.4 MB).
+        let routings: Vec<_> = (0..16).map(|_| routing(&mut rng, tokens, e, k)).collect();
         let mut out = vec![0f32; tokens * h];
-        let distinct = {
-            let mut v = ids.clone();
-            v.sort();
-            v.dedup();
-            v.len()
-        };
+        let distinct: usize = routings
+            .iter()
+            .map(|(ids, _)| {
+                let mut v = ids.clone();
+                v.sort();
+                v.dedup();
+                v.len()
+            })
+            .sum::<usize>()
+            / routings.len();
         g.throughput(Throughput::Bytes(
             (distinct as f64 * 3.0 * (h * i) as f64 * bytes_per_weight) as u64,
         ));
-        let mut which = 0;
+        let mut call = 0usize;
         g.bench_function(BenchmarkId::new("tokens", tokens), |b| {
             b.iter(|| {
-                which ^= 1;
-                layers[which]
-                    .forward_f32(pool, &mut ws, &x, &ids, &w, &mut out)
+                call += 1;
+                let (ids, w) = &routings[(call / 2) % routings.len()];
+                layers[call % 2]
+                    .forward_f32(pool, &mut ws, &x, ids, w, &mut out)
                     .unwrap()
             })
         });
