@@ -18,8 +18,13 @@ use crate::moe::{Proj, WeightFormat};
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+/// Bytes read per `read` call when loading a matrix stored in one run: small enough that a
+/// piece is still in L2 when its row sums are taken, large enough that calls are few.
+pub const READ_PIECE_BYTES: usize = 128 << 10;
 
 /// The projections in file-name spelling.
 pub const PROJS: [(Proj, &str); 3] = [(Proj::Gate, "gate"), (Proj::Up, "up"), (Proj::Down, "down")];
@@ -328,6 +333,10 @@ impl ConvertedLayer {
 
     /// Read one part of one expert's projection into the in-memory layout: `mem` gets the
     /// matrix (re-blocked from the file layout where it differs), `scales` the row scales.
+    /// `ready(mem, range)` is called, in order, for pieces of whole 32-row groups as soon as
+    /// they hold their final bytes, so the caller can post-process each piece while it is
+    /// still in cache (pieces of [`READ_PIECE_BYTES`], or one file row block where the layout
+    /// is re-blocked).
     pub fn read_into(
         &self,
         expert: usize,
@@ -335,6 +344,7 @@ impl ConvertedLayer {
         part: usize,
         mem: &mut [u8],
         scales: &mut [f32],
+        ready: &mut dyn FnMut(&[u8], Range<usize>),
     ) -> Result<()> {
         let (q, s) = self.locate(expert, proj, part)?;
         let (n, k) = self.shape.part_dims(proj);
@@ -349,8 +359,30 @@ impl ConvertedLayer {
             s.len
         );
         let file = &self.store.files[q.file];
-        for (m, f, len) in crate::quant::file_runs(int4, n, k)? {
-            file.read_exact_at(&mut mem[m..m + len], q.offset + f as u64)?;
+        let runs = crate::quant::file_runs(int4, n, k)?;
+        if let [(0, 0, len)] = runs[..] {
+            let group = crate::quant::matrix_bytes(int4, crate::quant::GROUP_ROWS, k);
+            let piece = group * (READ_PIECE_BYTES / group).max(1);
+            for start in (0..len).step_by(piece) {
+                let end = (start + piece).min(len);
+                file.read_exact_at(&mut mem[start..end], q.offset + start as u64)?;
+                ready(mem, start..end);
+            }
+        } else {
+            // Runs come row block by row block (see `file_runs`); a block is complete once
+            // the next run starts in another one.
+            let block = crate::quant::matrix_bytes(int4, crate::quant::file_n_block(int4), k);
+            let mut current: Option<usize> = None;
+            for (m, f, len) in runs {
+                if let Some(b) = current.filter(|&b| b != m / block) {
+                    ready(mem, b * block..((b + 1) * block).min(mem.len()));
+                }
+                current = Some(m / block);
+                file.read_exact_at(&mut mem[m..m + len], q.offset + f as u64)?;
+            }
+            if let Some(b) = current {
+                ready(mem, b * block..((b + 1) * block).min(mem.len()));
+            }
         }
         // SAFETY: f32 has no padding and every bit pattern is valid; the slice covers `scales`.
         let bytes = unsafe {

@@ -752,7 +752,7 @@ impl MoeLayer {
             team.parallel_for(c.num_experts * 3, &|task| {
                 let (slot, which) = (task / 3, task % 3);
                 let proj = crate::converted::PROJS[which].0;
-                let result = (|| -> Result<()> {
+                let result = {
                     let (n, k) = shape.part_dims(proj);
                     let t = targets[part][which];
                     let int4 = fmt == WeightFormat::Int4;
@@ -766,16 +766,18 @@ impl MoeLayer {
                             std::slice::from_raw_parts_mut(t.sum.get().add(slot * n), n),
                         )
                     };
-                    files.read_into(logical[slot], proj, part, mat, scales)?;
                     let group_bytes = fmt.matrix_bytes(PANEL, k);
-                    for (group, sums) in mat
-                        .chunks_exact(group_bytes)
-                        .zip(sums.chunks_exact_mut(PANEL))
-                    {
-                        sums.copy_from_slice(&crate::kernels::int8::row_sums_fast(group, k, int4));
-                    }
-                    Ok(())
-                })();
+                    // Row sums of each piece as it arrives, while its bytes are in cache.
+                    let mut sum_piece = |mat: &[u8], bytes: Range<usize>| {
+                        for g in bytes.start / group_bytes..bytes.end / group_bytes {
+                            let group = &mat[g * group_bytes..(g + 1) * group_bytes];
+                            sums[g * PANEL..(g + 1) * PANEL].copy_from_slice(
+                                &crate::kernels::int8::row_sums_fast(group, k, int4),
+                            );
+                        }
+                    };
+                    files.read_into(logical[slot], proj, part, mat, scales, &mut sum_piece)
+                };
                 if let Err(err) = result {
                     first_error.lock().unwrap().get_or_insert(err);
                 }
