@@ -787,11 +787,16 @@ impl DotKernel {
                 "DotKernel::dot_x8: output too short"
             );
         }
-        let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
-        for a in activations {
-            if let Err(e) = self.check(k, row_bytes, a.len()) {
+        // The full shape check once, then only lengths: this runs per panel in prefill.
+        if let Some(first) = activations.first() {
+            let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
+            if let Err(e) = self.check(k, row_bytes, first.len()) {
                 panic!("DotKernel::dot_x8: {e}");
             }
+            assert!(
+                activations.iter().all(|a| a.len() == first.len()),
+                "DotKernel::dot_x8: activation rows of different lengths"
+            );
         }
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
