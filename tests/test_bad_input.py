@@ -169,8 +169,10 @@ def test_every_runnable_variant_and_two_subpools_end_to_end(variant, parts):
 @pytest.mark.parametrize("setting", ["0", "4096", "lots"])
 def test_prefetch_setting_is_used_or_refused_clearly(setting):
     # Prefetching changes speed only: the same layer output with and without it.
-    r = _run(LOWER_LEVEL_CHECK.format(tests=os.path.dirname(__file__), parts=1),
-             KT_KERNEL_PREFETCH=setting)
+    r = _run(
+        LOWER_LEVEL_CHECK.format(tests=os.path.dirname(__file__), parts=1),
+        KT_KERNEL_PREFETCH=setting,
+    )
     if setting == "lots":
         assert r.returncode != 0 and "KT_KERNEL_PREFETCH" in r.stderr, r.stderr
         assert "Traceback" in r.stderr and "Segmentation" not in r.stderr

@@ -167,6 +167,28 @@ def test_submit_then_sync_and_captured_buffers_do_not_move(small_layer):
         KTMoEWrapper.set_capture_batch_sizes([])
 
 
+def test_forward_with_other_work_queued_keeps_order_and_results():
+    # forward() runs on the calling thread only when the engine is idle; with a submitted,
+    # not yet synced forward (this layer's or another's) it queues behind it.
+    layers = []
+    for j in range(2):
+        weights = random_experts(8, 64, 64, seed=50 + j)
+        w = make_wrapper(layer_idx=60 + 2 * j, e=8, k=2)
+        w.load_weights_from_tensors(*weights)
+        layers.append((w, weights))
+    (a, wa), (b, wb) = layers
+    xs = [torch.randn(5, 64) for _ in range(3)]
+    routes = [random_routing(5, 8, 2, seed=70 + i) for i in range(3)]
+    a.submit_forward(xs[0], *routes[0])
+    out_b = b.forward(xs[1], *routes[1])  # another layer's forward is pending
+    a.submit_forward(xs[2], *routes[2])
+    # This layer has two pending: forward = submit + sync, and sync returns the oldest.
+    outs_a = [a.forward(xs[1], *routes[1]), a.sync_forward(xs[0]), a.sync_forward(xs[0])]
+    assert rel_l2(out_b, reference_moe(xs[1], *routes[1], *wb)) < 5e-3
+    for out, i in zip(outs_a, [0, 2, 1], strict=True):
+        assert rel_l2(out, reference_moe(xs[i], *routes[i], *wa)) < 5e-3
+
+
 def test_several_wrappers_from_several_threads():
     layers = []
     for j in range(3):

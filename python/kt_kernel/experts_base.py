@@ -316,13 +316,19 @@ class BaseMoEWrapper:
             is_protected, minus, expert_ids
         )
 
-    def _submit(self, x, ids, w, out, residual) -> int:
+    def _check_loaded(self) -> None:
         if self.moe is None or not self.moe.loaded:
             raise RuntimeError(
                 f"layer {self.layer_idx}: load_weights() or load_weights_from_tensors() must "
                 "be called before forward"
             )
-        return self.moe.submit_forward(
+
+    def _submit(self, x, ids, w, out, residual) -> int:
+        self._check_loaded()
+        return self.moe.submit_forward(*self._forward_args(x, ids, w, out, residual))
+
+    def _forward_args(self, x, ids, w, out, residual) -> tuple:
+        return (
             x.shape[0],
             x.data_ptr(),
             _FLOAT_DTYPES[x.dtype],
@@ -399,5 +405,26 @@ class BaseMoEWrapper:
 
     def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> torch.Tensor:
         """``submit_forward`` then ``sync_forward``; output has ``hidden_states``' shape."""
-        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
-        return self.sync_forward(hidden_states, cuda_stream).reshape(hidden_states.shape)
+        if self._can_run_now():
+            x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
+            out_dtype = (
+                hidden_states.dtype if hidden_states.dtype in _FLOAT_DTYPES else torch.float32
+            )
+            out = self._buffer("out", x.shape[0], out_dtype)
+            self._check_loaded()
+            # On this thread when the engine is idle: no hand-off to the engine thread and back.
+            self.moe.forward_now(*self._forward_args(x, ids, w, out, None))
+            if device.type != "cpu":
+                out = out.to(device)
+        else:
+            self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+            out = self.sync_forward(hidden_states, cuda_stream)
+        return out if out.shape == hidden_states.shape else out.reshape(hidden_states.shape)
+
+    def _can_run_now(self) -> bool:
+        """A forward may skip the queue: nothing of this layer pending, no deferred experts
+        to split off, none from the previous layer to add."""
+        if self._pending or self.max_deferred_experts_per_token > 0:
+            return False
+        with BaseMoEWrapper._class_lock:
+            return (self.layer_idx - 1) not in BaseMoEWrapper._pending_deferred

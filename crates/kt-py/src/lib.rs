@@ -4,7 +4,7 @@
 use kt_core::convert::{ConvertOptions, ConvertProgress, ConvertReport, InputType};
 use kt_core::converted::{ConvertedLayer, LayerShape};
 use kt_core::dtype::FloatType;
-use kt_core::engine::Engine as CoreEngine;
+use kt_core::engine::{Engine as CoreEngine, Task};
 use kt_core::ggml::{self, GgmlType};
 use kt_core::gguf::GgufModel;
 use kt_core::isa;
@@ -601,6 +601,65 @@ impl MoeLayer {
         residual_dtype: &str,
         mask_ptr: usize,
     ) -> PyResult<u64> {
+        let task = self.forward_task(
+            qlen,
+            [
+                hidden_ptr,
+                ids_ptr,
+                weights_ptr,
+                out_ptr,
+                residual_ptr,
+                mask_ptr,
+            ],
+            [hidden_dtype, ids_dtype, out_dtype, residual_dtype],
+        )?;
+        Ok(self.engine.submit(task))
+    }
+
+    /// Run a forward now and return when it is done (arguments as `submit_forward`): on the
+    /// calling thread, with the GIL released, when the engine has nothing queued; else queued
+    /// behind the pending work and waited for.
+    #[pyo3(signature = (qlen, hidden_ptr, hidden_dtype, ids_ptr, ids_dtype, weights_ptr, out_ptr,
+                        out_dtype, residual_ptr=0, residual_dtype="float32", mask_ptr=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward_now(
+        &self,
+        py: Python<'_>,
+        qlen: usize,
+        hidden_ptr: usize,
+        hidden_dtype: &str,
+        ids_ptr: usize,
+        ids_dtype: &str,
+        weights_ptr: usize,
+        out_ptr: usize,
+        out_dtype: &str,
+        residual_ptr: usize,
+        residual_dtype: &str,
+        mask_ptr: usize,
+    ) -> PyResult<()> {
+        let task = self.forward_task(
+            qlen,
+            [
+                hidden_ptr,
+                ids_ptr,
+                weights_ptr,
+                out_ptr,
+                residual_ptr,
+                mask_ptr,
+            ],
+            [hidden_dtype, ids_dtype, out_dtype, residual_dtype],
+        )?;
+        let engine = &self.engine;
+        py.detach(move || engine.run_now(task)).py()
+    }
+}
+
+impl MoeLayer {
+    /// The engine task of one forward. `ptrs`: hidden, ids, weights, out, residual, mask
+    /// (0 = none for the last two); `dtypes`: hidden, ids, out, residual.
+    fn forward_task(&self, qlen: usize, ptrs: [usize; 6], dtypes: [&str; 4]) -> PyResult<Task> {
+        let [hidden_ptr, ids_ptr, weights_ptr, out_ptr, residual_ptr, mask_ptr] = ptrs;
+        let [hidden_dtype, ids_dtype, out_dtype, residual_dtype] = dtypes;
         let ids_i64 = match kt_core::dtype::IdType::parse(ids_dtype).py()? {
             kt_core::dtype::IdType::I64 => true,
             kt_core::dtype::IdType::I32 => false,
@@ -631,12 +690,12 @@ impl MoeLayer {
             }
         }
         let layer = self.layer.clone();
-        Ok(self.engine.submit(Box::new(move |ctx| {
+        Ok(Box::new(move |ctx| {
             let l = layer.read().unwrap();
             // SAFETY: the Python layer validated every tensor against qlen and the layer shape,
-            // and keeps them alive until the ticket is waited for.
+            // and keeps them alive until the forward is done.
             unsafe { l.forward_raw(ctx.pool, ctx.workspace, &args) }
-        })))
+        }))
     }
 }
 
