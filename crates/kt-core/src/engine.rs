@@ -42,6 +42,9 @@ pub struct Engine {
     workspace: Arc<Mutex<Workspace>>,
     thread: Option<JoinHandle<()>>,
     pid: u32,
+    /// Whether `run_now` may run a task on the caller's thread: only with one NUMA node, since
+    /// an unpinned caller could sit on another node than sub-pool 0's memory.
+    inline_allowed: bool,
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -84,6 +87,7 @@ impl Engine {
             workspace,
             thread: Some(thread),
             pid: std::process::id(),
+            inline_allowed: crate::topology::Topology::global().nodes.len() <= 1,
         })
     }
 
@@ -110,9 +114,14 @@ impl Engine {
     /// Run `task` on the calling thread when the engine is idle (nothing queued or running),
     /// else queue it and wait for it. The result is the same as `submit` + `wait`, without the
     /// two thread hand-offs (tens of µs on a VM: a one-token decode is about a millisecond).
-    /// Order is kept: a task submitted meanwhile runs after this one.
+    /// Order is kept: a task submitted meanwhile runs after this one. On machines with several
+    /// NUMA nodes tasks always go through the engine thread, which is pinned to sub-pool 0's.
     pub fn run_now(&self, task: Task) -> Result<()> {
         self.check_not_forked()?;
+        if !self.inline_allowed {
+            let ticket = self.submit(task);
+            return self.wait(ticket);
+        }
         let mut st = self.shared.state.lock().unwrap();
         // Idle means the worker has released the workspace too (it does so before it marks a
         // task completed), so this only fails if another thread is running a task inline.
