@@ -192,8 +192,9 @@ mod x86 {
     //! at the end) or the sign trick without VNNI (`vpmaddubsw` on |a| and sign-moved weights,
     //! then `vpmaddwd` with ones; with |a|, |w| ≤ 127 every i16 pair sum ≤ 32258 is exact, and
     //! −128 never occurs because the quantisers do not produce it). The 256-bit AMXINT4 loop
-    //! sign-extends the nibbles instead and multiplies them with the biased activations
-    //! (`Op256::dot_nibbles`: AVX2 needs no sign op there). Each op is a few
+    //! needs no sign op: AVX2 multiplies the unsigned nibbles `v + 8` with the signed
+    //! activations, AVX-VNNI the sign-extended nibbles with the biased ones
+    //! (`Op256::dot_nibbles`); each removes its offset at the end. Each op is a few
     //! instructions; the loops, layouts and epilogues are shared, so the variants this CPU
     //! cannot run (AVX-VNNI here) differ from tested code only in that op.
     use std::arch::x86_64::*;
@@ -263,8 +264,13 @@ mod x86 {
             // SAFETY: forwarded.
             unsafe { Self::prep(quad256(row.add(off))) }
         }
-        /// `acc += Σ_4 a_lo·w_lo + Σ_4 a_hi·w_hi` per i32 lane, for unsigned (biased)
-        /// activations and small signed weights (|w| ≤ 8, the AMXINT4 nibbles).
+        /// Whether the AMXINT4 loop hands `dot_nibbles` the nibbles as unsigned `v + 8` and the
+        /// *signed* activations (then `8·Σa` comes off at the end), rather than signed nibbles
+        /// and the biased activations (then `128·Σv`, the row sums).
+        const NIBBLES_UNSIGNED: bool = false;
+        /// `acc += Σ_4 a_lo·w_lo + Σ_4 a_hi·w_hi` per i32 lane, for the AMXINT4 nibbles: signed
+        /// `v` (|v| ≤ 8) against biased activations, or, with [`Op256::NIBBLES_UNSIGNED`],
+        /// unsigned `v + 8` against signed activations.
         unsafe fn dot_nibbles(
             acc: __m256i,
             a_lo: __m256i,
@@ -301,8 +307,11 @@ mod x86 {
             // SAFETY: the signed copy starts at k, the absolute one at 2k (trait contract).
             unsafe { (quad256(row.add(2 * k + off)), quad256(row.add(k + off))) }
         }
-        /// |a·w| ≤ 255·8: both nibbles' pair sums share one i16 lane (≤ 8160), so one
-        /// `vpmaddwd` widens the two products.
+        /// Unsigned nibbles: decoding them is two ops fewer per vector than sign-extending.
+        const NIBBLES_UNSIGNED: bool = true;
+        /// `vpmaddubsw` takes the nibbles (0..=15) as its unsigned operand and the signed
+        /// activations as the other: |u·a| ≤ 15·127, so both nibbles' pair sums share one i16
+        /// lane (≤ 7620) and one `vpmaddwd` widens the two products.
         #[inline(always)]
         unsafe fn dot_nibbles(
             acc: __m256i,
@@ -314,8 +323,8 @@ mod x86 {
             // SAFETY: only inlined into functions with avx2 enabled.
             unsafe {
                 let p = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(a_lo, w_lo),
-                    _mm256_maddubs_epi16(a_hi, w_hi),
+                    _mm256_maddubs_epi16(w_lo, a_lo),
+                    _mm256_maddubs_epi16(w_hi, a_hi),
                 );
                 _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
             }
@@ -525,10 +534,11 @@ mod x86 {
         }
     }
 
-    /// AMXINT4 group, 256-bit: nibbles sign-extended to `v` (`(b ^ 0x88) & 0x0F − 8`, once
-    /// per weight vector for all rows) against the biased activations, so AVX2 needs no
-    /// per-row sign op (see [`Op256::dot_nibbles`]). `out = 16·Σ a_u8·v − 128·Σ 16·v` is the
-    /// same integer as the scalar twin's.
+    /// AMXINT4 group, 256-bit: `(b ^ 0x88) & 0x0F` is `v + 8` (once per weight vector for all
+    /// rows). With [`Op256::NIBBLES_UNSIGNED`] that goes against the signed activations and
+    /// `out = 16·Σ a·(v + 8) − 128·Σ a`; otherwise the nibbles are sign-extended (`− 8`) for
+    /// the biased activations and `out = 16·Σ a_u8·v − 128·Σ 16·v`. Either is the scalar
+    /// twin's integer; neither needs a per-row sign op.
     ///
     /// # Safety
     /// The [`super::Int4DotFn`] contract; the caller enables the op's features.
@@ -548,6 +558,8 @@ mod x86 {
             let nibble = _mm256_set1_epi8(0x0F);
             let eight = _mm256_set1_epi8(8);
             let pf = crate::kernels::prefetch::distance();
+            // The activation copy the op multiplies: signed (at k) or biased (at 0).
+            let act_copy = if O::NIBBLES_UNSIGNED { k } else { 0 };
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 128 {
                 for h in 0..2 {
@@ -559,15 +571,17 @@ mod x86 {
                         for half in 0..2 {
                             let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
                             let x = _mm256_xor_si256(b, flip);
-                            lo[half] = _mm256_sub_epi8(_mm256_and_si256(x, nibble), eight);
-                            hi[half] = _mm256_sub_epi8(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble),
-                                eight,
-                            );
+                            lo[half] = _mm256_and_si256(x, nibble);
+                            hi[half] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                            if !O::NIBBLES_UNSIGNED {
+                                lo[half] = _mm256_sub_epi8(lo[half], eight);
+                                hi[half] = _mm256_sub_epi8(hi[half], eight);
+                            }
                         }
                         for r in 0..R {
-                            let a_lo = quad256(a[r].add(t * 128 + w * 4));
-                            let a_hi = quad256(a[r].add(t * 128 + 64 + w * 4));
+                            let act = a[r].add(act_copy + t * 128 + w * 4);
+                            let a_lo = quad256(act);
+                            let a_hi = quad256(act.add(64));
                             for half in 0..2 {
                                 let q = 2 * h + half;
                                 acc[r][q] =
@@ -580,14 +594,49 @@ mod x86 {
                 }
             }
             for (r, row) in acc.iter().enumerate() {
+                let act_sum = if O::NIBBLES_UNSIGNED {
+                    signed_sum256(a[r].add(k), k)
+                } else {
+                    _mm256_setzero_si256()
+                };
                 for (q, v) in row.iter().enumerate() {
-                    let sums = _mm256_loadu_si256(s.add(q * 8) as *const __m256i);
+                    let offset = if O::NIBBLES_UNSIGNED {
+                        act_sum
+                    } else {
+                        _mm256_loadu_si256(s.add(q * 8) as *const __m256i)
+                    };
                     _mm256_storeu_si256(
                         o.add(r * 32 + q * 8) as *mut __m256i,
-                        _mm256_sub_epi32(_mm256_slli_epi32::<4>(*v), _mm256_slli_epi32::<7>(sums)),
+                        _mm256_sub_epi32(
+                            _mm256_slli_epi32::<4>(*v),
+                            _mm256_slli_epi32::<7>(offset),
+                        ),
                     );
                 }
             }
+        }
+    }
+
+    /// `Σ` of the `k` signed bytes at `p` (`k % 32 == 0`), in every i32 lane.
+    ///
+    /// # Safety
+    /// `k` readable bytes at `p`; AVX2 in the caller.
+    #[inline(always)]
+    unsafe fn signed_sum256(p: *const u8, k: usize) -> __m256i {
+        // SAFETY: the contract above.
+        unsafe {
+            let ones8 = _mm256_set1_epi8(1);
+            let ones16 = _mm256_set1_epi16(1);
+            let mut acc = _mm256_setzero_si256();
+            for i in (0..k).step_by(32) {
+                let v = _mm256_loadu_si256(p.add(i) as *const __m256i);
+                let pairs = _mm256_maddubs_epi16(ones8, v);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones16));
+            }
+            // Horizontal sum, left in every lane.
+            let acc = _mm256_add_epi32(acc, _mm256_shuffle_epi32::<0b01_00_11_10>(acc));
+            let acc = _mm256_add_epi32(acc, _mm256_shuffle_epi32::<0b10_11_00_01>(acc));
+            _mm256_add_epi32(acc, _mm256_permute2x128_si256::<0x01>(acc, acc))
         }
     }
 
