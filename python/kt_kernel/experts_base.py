@@ -60,6 +60,11 @@ class _Pending:
     keep_alive: tuple
 
 
+def _out_dtype(hidden_states: torch.Tensor) -> torch.dtype:
+    """Outputs come in the hidden states' float type (float32 for any other)."""
+    return hidden_states.dtype if hidden_states.dtype in _FLOAT_DTYPES else torch.float32
+
+
 class BaseMoEWrapper:
     """One MoE layer on the CPU. Backends set ``self.moe`` (the native layer) and implement
     ``load_weights``/``load_weights_from_tensors``."""
@@ -350,7 +355,7 @@ class BaseMoEWrapper:
         """
         x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
         qlen = x.shape[0]
-        out_dtype = hidden_states.dtype if hidden_states.dtype in _FLOAT_DTYPES else torch.float32
+        out_dtype = _out_dtype(hidden_states)
         d = self.max_deferred_experts_per_token
         with BaseMoEWrapper._class_lock:
             prev = BaseMoEWrapper._pending_deferred.pop(self.layer_idx - 1, None)
@@ -407,10 +412,7 @@ class BaseMoEWrapper:
         """``submit_forward`` then ``sync_forward``; output has ``hidden_states``' shape."""
         if self._can_run_now():
             x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
-            out_dtype = (
-                hidden_states.dtype if hidden_states.dtype in _FLOAT_DTYPES else torch.float32
-            )
-            out = self._buffer("out", x.shape[0], out_dtype)
+            out = self._buffer("out", x.shape[0], _out_dtype(hidden_states))
             self._check_loaded()
             # On this thread when the engine is idle: no hand-off to the engine thread and back.
             self.moe.forward_now(*self._forward_args(x, ids, w, out, None))
