@@ -28,7 +28,10 @@ def test_matches_reference_within_the_originals_error(method, tokens):
     w = make_wrapper(e=8, k=2, h=128, i=256, method=method)
     assert w.moe.kernel == kt_kernel.__int8_kernel__
     w.load_weights_from_tensors(g, u, d)
-    x = torch.randn(tokens, 128, dtype=torch.bfloat16)
+    # Seeded: one token's error is itself random (AMXINT4: mean 0.22, above 0.27 for 4.5% of
+    # draws), so an unseeded draw would make this test flaky.
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16)
     ids, wt = random_routing(tokens, 8, 2, seed=tokens)
     err = rel_l2(w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d))
     assert 1e-4 < err < BOUND[method]

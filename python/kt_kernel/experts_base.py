@@ -255,7 +255,11 @@ class BaseMoEWrapper:
                 f"hidden_states has shape {tuple(hidden_states.shape)}; its last dimension must "
                 f"be hidden_size={self.hidden_size} (layer {self.layer_idx})"
             )
-        x = hidden_states.reshape(-1, self.hidden_size)
+        x = (
+            hidden_states
+            if hidden_states.dim() == 2
+            else hidden_states.reshape(-1, self.hidden_size)
+        )
         qlen = x.shape[0]
         if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
             raise TypeError("topk_ids and topk_weights must be torch.Tensors")
@@ -290,16 +294,27 @@ class BaseMoEWrapper:
                 "gpu_experts_mask must stay a contiguous CPU bool tensor of num_experts entries "
                 "(update it in place with .copy_())"
             )
+        # Conversions only where needed: each torch call costs about a microsecond, and a
+        # one-token decode is about a millisecond.
         device = hidden_states.device
-        x = x.to("cpu")
+        if device.type != "cpu":
+            x = x.to("cpu")
         if x.dtype not in _FLOAT_DTYPES:
             x = x.to(torch.float32)
-        x = x.contiguous()
-        ids = topk_ids.to("cpu")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        ids = topk_ids
+        if ids.device.type != "cpu":
+            ids = ids.to("cpu")
         if ids.dtype not in _ID_DTYPES:
             ids = ids.to(torch.int64)
-        ids = ids.contiguous()
-        w = topk_weights.to("cpu", torch.float32).contiguous()
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        w = topk_weights
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            w = w.to("cpu", torch.float32)
+        if not w.is_contiguous():
+            w = w.contiguous()
         return x, ids, w, device
 
     @staticmethod
