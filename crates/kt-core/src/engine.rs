@@ -263,6 +263,28 @@ mod tests {
         Engine::new(Pool::new(cfg).unwrap()).unwrap()
     }
 
+    type Gate = Arc<(Mutex<bool>, Condvar)>;
+
+    /// Submit a task that blocks until the returned gate is opened (`open(&gate)`).
+    fn submit_blocked(e: &Engine) -> Gate {
+        let gate: Gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g2 = gate.clone();
+        e.submit(Box::new(move |_| {
+            let (m, cv) = &*g2;
+            let mut open = m.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+            Ok(())
+        }));
+        gate
+    }
+
+    fn open(gate: &Gate) {
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+    }
+
     #[test]
     fn fifo_order_and_sync() {
         let e = engine();
@@ -344,22 +366,12 @@ mod tests {
     #[test]
     fn run_now_queues_behind_busy_work_and_reports_errors() {
         let e = engine();
-        let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let g2 = gate.clone();
-        e.submit(Box::new(move |_| {
-            let (m, cv) = &*g2;
-            let mut open = m.lock().unwrap();
-            while !*open {
-                open = cv.wait(open).unwrap();
-            }
-            Ok(())
-        }));
+        let gate = submit_blocked(&e);
         let caller = std::thread::current().id();
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(std::time::Duration::from_millis(20));
-                *gate.0.lock().unwrap() = true;
-                gate.1.notify_all();
+                open(&gate);
             });
             // Busy: runs on the worker, after the blocked task.
             e.run_now(Box::new(move |_| {
@@ -386,21 +398,11 @@ mod tests {
     #[test]
     fn sync_allows_pending() {
         let e = engine();
-        let gate = Arc::new((Mutex::new(false), Condvar::new()));
-        let g2 = gate.clone();
-        e.submit(Box::new(move |_| {
-            let (m, cv) = &*g2;
-            let mut open = m.lock().unwrap();
-            while !*open {
-                open = cv.wait(open).unwrap();
-            }
-            Ok(())
-        }));
+        let gate = submit_blocked(&e);
         // One task still blocked: sync(1) returns, sync(0) would wait.
         e.sync(1).unwrap();
         assert_eq!(e.pending(), 1);
-        *gate.0.lock().unwrap() = true;
-        gate.1.notify_all();
+        open(&gate);
         e.sync(0).unwrap();
     }
 }
