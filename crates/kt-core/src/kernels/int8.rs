@@ -268,17 +268,25 @@ mod x86 {
         /// *signed* activations (then `8·Σa` comes off at the end), rather than signed nibbles
         /// and the biased activations (then `128·Σv`, the row sums).
         const NIBBLES_UNSIGNED: bool = false;
-        /// `acc += Σ_4 a_lo·w_lo + Σ_4 a_hi·w_hi` per i32 lane, for the AMXINT4 nibbles: signed
-        /// `v` (|v| ≤ 8) against biased activations, or, with [`Op256::NIBBLES_UNSIGNED`],
-        /// unsigned `v + 8` against signed activations.
+        /// Adds the products of one weight line's nibbles to `partial`, a running sum over up
+        /// to [`NIBBLE_LINES_PER_WIDEN`] lines: signed `v` (|v| ≤ 8) against biased
+        /// activations, or, with [`Op256::NIBBLES_UNSIGNED`], unsigned `v + 8` against signed
+        /// activations. What a partial holds (i16 or i32 lanes) is the op's business.
         unsafe fn dot_nibbles(
-            acc: __m256i,
+            partial: __m256i,
             a_lo: __m256i,
             w_lo: __m256i,
             a_hi: __m256i,
             w_hi: __m256i,
         ) -> __m256i;
+        /// `acc + partial` as i32 lanes (each i32 lane: four inputs of one output).
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i;
     }
+
+    /// Weight lines whose nibble products [`Op256::dot_nibbles`] may sum before
+    /// [`Op256::widen_nibbles`]: with AVX2 a partial is i16 lanes, each gaining at most
+    /// 2 · 2 · 15 · 128 = 7680 per line, so four lines stay below 32768.
+    const NIBBLE_LINES_PER_WIDEN: usize = 4;
 
     /// AVX2: the sign trick with `vpsignb`.
     struct Avx2Sign;
@@ -310,11 +318,12 @@ mod x86 {
         /// Unsigned nibbles: decoding them is two ops fewer per vector than sign-extending.
         const NIBBLES_UNSIGNED: bool = true;
         /// `vpmaddubsw` takes the nibbles (0..=15) as its unsigned operand and the signed
-        /// activations as the other: |u·a| ≤ 15·127, so both nibbles' pair sums share one i16
-        /// lane (≤ 7620) and one `vpmaddwd` widens the two products.
+        /// activations as the other: |u·a| ≤ 15·128, so the pair sums of both nibbles of
+        /// several lines share one i16 lane, and one `vpmaddwd` per
+        /// [`NIBBLE_LINES_PER_WIDEN`] lines widens them (the multiply ports were the limit).
         #[inline(always)]
         unsafe fn dot_nibbles(
-            acc: __m256i,
+            partial: __m256i,
             a_lo: __m256i,
             w_lo: __m256i,
             a_hi: __m256i,
@@ -326,8 +335,13 @@ mod x86 {
                     _mm256_maddubs_epi16(w_lo, a_lo),
                     _mm256_maddubs_epi16(w_hi, a_hi),
                 );
-                _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+                _mm256_add_epi16(partial, p)
             }
+        }
+        #[inline(always)]
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(partial, _mm256_set1_epi16(1))) }
         }
     }
 
@@ -345,16 +359,24 @@ mod x86 {
             // SAFETY: only inlined into functions with avxvnni enabled.
             unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
         }
+        /// A partial is already i32 lanes.
         #[inline(always)]
         unsafe fn dot_nibbles(
-            acc: __m256i,
+            partial: __m256i,
             a_lo: __m256i,
             w_lo: __m256i,
             a_hi: __m256i,
             w_hi: __m256i,
         ) -> __m256i {
             // SAFETY: as above.
-            unsafe { _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, a_lo, w_lo), a_hi, w_hi) }
+            unsafe {
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(partial, a_lo, w_lo), a_hi, w_hi)
+            }
+        }
+        #[inline(always)]
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(acc, partial) }
         }
     }
 
@@ -563,29 +585,41 @@ mod x86 {
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 128 {
                 for h in 0..2 {
-                    for w in 0..16 {
-                        let line = g.add(t * 2048 + h * 1024 + w * 64);
-                        crate::kernels::prefetch::ahead(line, pf);
-                        let mut lo = [_mm256_setzero_si256(); 2];
-                        let mut hi = [_mm256_setzero_si256(); 2];
-                        for half in 0..2 {
-                            let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
-                            let x = _mm256_xor_si256(b, flip);
-                            lo[half] = _mm256_and_si256(x, nibble);
-                            hi[half] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
-                            if !O::NIBBLES_UNSIGNED {
-                                lo[half] = _mm256_sub_epi8(lo[half], eight);
-                                hi[half] = _mm256_sub_epi8(hi[half], eight);
+                    for w0 in (0..16).step_by(NIBBLE_LINES_PER_WIDEN) {
+                        let mut partial = [[_mm256_setzero_si256(); 2]; R];
+                        for w in w0..w0 + NIBBLE_LINES_PER_WIDEN {
+                            let line = g.add(t * 2048 + h * 1024 + w * 64);
+                            crate::kernels::prefetch::ahead(line, pf);
+                            let mut lo = [_mm256_setzero_si256(); 2];
+                            let mut hi = [_mm256_setzero_si256(); 2];
+                            for half in 0..2 {
+                                let b = _mm256_loadu_si256(line.add(half * 32) as *const __m256i);
+                                let x = _mm256_xor_si256(b, flip);
+                                lo[half] = _mm256_and_si256(x, nibble);
+                                hi[half] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                                if !O::NIBBLES_UNSIGNED {
+                                    lo[half] = _mm256_sub_epi8(lo[half], eight);
+                                    hi[half] = _mm256_sub_epi8(hi[half], eight);
+                                }
+                            }
+                            for r in 0..R {
+                                let act = a[r].add(act_copy + t * 128 + w * 4);
+                                let (a_lo, a_hi) = (quad256(act), quad256(act.add(64)));
+                                for half in 0..2 {
+                                    partial[r][half] = O::dot_nibbles(
+                                        partial[r][half],
+                                        a_lo,
+                                        lo[half],
+                                        a_hi,
+                                        hi[half],
+                                    );
+                                }
                             }
                         }
                         for r in 0..R {
-                            let act = a[r].add(act_copy + t * 128 + w * 4);
-                            let a_lo = quad256(act);
-                            let a_hi = quad256(act.add(64));
                             for half in 0..2 {
                                 let q = 2 * h + half;
-                                acc[r][q] =
-                                    O::dot_nibbles(acc[r][q], a_lo, lo[half], a_hi, hi[half]);
+                                acc[r][q] = O::widen_nibbles(acc[r][q], partial[r][half]);
                             }
                         }
                     }
@@ -775,7 +809,7 @@ mod x86 {
         dot_avx2, int8_avx2, int8_256, Avx2Sign, "avx2", "avx2 int8 dot"; 1 2 3 4
     );
     entry!(
-        /// AMXINT4 with AVX2 (sign-extended nibbles, one `vpmaddwd` per nibble pair).
+        /// AMXINT4 with AVX2 (unsigned nibbles against signed activations, i16 partials).
         dot_int4_avx2, int4_avx2, int4_256, Avx2Sign, "avx2", "avx2 int4 dot"; 1 2 3 4
     );
 }
@@ -797,6 +831,8 @@ mod tests {
         ks: &'static [usize],
         /// Drawn values (INT8: q in [-127, 127]; INT4: v in [-7, 7]).
         draw: fn(&mut Rng) -> i8,
+        /// The largest drawn magnitude (127 or 7).
+        max_draw: i8,
         /// Multiplier from a drawn value to the weight the dot product uses.
         weight: i64,
         pack: fn(&[i8], usize, usize) -> crate::Result<Vec<u8>>,
@@ -807,6 +843,7 @@ mod tests {
     const INT8: Format = Format {
         ks: &[64, 192, 1024],
         draw: |rng| (rng.below(255) as i32 - 127) as i8, // -128 never occurs
+        max_draw: 127,
         weight: 1,
         pack: pack_amx_int8,
         sums: group_row_sums,
@@ -816,44 +853,77 @@ mod tests {
     const INT4: Format = Format {
         ks: &[128, 384],
         draw: |rng| (rng.below(15) as i32 - 7) as i8,
+        max_draw: 7,
         weight: 16,
         pack: crate::quant::pack_amx_int4,
         sums: group_row_sums_int4,
         twin: dot_int4_scalar,
     };
 
+    /// One case's weights and biased activations: `None` draws at random; `Some(±1)` is the
+    /// format's largest weight of that sign everywhere, `Some(x)` an activation of `x`
+    /// everywhere (the largest products, where an i16 partial sum could overflow).
+    const CASES: [(Option<i8>, Option<u8>); 5] = [
+        (None, None),
+        (Some(1), Some(255)),
+        (Some(1), Some(1)),
+        (Some(-1), Some(255)),
+        (Some(-1), Some(1)),
+    ];
+
     /// `f` equals the format's scalar twin exactly, and the twin equals plain row-major
-    /// arithmetic, on random data over the quantisers' whole range.
+    /// arithmetic, on random data over the quantisers' whole range and at its extremes.
     fn check(fmt: &Format, f: Int8DotFn, rows_max: usize, name: &str) {
         // With software prefetching on (it must not change a result).
         crate::kernels::prefetch::set(crate::kernels::prefetch::CANDIDATE);
         let mut rng = Rng::new(99);
         for &k in fmt.ks {
-            let w: Vec<i8> = (0..32 * k).map(|_| (fmt.draw)(&mut rng)).collect();
-            let group = (fmt.pack)(&w, 32, k).unwrap();
-            let sums = (fmt.sums)(&group, k);
-            for rows in 1..=rows_max {
-                let a: Vec<Vec<u8>> = (0..rows)
-                    .map(|_| {
-                        let biased: Vec<u8> = (0..k).map(|_| 1 + rng.below(255) as u8).collect();
-                        activation_row(&biased)
-                    })
-                    .collect();
-                let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
-                let mut got = vec![0i32; rows * 32];
-                let mut want = vec![0i32; rows * 32];
-                unsafe {
-                    f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
-                    (fmt.twin)(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
-                }
-                assert_eq!(got, want, "{name} rows={rows} k={k}");
-                for r in 0..rows {
-                    for j in 0..32 {
-                        let exact: i64 = (0..k)
-                            .map(|kk| (a[r][kk] as i64 - 128) * fmt.weight * w[j * k + kk] as i64)
-                            .sum();
-                        assert_eq!(want[r * 32 + j] as i64, exact);
-                    }
+            for case in CASES {
+                check_case(fmt, f, rows_max, name, k, case, &mut rng);
+            }
+        }
+    }
+
+    fn check_case(
+        fmt: &Format,
+        f: Int8DotFn,
+        rows_max: usize,
+        name: &str,
+        k: usize,
+        (weight_sign, act): (Option<i8>, Option<u8>),
+        rng: &mut Rng,
+    ) {
+        let w: Vec<i8> = (0..32 * k)
+            .map(|_| weight_sign.map_or_else(|| (fmt.draw)(rng), |sign| sign * fmt.max_draw))
+            .collect();
+        let group = (fmt.pack)(&w, 32, k).unwrap();
+        let sums = (fmt.sums)(&group, k);
+        for rows in 1..=rows_max {
+            let a: Vec<Vec<u8>> = (0..rows)
+                .map(|_| {
+                    let biased: Vec<u8> = (0..k)
+                        .map(|_| act.unwrap_or_else(|| 1 + rng.below(255) as u8))
+                        .collect();
+                    activation_row(&biased)
+                })
+                .collect();
+            let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
+            let mut got = vec![0i32; rows * 32];
+            let mut want = vec![0i32; rows * 32];
+            unsafe {
+                f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
+                (fmt.twin)(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());
+            }
+            assert_eq!(
+                got, want,
+                "{name} rows={rows} k={k} case {weight_sign:?}/{act:?}"
+            );
+            for r in 0..rows {
+                for j in 0..32 {
+                    let exact: i64 = (0..k)
+                        .map(|kk| (a[r][kk] as i64 - 128) * fmt.weight * w[j * k + kk] as i64)
+                        .sum();
+                    assert_eq!(want[r * 32 + j] as i64, exact);
                 }
             }
         }
