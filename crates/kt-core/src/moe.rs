@@ -1151,9 +1151,7 @@ impl MoeLayer {
                                 let sa = unsafe {
                                     *x_scale.get().add(routing.row_token[r0 + i] as usize)
                                 };
-                                for j in 0..PANEL {
-                                    dst[i * PANEL + j] = (acc[i * PANEL + j] as f32 * sw[j]) * sa;
-                                }
+                                scale_panel_row(&acc, sw, sa, i, dst);
                             }
                         }
                     }
@@ -1227,7 +1225,10 @@ impl MoeLayer {
             //    of down panels and hands each (row, panel, 32 values) to `sink`.
             let out_panels = h / PANEL;
             let down_panels =
-                |ei: usize, panels: Range<usize>, sink: &mut dyn FnMut(usize, usize, &[f32])| {
+                |ei: usize,
+                 panels: Range<usize>,
+                 before_block: &dyn Fn(Range<usize>, usize),
+                 sink: &mut dyn FnMut(usize, usize, &[f32])| {
                     let e = routing.experts[ei] as usize;
                     let rows = routing.offsets[ei]..routing.offsets[ei + 1];
                     let bf = bf16_for(rows.len(), ip);
@@ -1253,6 +1254,7 @@ impl MoeLayer {
                         let mut r0 = rows.start;
                         while r0 < rows.end {
                             let nr = block.min(rows.end - r0);
+                            before_block(r0..r0 + nr, p);
                             for i in 0..nr {
                                 // SAFETY: act row r0+i exists (rows ≤ capacity).
                                 unsafe {
@@ -1278,9 +1280,7 @@ impl MoeLayer {
                                 for i in 0..nr {
                                     // SAFETY: act_scale has a value per row.
                                     let sa = unsafe { *act_scale.get().add(r0 + i) };
-                                    for j in 0..PANEL {
-                                        o[i * PANEL + j] = (acc[i * PANEL + j] as f32 * sw[j]) * sa;
-                                    }
+                                    scale_panel_row(&acc, sw, sa, i, &mut o);
                                 }
                             }
                             if let Some((gp, plan)) = gguf {
@@ -1334,7 +1334,7 @@ impl MoeLayer {
                 team.parallel_for(n_experts * per_expert, &|task| {
                     let (ei, g) = (task / per_expert, task % per_expert);
                     let panels = g * group..((g + 1) * group).min(out_panels);
-                    down_panels(ei, panels, &mut |row, p, vals| {
+                    down_panels(ei, panels, &|_, _| {}, &mut |row, p, vals| {
                         let w = routing.row_weight[row];
                         // SAFETY: (row, panel p) of down_rows is written by this task only.
                         let dst = unsafe {
@@ -1378,8 +1378,19 @@ impl MoeLayer {
                 team.parallel_for(n_tasks, &|task| {
                     let panels = task * per_task..((task + 1) * per_task).min(out_panels);
                     zero_columns(panels.start * PANEL..panels.end * PANEL);
+                    // The sink adds to partial rows scattered by token: fetch a block's
+                    // lines while its kernel runs, or every add stalls on a cache miss.
+                    let fetch_partials = |rows: Range<usize>, p: usize| {
+                        for row in rows {
+                            let t = routing.row_token[row] as usize;
+                            crate::kernels::prefetch::lines(
+                                partial.get().wrapping_add(t * h + p * PANEL) as *const u8,
+                                PANEL * std::mem::size_of::<f32>(),
+                            );
+                        }
+                    };
                     for ei in 0..n_experts {
-                        down_panels(ei, panels.clone(), &mut |row, p, vals| {
+                        down_panels(ei, panels.clone(), &fetch_partials, &mut |row, p, vals| {
                             let t = routing.row_token[row] as usize;
                             let w = routing.row_weight[row];
                             // SAFETY: columns of panel p in token t's partial row: this task's.
@@ -1417,6 +1428,18 @@ impl MoeLayer {
             }
         }
         Ok(())
+    }
+}
+
+/// Row `i` of a panel's integer results to floats: `dst = (acc · w_scale) · a_scale` (the
+/// same two roundings as the scalar reference), on whole arrays so it vectorises.
+#[inline(always)]
+fn scale_panel_row(acc: &[i32], w_scale: &[f32], a_scale: f32, i: usize, dst: &mut [f32]) {
+    let acc: &[i32; PANEL] = acc[i * PANEL..(i + 1) * PANEL].try_into().unwrap();
+    let w_scale: &[f32; PANEL] = w_scale.try_into().unwrap();
+    let dst: &mut [f32; PANEL] = (&mut dst[i * PANEL..(i + 1) * PANEL]).try_into().unwrap();
+    for j in 0..PANEL {
+        dst[j] = (acc[j] as f32 * w_scale[j]) * a_scale;
     }
 }
 

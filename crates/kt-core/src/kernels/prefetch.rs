@@ -173,6 +173,21 @@ pub(crate) fn ahead(p: *const u8, distance: usize) {
     }
 }
 
+/// Prefetch every line of the `bytes` bytes at `p` (for data about to be read and written
+/// at scattered places, which the hardware prefetchers cannot predict).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn lines(p: *const u8, bytes: usize) {
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: as in `ahead`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(off) as *const i8,
+            )
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
