@@ -23,7 +23,7 @@ pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
 pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
     }
 }
 
@@ -34,7 +34,7 @@ pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32
 pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+        crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
     }
 }
 
@@ -45,7 +45,7 @@ pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32
 pub(super) unsafe fn q8_0(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4)
+        crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
     }
 }
 
