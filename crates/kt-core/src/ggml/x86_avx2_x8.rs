@@ -283,11 +283,12 @@ unsafe fn q4_k_rows<const R: usize>(
                 // The rows' scales as (s, s) 16-bit pairs, one pair per 32-bit lane.
                 let scales = u8_pairs(g.add(32 + 8 * j));
                 let mut acc16 = [_mm256_setzero_si256(); R];
+                // The sub-block's two lines (prefetched here, so the step loop has no branch).
+                let nibbles = g.add(160 + j * 128);
+                crate::kernels::prefetch::ahead(nibbles.add(32), pf);
+                crate::kernels::prefetch::ahead(nibbles.add(96), pf);
                 for p in 0..4 {
-                    let at = g.add(160 + (j * 4 + p) * 32);
-                    if p % 2 == 0 {
-                        crate::kernels::prefetch::ahead(at.add(32), pf);
-                    }
+                    let at = nibbles.add(p * 32);
                     let x = _mm256_loadu_si256(at as *const __m256i);
                     let lo = _mm256_and_si256(x, low4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low4);
