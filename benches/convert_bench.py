@@ -133,6 +133,21 @@ def write_checkpoint(path: str, layers: int, e: int, h: int, i: int) -> None:
         )
 
 
+def write_gbps(folder: str, size: int = 1 << 30) -> float:
+    """Sequential write of `size` bytes to a new file in `folder`, fsync included (as the
+    converter finishes every shard): the disk's bound on writing converted weights."""
+    block = os.urandom(16 << 20)
+    path = os.path.join(folder, "write-probe.bin")
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t
+    os.remove(path)
+    return size / seconds / 1e9
+
+
 def read_gbps(folder: str) -> float:
     buf = memoryview(bytearray(16 << 20))
     n, t = 0, time.perf_counter()
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         read_gbps(src)
         src_read = max(read_gbps(src) for _ in range(2))
+        disk_write = write_gbps(work)
         base = subprocess.run([sys.executable, "-c", BASE], capture_output=True, text=True)
         base_rss = int(base.stdout) * 1024
         rows = []
@@ -199,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(r.stderr, file=sys.stderr)
                 return 1
             peak = int(r.stdout.split("PEAK")[1]) * 1024 - base_rss
+            written = sum(
+                os.path.getsize(os.path.join(root, n))
+                for root, _, names in os.walk(out)
+                for n in names
+            )
             summary = r.stdout.split("PEAK")[0].strip()
             seconds = float(summary.split(" in ")[1].split(" s:")[0])
             loads = subprocess.run(
@@ -229,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                 "process_wall_s": wall,
                 "peak_rss_mb": peak / 2**20,
                 "input_read_gbps": src_read,
+                "output_gb": written / 1e9,
+                "output_write_gbps": written / seconds / 1e9,
+                "disk_write_gbps": disk_write,
                 "output_read1_gbps": load["read1_gbps"],
                 "output_read2_gbps": load["read2_gbps"],
                 "output_fresh2_gbps": load["fresh2_gbps"],
@@ -254,20 +278,25 @@ def main(argv: list[str] | None = None) -> int:
         f"Synthetic bf16 checkpoint: {a.layers} MoE layers of {a.experts} experts, "
         f"H={a.hidden}, I={a.inter} ({size / 1e9:.2f} GB), converted with "
         f"--threadpool-count {a.tp} --cpuinfer-threads {a.threads}; page-cache read of its "
-        f"shards (1 thread, read()) {src_read:.2f} GB/s.",
+        f"shards (1 thread, read()) {src_read:.2f} GB/s; sequential write to the same disk, "
+        f"fsync included, {disk_write:.2f} GB/s.",
         "",
-        "| method | convert s | GB/s of input | × page-cache read | converter peak RSS (beyond "
+        "| method | convert s | GB/s of input | × page-cache read | output GB written, GB/s "
+        "(× disk write) | converter peak RSS (beyond "
         "importing kt_kernel) | load per layer ms (median) | load GB/s | page-cache read of the "
         "output GB/s, 1 / 2 threads | load × the faster read | read into fresh memory, 2 "
         "threads, GB/s | load × that | load again into reused memory: ms (median), GB/s, × the "
         "faster read |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rss = f"{r['peak_rss_mb']:.0f} MB"
         lines.append(
             f"| {r['method']} | {r['convert_s']:.2f} | {r['convert_gbps']:.2f} | "
-            f"{r['convert_gbps'] / r['input_read_gbps']:.2f} | {rss} | "
+            f"{r['convert_gbps'] / r['input_read_gbps']:.2f} | {r['output_gb']:.2f}, "
+            f"{r['output_write_gbps']:.2f} "
+            f"({r['output_write_gbps'] / r['disk_write_gbps']:.2f}×) | "
+            f"{rss} | "
             f"{statistics.median(r['load_s']) * 1e3:.0f} | {r['load_gbps']:.2f} | "
             f"{r['output_read1_gbps']:.2f} / {r['output_read2_gbps']:.2f} | "
             f"{r['load_gbps'] / max(r['output_read1_gbps'], r['output_read2_gbps']):.2f} | "
