@@ -714,20 +714,29 @@ mod x86 {
         let high = _mm256_set1_epi8(0xF0u8 as i8);
         // acc[h][q]: rows 16h + 8q .. 16h + 8q + 8 (one 32-byte half of a line each).
         let mut acc = [[_mm256_setzero_si256(); 2]; 2];
-        let word_sums = |v: __m256i| _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
-        for (l, line) in group.chunks_exact(64).enumerate() {
-            let h = (l / 16) % 2;
+        // Pair sums of 16 lines (one half's run) stay in i16: |pair| ≤ 2·128 per byte vector,
+        // so ≤ 16·2·256 = 8192 with INT4's two nibble vectors; widened once per run.
+        let pairs = |v: __m256i| _mm256_maddubs_epi16(ones8, v);
+        for (run, lines) in group.chunks_exact(16 * 64).enumerate() {
+            let h = run % 2;
+            let mut acc16 = [_mm256_setzero_si256(); 2];
+            for line in lines.chunks_exact(64) {
+                for q in 0..2 {
+                    // SAFETY: 32 bytes inside the 64-byte line.
+                    let v =
+                        unsafe { _mm256_loadu_si256(line.as_ptr().add(32 * q) as *const __m256i) };
+                    let p = if int4 {
+                        let lo = _mm256_and_si256(_mm256_slli_epi16::<4>(v), high);
+                        let hi = _mm256_and_si256(v, high);
+                        _mm256_add_epi16(pairs(lo), pairs(hi))
+                    } else {
+                        pairs(v)
+                    };
+                    acc16[q] = _mm256_add_epi16(acc16[q], p);
+                }
+            }
             for q in 0..2 {
-                // SAFETY: 32 bytes inside the 64-byte line.
-                let v = unsafe { _mm256_loadu_si256(line.as_ptr().add(32 * q) as *const __m256i) };
-                let s = if int4 {
-                    let lo = _mm256_and_si256(_mm256_slli_epi16::<4>(v), high);
-                    let hi = _mm256_and_si256(v, high);
-                    _mm256_add_epi32(word_sums(lo), word_sums(hi))
-                } else {
-                    word_sums(v)
-                };
-                acc[h][q] = _mm256_add_epi32(acc[h][q], s);
+                acc[h][q] = _mm256_add_epi32(acc[h][q], _mm256_madd_epi16(acc16[q], ones16));
             }
         }
         let mut sums = [0i32; 32];
@@ -939,6 +948,20 @@ mod tests {
                 let want = (fmt.sums)(&group, k);
                 assert_eq!(row_sums_fast(&group, k, fmt.weight == 16), want);
                 assert_eq!(row_sums_scalar(&group, k, fmt.weight == 16), want);
+            }
+        }
+        // Extreme bytes (every value or nibble −128/−8 or +127/+7) over a long row: the fast
+        // path's i16 partial sums must not overflow.
+        for int4 in [false, true] {
+            let k = 4096;
+            let bytes = if int4 { 16 * k } else { 32 * k };
+            for b in [0x80u8, 0x88, 0x7F, 0x77, 0xFF] {
+                let group = vec![b; bytes];
+                assert_eq!(
+                    row_sums_fast(&group, k, int4),
+                    row_sums_scalar(&group, k, int4),
+                    "byte {b:#x} int4={int4}"
+                );
             }
         }
     }
