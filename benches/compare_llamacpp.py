@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     }
     lines = [
         "| type | tokens | llama.cpp (ggml) median ms | its buffer (other buffer ms) "
-        "| ours median ms | ours × llama.cpp (median) | best ms llama.cpp / ours |",
+        "| ours median ms | speed-up of ours (llama.cpp ÷ ours, medians) "
+        "| best ms llama.cpp / ours |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
