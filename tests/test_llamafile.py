@@ -173,6 +173,15 @@ def test_mixed_gate_up_and_down_types(tmp_path, types):
     check_layer(w, weights, 0.03, types=types)
 
 
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("Q4_K", "Q4_0")])
+def test_intermediate_size_needs_only_the_down_types_block(tmp_path, types):
+    """I = 96: no multiple of 256 (nor of 64); down's 32-value blocks are all it needs."""
+    weights = build_gguf(tmp_path / "m.gguf", types, i=96, seed=11)
+    w = llamafile(tmp_path / "m.gguf", i=96)
+    w.load_weights()
+    check_layer(w, weights, 0.03, types=types)
+
+
 def test_folder_of_two_shards_equals_one_file(tmp_path):
     one = tmp_path / "one"
     split = tmp_path / "split"
