@@ -271,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(len(args.tokens) * len(impls))
     results = []
     for tokens in args.tokens:
-        repeats = args.repeats or max(3, min(30, int(2000 / tokens)))
+        # At least 9 calls (3 per round) even for long prefills: a median of 3 is mostly noise here.
+        repeats = args.repeats or max(9, min(30, int(2000 / tokens)))
         # Fresh inputs per call, cycling layers so weights come from DRAM, not cache.
         calls = []
         for i in range(repeats + 1):
