@@ -158,33 +158,34 @@ unsafe fn flush(buf: &[u8]) {
     unsafe { _mm_mfence() };
 }
 
+/// Prefetch the line holding `p` into L1 (nothing off x86-64). Any address is fine:
+/// prefetches never fault.
+#[inline(always)]
+fn line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch has no architectural effect and does not fault on any address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Prefetch the line `distance` bytes after `p` (no-op when `distance` is 0). The address may
-/// lie past the end of the buffer: prefetches never fault.
-#[cfg(target_arch = "x86_64")]
+/// lie past the end of the buffer.
 #[inline(always)]
 pub(crate) fn ahead(p: *const u8, distance: usize) {
     if distance != 0 {
-        // SAFETY: prefetch has no architectural effect and does not fault on any address.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(distance) as *const i8,
-            )
-        };
+        line(p.wrapping_add(distance));
     }
 }
 
 /// Prefetch every line of the `bytes` bytes at `p` (for data about to be read and written
 /// at scattered places, which the hardware prefetchers cannot predict).
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn lines(p: *const u8, bytes: usize) {
     for off in (0..bytes).step_by(64) {
-        // SAFETY: as in `ahead`.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(off) as *const i8,
-            )
-        };
+        line(p.wrapping_add(off));
     }
 }
 
