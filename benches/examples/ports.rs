@@ -1,0 +1,114 @@
+//! Diagnostic: the multiply-accumulates per cycle that AVX2 byte dot-product instruction mixes
+//! sustain on this core (clock calibrated with a chain of dependent scalar adds), and the bound
+//! that puts on the AMXINT8 prefill of one Qwen3-30B-A3B layer. Without VNNI each 32 byte MACs
+//! of the int8 kernel cost `vpsignb`, `vpmaddubsw`, `vpmaddwd` and `vpaddd`.
+//! `cargo run --release -p kt-benches --example ports`
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::asm;
+    use std::time::Instant;
+
+    const ITERS: u32 = 20_000_000;
+
+    /// Seconds per iteration of `$body` (register-only AVX2 code on ymm0..ymm15).
+    macro_rules! per_iter {
+        ($($body:literal),+) => {{
+            let t = Instant::now();
+            for _ in 0..ITERS {
+                // SAFETY: register-only AVX2 arithmetic on clobbered registers; `run` checked
+                // AVX2 first.
+                unsafe {
+                    asm!(
+                        $($body),+,
+                        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                        out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                        out("ymm8") _, out("ymm9") _, out("ymm14") _, out("ymm15") _,
+                        options(nostack, nomem),
+                    )
+                }
+            }
+            t.elapsed().as_secs_f64() / ITERS as f64
+        }};
+    }
+
+    pub fn run() {
+        if !is_x86_feature_detected!("avx2") {
+            println!("no AVX2: nothing to measure");
+            return;
+        }
+        // 64 dependent adds: 64 cycles per iteration.
+        let t = Instant::now();
+        for _ in 0..ITERS {
+            // SAFETY: scalar arithmetic on a clobbered register.
+            unsafe {
+                asm!(".rept 64", "add {x}, {x}", ".endr", x = out(reg) _, options(nostack, nomem))
+            }
+        }
+        let hz = 64.0 / (t.elapsed().as_secs_f64() / ITERS as f64);
+        println!("core clock (dependent adds): {:.2} GHz", hz / 1e9);
+        // Each iteration: eight independent 32-MAC steps (accumulators ymm0..ymm7).
+        // (name, exact for int8 x int8, seconds per iteration)
+        let mixes = [
+            (
+                "sign trick: vpsignb + vpmaddubsw + vpmaddwd + vpaddd (the AVX2 int8 kernel)",
+                true,
+                per_iter!(
+                    ".irp r,0,1,2,3,4,5,6,7",
+                    "vpsignb ymm8, ymm9, ymm10",
+                    "vpmaddubsw ymm8, ymm11, ymm8",
+                    "vpmaddwd ymm8, ymm8, ymm12",
+                    "vpaddd ymm\\r, ymm\\r, ymm8",
+                    ".endr"
+                ),
+            ),
+            (
+                "no sign op: vpmaddubsw + vpmaddwd + vpaddd (saturates for int8 x int8)",
+                false,
+                per_iter!(
+                    ".irp r,0,1,2,3,4,5,6,7",
+                    "vpmaddubsw ymm8, ymm11, ymm10",
+                    "vpmaddwd ymm8, ymm8, ymm12",
+                    "vpaddd ymm\\r, ymm\\r, ymm8",
+                    ".endr"
+                ),
+            ),
+            (
+                "activation nibbles: 2 x (vpmaddubsw + vpaddw), widened every 8 steps",
+                true,
+                per_iter!(
+                    ".irp r,0,1,2,3,4,5,6,7",
+                    "vpmaddubsw ymm8, ymm10, ymm11",
+                    "vpaddw ymm\\r, ymm\\r, ymm8",
+                    "vpmaddubsw ymm9, ymm12, ymm11",
+                    "vpaddw ymm\\r, ymm\\r, ymm9",
+                    ".endr",
+                    "vpmaddwd ymm8, ymm0, ymm13",
+                    "vpaddd ymm14, ymm14, ymm8",
+                    "vpmaddwd ymm9, ymm1, ymm13",
+                    "vpaddd ymm15, ymm15, ymm9"
+                ),
+            ),
+        ];
+        let mut best = 0f64;
+        for (name, exact, secs) in mixes {
+            let per_cycle = 256.0 / (secs * hz);
+            if exact {
+                best = best.max(per_cycle);
+            }
+            println!("{per_cycle:5.1} MAC/cycle  {name}");
+        }
+        // One layer, 512 tokens, top-8: 3 projections of 2048 x 768 per token and expert.
+        let macs = 512.0 * 8.0 * 3.0 * 2048.0 * 768.0;
+        let cores = 2.0;
+        println!(
+            "AMXINT8 prefill bound, Qwen3-30B-A3B layer, 512 tokens, {cores} cores at this clock \
+             and the best exact mix: {:.0} ms",
+            macs / (cores * hz * best) * 1e3
+        );
+    }
+}
+
+fn main() {
+    #[cfg(target_arch = "x86_64")]
+    x86::run();
+}

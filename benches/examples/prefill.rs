@@ -1,0 +1,61 @@
+//! Diagnostic: prefill latency of one quantised layer, alternating two layers; prints a marker
+//! once set-up is done so `perf record -D` can skip it.
+//! `cargo run --release -p kt-benches --example prefill -- int8 512`
+use kt_core::kernels::KernelSet;
+use kt_core::moe::{WeightFormat, Workspace};
+use kt_core::rng::Rng;
+use std::time::Instant;
+
+fn main() {
+    let pool = kt_benches::pool(2);
+    let format = match std::env::args().nth(1).as_deref() {
+        Some("int4") => WeightFormat::Int4,
+        Some("bf16") => WeightFormat::Bf16,
+        _ => WeightFormat::Int8,
+    };
+    let tokens: usize = std::env::args()
+        .nth(2)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512);
+    let (e, k, h, i) = (128, 8, 2048, 768);
+    let mut rng = Rng::new(3);
+    let layers: Vec<_> = (0..2)
+        .map(|_| {
+            kt_benches::synthetic_layer_as(
+                &pool,
+                e,
+                k,
+                h,
+                i,
+                tokens,
+                KernelSet::best().unwrap(),
+                format,
+            )
+        })
+        .collect();
+    let mut ws = Workspace::new();
+    let x = rng.normals(tokens * h, 1.0);
+    let mut out = vec![0f32; tokens * h];
+    let iters = std::env::var("ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    eprintln!("set-up done");
+    let mut times = Vec::new();
+    for it in 0..iters {
+        let (ids, w) = kt_benches::routing(&mut rng, tokens, e, k);
+        let t = Instant::now();
+        layers[it % 2]
+            .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
+            .unwrap();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let flop = 2.0 * 3.0 * (h * i * tokens * k) as f64;
+    println!(
+        "{format:?} {tokens} tokens: median {:.2} ms ({:.0} GFLOP/s), best {:.2} ms",
+        times[iters / 2] * 1e3,
+        flop / times[iters / 2] / 1e9,
+        times[0] * 1e3
+    );
+}
