@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,4 +131,18 @@ def test_converted_files_for_another_threadpool_count_are_refused():
         weight_path=str(FIXTURES / "amx" / "int8-tp2-kt"),
     )
     with pytest.raises(ValueError, match="threadpool-count 2"):
+        w.load_weights(torch.arange(4))
+
+
+def test_a_truncated_converted_shard_is_named_not_taken_for_a_hf_checkpoint(tmp_path):
+    from test_fixtures import FIXTURES
+
+    if not FIXTURES.is_dir():
+        pytest.skip("shared/fixtures not present")
+    folder = tmp_path / "int8"
+    shutil.copytree(FIXTURES / "amx" / "int8-tp1-merged", folder)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-5000])
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="AMXINT8", weight_path=str(folder))
+    with pytest.raises(ValueError, match=f"{shard.name}.*truncated"):
         w.load_weights(torch.arange(4))

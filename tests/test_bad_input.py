@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_wrapper, random_experts, random_routing
+from conftest import make_wrapper, random_experts, random_routing, reference_moe, rel_l2
 
 
 def test_bad_shapes_at_construction():
@@ -184,3 +184,84 @@ def test_prefetch_setting_is_used_or_refused_clearly(setting):
     r = _run(code, KT_KERNEL_PREFETCH=setting)
     assert r.returncode == 0 and int(r.stdout) == int(setting), r.stderr
     assert kt_kernel.cpu_info()["prefetch_bytes"] in (0, 4096)
+
+
+def test_deferred_output_of_another_shape_is_not_added():
+    # Layer indices are global: layer 0 of one model (H=64) defers experts; layer 1 of
+    # another model (H=256) must neither read that [8, 64] buffer as [8, 256] nor add it.
+    a = make_wrapper(layer_idx=0, e=8, k=4, h=64, i=64, max_deferred_experts_per_token=2)
+    a.load_weights_from_tensors(*random_experts(8, 64, 64))
+    b_weights = random_experts(8, 256, 64, seed=3)
+    b = make_wrapper(layer_idx=1, e=8, k=4, h=256, i=64)
+    b.load_weights_from_tensors(*b_weights)
+    ids, wt = random_routing(8, 8, 4)
+    x = torch.randn(8, 256)
+    a.forward(torch.randn(8, 64), ids, wt)
+    out = b.forward(x, ids, wt)
+    assert rel_l2(out, reference_moe(x, ids, wt, *b_weights)) < 1e-2
+
+
+def test_two_submits_at_a_captured_batch_size_keep_both_results(small_layer):
+    w, weights = small_layer
+    ids, wt = random_routing(4, 8, 2)
+    x0, x1 = torch.randn(4, 64), torch.randn(4, 64)
+    type(w).set_capture_batch_sizes([4])
+    try:
+        w.submit_forward(x0, ids, wt)
+        w.submit_forward(x1, ids, wt)
+        out0 = w.sync_forward().clone()
+        out1 = w.sync_forward()
+    finally:
+        type(w).set_capture_batch_sizes([])
+    assert rel_l2(out0, reference_moe(x0, ids, wt, *weights)) < 1e-2
+    assert rel_l2(out1, reference_moe(x1, ids, wt, *weights)) < 1e-2
+
+
+def test_odd_arguments_are_refused_by_type_or_range(small_layer):
+    w, (g, u, d) = small_layer
+    with pytest.raises(ValueError, match="cpuinfer_threads must be <="):
+        make_wrapper(cpuinfer_threads=1 << 40)
+    with pytest.raises(ValueError, match="threadpool_count must be <="):
+        make_wrapper(threadpool_count=1 << 40)
+    with pytest.raises(ValueError, match="empty"):
+        w.load_weights_from_tensors(g, u, d, torch.tensor([], dtype=torch.long))
+    with pytest.raises(TypeError, match="batch size"):
+        type(w).set_capture_batch_sizes([2.5])
+    ids, wt = random_routing(2, 8, 2)
+    with pytest.raises(TypeError, match="dense"):
+        w.forward(torch.randn(2, 64).to_sparse(), ids, wt)
+    with pytest.raises(TypeError, match="dense"):
+        w.forward(torch.randn(2, 64), ids.to_sparse(), wt)
+
+
+def test_native_pool_refuses_a_thread_storm():
+    from kt_kernel import _kt_core
+
+    with pytest.raises(ValueError, match="at most"):
+        _kt_core.Engine([1 << 40], [0])
+    with pytest.raises(ValueError, match="take"):
+        _kt_core.ggml_dequantize("Q8_0", b"", 1 << 62)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("method", ["BF16", "LLAMAFILE"])
+def test_named_pipe_as_weight_file_is_refused_not_waited_on(tmp_path, method):
+    name = "model.safetensors" if method == "BF16" else "model.gguf"
+    os.mkfifo(tmp_path / name)
+    path = tmp_path if method == "BF16" else tmp_path / name
+    kw = dict(e=8, k=2, h=256, i=256, method=method, weight_path=str(path))
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from conftest import make_wrapper
+        w = make_wrapper(**{kw!r})
+        try:
+            w.load_weights(None if {method!r} == "LLAMAFILE" else torch.arange(8))
+        except ValueError as e:
+            print("refused:", e)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "not a regular file" in r.stdout, r.stdout

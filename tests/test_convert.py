@@ -176,6 +176,18 @@ def test_bad_options_and_inputs_exit_with_a_message(tmp_path, capsys):
     assert "64 per part" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         convert.main(base + ["--quant-method", "int3"])
+    for flag, value in (
+        ("--threadpool-count", "-1"),
+        ("--cpuinfer-threads", "-1"),
+        ("--cpuinfer-threads", str(1 << 40)),
+        ("--resume-layer", "-1"),
+    ):
+        assert convert.main(base + [flag, value, "-q"]) == 2
+        assert f"{flag} must be" in capsys.readouterr().err
+    # An output path that is a file: the message names it.
+    (tmp_path / "file").write_text("")
+    assert convert.main(["-i", str(src), "-o", str(tmp_path / "file"), "-q"]) == 1
+    assert str(tmp_path / "file") in capsys.readouterr().err
     # Converted for 2 parts, served with 1: refused, naming both.
     out = tmp_path / "o2"
     assert convert.main(["-i", str(src), "-o", str(out), "--quant-method", "int8", "-q"]) == 0

@@ -17,7 +17,12 @@ fn main() {
         .nth(2)
         .and_then(|v| v.parse().ok())
         .unwrap_or(512);
-    let (e, k, h, i) = (128, 8, 2048, 768);
+    // EXPERTS shrinks the layer (e.g. 8: every expert gets every token, weights fit in L3).
+    let e: usize = std::env::var("EXPERTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    let (k, h, i) = (8, 2048, 768);
     let mut rng = Rng::new(3);
     let layers: Vec<_> = (0..2)
         .map(|_| {

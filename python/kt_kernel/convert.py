@@ -128,6 +128,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    for flag, value, low in (
+        ("--cpuinfer-threads", args.cpuinfer_threads, 0),
+        ("--threadpool-count", args.threadpool_count, 1),
+        ("--resume-layer", args.resume_layer, 0),
+    ):
+        high = _kt_core.MAX_THREADS if flag != "--resume-layer" else None
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            print(f"error: {flag} must be {bound}, got {value}", file=sys.stderr)
+            return 2
     if args.gpu:
         print("note: --gpu is not needed (FP8 is dequantised on the CPU); ignored", file=sys.stderr)
     try:

@@ -4,8 +4,10 @@ buffers, expert deferral and the submit/sync protocol."""
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -29,11 +31,24 @@ _ID_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _UNLIMITED_TOKENS = 1 << 31
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _as_int(value):
+    """``value`` as an int if it is integer-like (int, numpy or 0-d torch integer), else
+    unchanged, so that ``_check_int`` refuses it by type rather than truncating a float."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -162,23 +177,36 @@ class BaseMoEWrapper:
 
     @classmethod
     def _get_cpu_infer(cls, threads, threadpool_count, numa_nodes) -> CPUInfer:
-        count = _check_int("threadpool_count", threadpool_count, 1)
+        count = _check_int("threadpool_count", threadpool_count, 1, _kt_core.MAX_THREADS)
         if numa_nodes is not None:
             numa_nodes = [_check_int("numa_nodes[i]", n, 0) for n in numa_nodes]
             if len(numa_nodes) != count:
                 raise ValueError(
                     f"numa_nodes has {len(numa_nodes)} entries but threadpool_count is {count}"
                 )
+        if threads is not None:
+            threads = _check_int("cpuinfer_threads", threads, 1, _kt_core.MAX_THREADS)
         # State lives on BaseMoEWrapper itself, not on whichever subclass calls this.
         cls = BaseMoEWrapper
         with cls._class_lock:
             # Like the original, the first wrapper creates the process-wide engine; later ones
             # share it. A forked child gets a fresh one (the parent's threads do not exist there).
             if cls._cpu_infer is not None and cls._cpu_infer_pid == os.getpid():
+                engine = cls._cpu_infer.engine
+                asked_threads = threads if threads is not None else engine.total_threads
+                if (count, asked_threads) != (engine.parts, engine.total_threads):
+                    warnings.warn(
+                        f"kt_kernel: this process's CPU engine was created with "
+                        f"threadpool_count={engine.parts}, cpuinfer_threads="
+                        f"{engine.total_threads}; every wrapper shares it, so the requested "
+                        f"threadpool_count={count}, cpuinfer_threads={threads} are not used",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                 return cls._cpu_infer
             if threads is None:
                 threads = max(count, int(_kt_core.cpu_info()["physical_cores"]))
-            threads = _check_int("cpuinfer_threads", threads, 1)
+            threads = _check_int("cpuinfer_threads", threads, 1, _kt_core.MAX_THREADS)
             if threads < count:
                 raise ValueError(
                     f"cpuinfer_threads={threads} is less than threadpool_count={count}"
@@ -211,13 +239,15 @@ class BaseMoEWrapper:
             raise TypeError(f"physical_to_logical_map_cpu must hold integers, got {m.dtype}")
         if m.dim() != 1:
             raise ValueError(f"physical_to_logical_map_cpu must be 1-D, got shape {tuple(m.shape)}")
+        if m.numel() == 0:
+            raise ValueError("physical_to_logical_map_cpu is empty; pass None for the identity map")
         m = m.to("cpu", torch.int64).contiguous()
         return m.data_ptr(), m.numel(), m
 
     # ----------------------------------------------------------------------------- buffers
     @classmethod
     def set_capture_batch_sizes(cls, batch_sizes) -> None:
-        sizes = sorted({_check_int("batch size", int(b), 1) for b in batch_sizes})
+        sizes = sorted({_check_int("batch size", _as_int(b), 1) for b in batch_sizes})
         cls._capture_batch_sizes = sizes
 
     @classmethod
@@ -238,6 +268,9 @@ class BaseMoEWrapper:
         if rows in BaseMoEWrapper._capture_batch_sizes:
             key = (kind, rows, dtype)
             buf = self._buffers.get(key)
+            if buf is not None and any(p.out is buf for p in self._pending):
+                # A second submit before the sync: the first result still lives there.
+                return torch.empty((rows, self.hidden_size), dtype=dtype)
             if buf is None:
                 buf = torch.empty((rows, self.hidden_size), dtype=dtype)
                 self._buffers[key] = buf
@@ -248,6 +281,10 @@ class BaseMoEWrapper:
     def _check_forward_inputs(self, hidden_states, topk_ids, topk_weights):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError("hidden_states must be a torch.Tensor")
+        if hidden_states.layout != torch.strided:
+            raise TypeError(
+                f"hidden_states must be a dense (strided) tensor, got {hidden_states.layout}"
+            )
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
@@ -263,6 +300,9 @@ class BaseMoEWrapper:
         qlen = x.shape[0]
         if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
             raise TypeError("topk_ids and topk_weights must be torch.Tensors")
+        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.layout != torch.strided:
+                raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
         if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool or topk_ids.is_complex():
             raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.is_floating_point():
@@ -374,7 +414,13 @@ class BaseMoEWrapper:
         d = self.max_deferred_experts_per_token
         with BaseMoEWrapper._class_lock:
             prev = BaseMoEWrapper._pending_deferred.pop(self.layer_idx - 1, None)
-        residual = prev[0] if prev is not None and prev[1] == qlen else None
+        # Only a residual of exactly this batch's shape is added: layer indices are global, so
+        # the previous index may belong to another model (another hidden size) or batch.
+        residual = (
+            prev[0]
+            if prev is not None and tuple(prev[0].shape) == (qlen, self.hidden_size)
+            else None
+        )
         with self._lock:
             if d > 0:
                 immediate, deferred = self.select_deferred_experts(

@@ -300,7 +300,8 @@ pub fn convert(
          *.layers.N.block_sparse_moe.experts.*)",
         opts.input.display()
     );
-    std::fs::create_dir_all(&opts.output)?;
+    std::fs::create_dir_all(&opts.output)
+        .map_err(|e| crate::error::io_error_at(&opts.output, "create the output folder", e))?;
     remove_stale_partials(&opts.output)?;
 
     let files = layers.len() + 1;
@@ -643,9 +644,12 @@ fn index_json(map: &[(String, String)]) -> String {
 /// Write `bytes` to `path` through a temporary name and a rename.
 fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = partial_name(path);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::File::open(&tmp)?.sync_data()?;
-    std::fs::rename(&tmp, path)?;
+    let write_err = |e| crate::error::io_error_at(&tmp, "write", e);
+    std::fs::write(&tmp, bytes).map_err(write_err)?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_data())
+        .map_err(write_err)?;
+    std::fs::rename(&tmp, path).map_err(|e| crate::error::io_error_at(path, "write", e))?;
     Ok(())
 }
 

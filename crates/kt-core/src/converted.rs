@@ -113,7 +113,23 @@ struct Located {
 /// Files of one layer, opened, and each (part, expert, projection index, is_scale) located.
 struct Store {
     files: Vec<File>,
+    /// `files[i]`'s path, for error messages.
+    paths: Vec<PathBuf>,
     at: HashMap<(usize, usize, usize, bool), Located>,
+}
+
+impl Store {
+    fn push(&mut self, file: File, path: &Path) {
+        self.files.push(file);
+        self.paths.push(path.to_path_buf());
+    }
+
+    /// Fill `buf` from `files[i]` at `offset`; errors name the file.
+    fn read_at(&self, i: usize, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.files[i]
+            .read_exact_at(buf, offset)
+            .map_err(|e| crate::error::io_error_at(&self.paths[i], "read", e))
+    }
 }
 
 /// One layer's converted files, opened and checked against the layer's shape.
@@ -134,27 +150,36 @@ impl std::fmt::Debug for ConvertedLayer {
     }
 }
 
-/// Whether `path` holds converted files for `layer` (either layout).
-pub fn has_converted_layer(path: &Path, layer: usize) -> bool {
+/// Whether the folder `path` holds converted files for `layer` (either layout). A shard that
+/// may hold them but whose header cannot be read is an error naming it, not a "no": else a
+/// corrupt converted folder would be taken for a Hugging Face checkpoint.
+pub fn has_converted_layer(path: &Path, layer: usize) -> Result<bool> {
     if path.join(format!("_layer_{layer}")).is_dir() {
-        return true;
+        return Ok(true);
     }
     let first = merged_key(layer, 0, Proj::Gate, 0, false);
-    merged_shards(path, &|n| n == first)
-        .ok()
-        .is_some_and(|files| {
-            files.iter().any(|f| {
-                File::open(f)
-                    .and_then(|h| read_safetensors_header(&h, f))
-                    .is_ok_and(|t| t.contains_key(&first))
-            })
-        })
+    for f in merged_shards(path, &|n| n == first)? {
+        let file = crate::error::open_regular_file(&f, "safetensors file")?;
+        if header_of(&file, &f)?.contains_key(&first) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// [`read_safetensors_header`] with malformed headers as [`Error::Format`].
+fn header_of(file: &File, path: &Path) -> Result<HashMap<String, HeaderEntry>> {
+    read_safetensors_header(file, path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => Error::Format(e.to_string()),
+        _ => crate::error::io_error_at(path, "read", e),
+    })
 }
 
 /// The safetensors files of `dir` that may hold wanted tensors: by the index when there is
 /// one, else all of them.
 fn merged_shards(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| crate::error::io_error_at(dir, "list", e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .filter(|p| {
@@ -227,7 +252,7 @@ fn read_safetensors_header(
                 path.display()
             )));
         };
-        if b > e || start + e > size {
+        if b > e || start.checked_add(e).is_none_or(|end| end > size) {
             return Err(bad(format!(
                 "{}: tensor {name} points outside the file (truncated?)",
                 path.display()
@@ -325,7 +350,7 @@ impl ConvertedLayer {
         let (q, s) = self.locate(expert, proj, part)?;
         let read = |l: &Located| -> Result<Vec<u8>> {
             let mut v = vec![0u8; l.len];
-            self.store.files[l.file].read_exact_at(&mut v, l.offset)?;
+            self.store.read_at(l.file, &mut v, l.offset)?;
             Ok(v)
         };
         Ok((read(q)?, read(s)?))
@@ -358,14 +383,14 @@ impl ConvertedLayer {
             q.len,
             s.len
         );
-        let file = &self.store.files[q.file];
         let runs = crate::quant::file_runs(int4, n, k)?;
         if let [(0, 0, len)] = runs[..] {
             let group = crate::quant::matrix_bytes(int4, crate::quant::GROUP_ROWS, k);
             let piece = group * (READ_PIECE_BYTES / group).max(1);
             for start in (0..len).step_by(piece) {
                 let end = (start + piece).min(len);
-                file.read_exact_at(&mut mem[start..end], q.offset + start as u64)?;
+                self.store
+                    .read_at(q.file, &mut mem[start..end], q.offset + start as u64)?;
                 ready(mem, start..end);
             }
         } else {
@@ -378,7 +403,8 @@ impl ConvertedLayer {
                     ready(mem, b * block..((b + 1) * block).min(mem.len()));
                 }
                 current = Some(m / block);
-                file.read_exact_at(&mut mem[m..m + len], q.offset + f as u64)?;
+                self.store
+                    .read_at(q.file, &mut mem[m..m + len], q.offset + f as u64)?;
             }
             if let Some(b) = current {
                 ready(mem, b * block..((b + 1) * block).min(mem.len()));
@@ -388,7 +414,7 @@ impl ConvertedLayer {
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(scales.as_mut_ptr() as *mut u8, scales.len() * 4)
         };
-        self.store.files[s.file].read_exact_at(bytes, s.offset)?;
+        self.store.read_at(s.file, bytes, s.offset)?;
         for v in scales.iter_mut() {
             *v = f32::from_le_bytes(v.to_ne_bytes());
         }
@@ -401,15 +427,13 @@ fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
     let prefix = format!("blk.{}.ffn_", shape.layer);
     let mut store = Store {
         files: Vec::new(),
+        paths: Vec::new(),
         at: HashMap::new(),
     };
     let mut names: HashMap<String, (usize, HeaderEntry)> = HashMap::new();
     for p in merged_shards(path, &|n| n.starts_with(&prefix))? {
-        let f = File::open(&p)?;
-        let header = read_safetensors_header(&f, &p).map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => Error::Format(e.to_string()),
-            _ => Error::from(e),
-        })?;
+        let f = crate::error::open_regular_file(&p, "converted shard")?;
+        let header = header_of(&f, &p)?;
         let idx = store.files.len();
         names.extend(
             header
@@ -417,7 +441,7 @@ fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
                 .filter(|(n, _)| n.starts_with(&prefix))
                 .map(|(n, h)| (n, (idx, h))),
         );
-        store.files.push(f);
+        store.push(f, &p);
     }
     let first = merged_key(shape.layer, 0, Proj::Gate, 0, false);
     kt_ensure!(
@@ -479,8 +503,10 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
 fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
     let prefix = kt_prefix(shape.format)?;
     let mut parts = Vec::new();
-    for entry in std::fs::read_dir(folder)? {
-        let entry = entry?;
+    let list =
+        |dir: &Path| std::fs::read_dir(dir).map_err(|e| crate::error::io_error_at(dir, "list", e));
+    for entry in list(folder)? {
+        let entry = entry.map_err(|e| crate::error::io_error_at(folder, "list", e))?;
         let name = entry.file_name().to_string_lossy().to_string();
         if let Some(n) = name
             .strip_prefix("_numa_")
@@ -500,12 +526,15 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
     check_parts(parts.len(), shape, folder)?;
     let mut store = Store {
         files: Vec::new(),
+        paths: Vec::new(),
         at: HashMap::new(),
     };
     for part in 0..shape.parts {
         let dir = folder.join(format!("_numa_{part}"));
-        for entry in std::fs::read_dir(&dir)? {
-            let path = entry?.path();
+        for entry in list(&dir)? {
+            let path = entry
+                .map_err(|e| crate::error::io_error_at(&dir, "list", e))?
+                .path();
             let name = path
                 .file_name()
                 .unwrap_or_default()
@@ -533,8 +562,11 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
             ) else {
                 kt_bail!(Format, "{}: unexpected .kt file name", path.display());
             };
-            let file = File::open(&path)?;
-            let len = file.metadata()?.len() as usize;
+            let file = crate::error::open_regular_file(&path, ".kt file")?;
+            let len = file
+                .metadata()
+                .map_err(|e| crate::error::io_error_at(&path, "inspect", e))?
+                .len() as usize;
             kt_ensure!(
                 len == bytes,
                 Format,
@@ -550,7 +582,7 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
                     name: path.display().to_string(),
                 },
             );
-            store.files.push(file);
+            store.push(file, &path);
         }
     }
     Ok(store)
@@ -651,7 +683,7 @@ impl SafetensorsWriter {
     pub fn create(path: &Path, entries: &[TensorEntry]) -> Result<Self> {
         let (header, offsets) = safetensors_header(entries)?;
         let tmp = partial_name(path);
-        let file = File::create(&tmp)?;
+        let file = File::create(&tmp).map_err(|e| crate::error::io_error_at(&tmp, "create", e))?;
         let end = offsets.iter().map(|o| o.1).max().unwrap_or(0);
         file.set_len((header.len() + end) as u64)?;
         std::os::unix::fs::FileExt::write_all_at(&file, &header, 0)?;
@@ -775,7 +807,9 @@ impl LayerWriter {
             std::fs::remove_dir_all(&tmp)?;
         }
         for n in 0..shape.parts {
-            std::fs::create_dir_all(tmp.join(format!("_numa_{n}")))?;
+            let dir = tmp.join(format!("_numa_{n}"));
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| crate::error::io_error_at(&dir, "create", e))?;
         }
         Ok(LayerWriter {
             shape,

@@ -46,6 +46,40 @@ impl From<std::io::Error> for Error {
     }
 }
 
+/// An I/O error on `path` as an [`Error`] that names the path and what was being done
+/// (`action`, e.g. "read"): NotFound stays FileNotFoundError, the rest are RuntimeErrors.
+pub fn io_error_at(path: &std::path::Path, action: &str, e: std::io::Error) -> Error {
+    let path = path.display();
+    match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NotFound(format!("{path} does not exist")),
+        _ => Error::Runtime(format!("cannot {action} {path}: {e}")),
+    }
+}
+
+/// Open `path` for reading if it is a regular file (`what` names it in errors, e.g. "GGUF
+/// file"). The type is checked first, from the path: opening a FIFO would block until a
+/// writer appears, and a directory or device only fails later with an unhelpful error.
+pub fn open_regular_file(path: &std::path::Path, what: &str) -> Result<std::fs::File> {
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            Error::NotFound(format!("{what} {} does not exist", path.display()))
+        }
+        _ => io_error_at(path, "inspect", e),
+    })?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::Invalid(format!(
+            "{what} {} is {kind}",
+            path.display()
+        )));
+    }
+    std::fs::File::open(path).map_err(|e| io_error_at(path, "open", e))
+}
+
 /// Return early with an [`Error`] variant built from a format string.
 #[macro_export]
 macro_rules! kt_bail {

@@ -25,7 +25,6 @@ use crate::ggml::GgmlType;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// The four bytes every GGUF file starts with.
@@ -553,18 +552,7 @@ impl GgufFile {
     /// Map and validate a GGUF file.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                Error::NotFound(format!("GGUF file {} does not exist", path.display()))
-            }
-            _ => Error::Runtime(format!("cannot open GGUF file {}: {e}", path.display())),
-        })?;
-        kt_ensure!(
-            file.metadata()?.is_file(),
-            Invalid,
-            "{} is not a regular file",
-            path.display()
-        );
+        let file = crate::error::open_regular_file(path, "GGUF file")?;
         // SAFETY: the file is opened read-only; if another process truncates it while mapped,
         // reads could fault — the contract every memory-mapped model reader has.
         let map = unsafe { Mmap::map(&file) }
@@ -710,7 +698,8 @@ impl GgufModel {
             _ => Error::Runtime(format!("cannot read {}: {e}", root.display())),
         })?;
         let paths = if meta.is_dir() {
-            let mut v: Vec<PathBuf> = std::fs::read_dir(root)?
+            let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+                .map_err(|e| crate::error::io_error_at(root, "list", e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| {
                     p.is_file()

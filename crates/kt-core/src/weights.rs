@@ -7,7 +7,6 @@ use crate::pack::{BlockScale, MatrixView};
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// Where one tensor lives.
@@ -53,7 +52,8 @@ impl Checkpoint {
             kt_bail!(NotFound, "weight path {} does not exist", path.display());
         }
         let files: Vec<PathBuf> = if path.is_dir() {
-            let mut v: Vec<PathBuf> = std::fs::read_dir(path)?
+            let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| crate::error::io_error_at(path, "list", e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .filter(|p| {
@@ -79,10 +79,11 @@ impl Checkpoint {
         let mut maps = Vec::new();
         let mut tensors = HashMap::new();
         for (i, f) in files.iter().enumerate() {
-            let file = File::open(f)?;
+            let file = crate::error::open_regular_file(f, "safetensors file")?;
             // SAFETY: the file is opened read-only; if another process truncates it while
             // mapped, reads could fault — the same contract every safetensors reader has.
-            let map = unsafe { Mmap::map(&file) }?;
+            let map =
+                unsafe { Mmap::map(&file) }.map_err(|e| crate::error::io_error_at(f, "map", e))?;
             let (header_len, meta) =
                 safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
                     Error::Format(format!(

@@ -73,8 +73,8 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 /// Whether `path` holds files converted by the original for layer `layer_idx`.
 #[pyfunction]
-fn has_converted_layer(path: PathBuf, layer_idx: usize) -> bool {
-    kt_core::converted::has_converted_layer(&path, layer_idx)
+fn has_converted_layer(path: PathBuf, layer_idx: usize) -> PyResult<bool> {
+    kt_core::converted::has_converted_layer(&path, layer_idx).py()
 }
 
 /// Build facts: version, profile, compiled ISA paths.
@@ -152,7 +152,7 @@ fn ggml_quantize<'py>(
             let blocks = n / bs;
             let threads = match threads {
                 0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
-                t => t,
+                t => t.min(kt_core::pool::MAX_THREADS),
             }
             .clamp(1, blocks.max(1));
             let per = blocks.div_ceil(threads).max(1);
@@ -838,6 +838,7 @@ impl Conversion {
 #[pymodule]
 fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_THREADS", kt_core::pool::MAX_THREADS)?;
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

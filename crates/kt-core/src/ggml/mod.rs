@@ -452,6 +452,8 @@ pub fn dequantize_row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> 
 
 /// Dequantise `n` values stored as `ty`.
 pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
+    // Sizes first: `n` comes from the caller and must not size an allocation unchecked.
+    check_row(ty, data.len(), n)?;
     let mut out = vec![0.0; n];
     dequantize_row(ty, data, &mut out)?;
     Ok(out)

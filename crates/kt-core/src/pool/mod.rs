@@ -15,6 +15,19 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
 
+/// Most worker threads a pool takes: far above any CPU Linux runs on (8192 CPUs), low enough
+/// that a mistyped count is an error rather than an allocation failure or a thread storm.
+pub const MAX_THREADS: usize = 8192;
+
+fn check_thread_count(total: usize) -> Result<()> {
+    if total > MAX_THREADS {
+        return Err(Error::Invalid(format!(
+            "{total} worker threads requested; at most {MAX_THREADS} are allowed"
+        )));
+    }
+    Ok(())
+}
+
 /// How a pool is laid out: one entry per sub-pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -37,6 +50,7 @@ impl PoolConfig {
         if subpool_count == 0 {
             return Err(Error::Invalid("threadpool_count must be at least 1".into()));
         }
+        check_thread_count(total_threads)?;
         if total_threads < subpool_count {
             return Err(Error::Invalid(format!(
                 "cpuinfer_threads={total_threads} is less than threadpool_count={subpool_count}; \
@@ -322,6 +336,12 @@ impl Pool {
         if let Some(i) = config.threads.iter().position(|&t| t == 0) {
             return Err(Error::Invalid(format!("sub-pool {i} has no threads")));
         }
+        check_thread_count(
+            config
+                .threads
+                .iter()
+                .fold(0usize, |sum, &t| sum.saturating_add(t)),
+        )?;
         let plan = plan_pinning(topo, &config.numa_nodes, &config.threads);
         let caller_sleeping = Arc::new(AtomicBool::new(false));
         let mut subs = Vec::new();
