@@ -265,3 +265,39 @@ def test_named_pipe_as_weight_file_is_refused_not_waited_on(tmp_path, method):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout and "not a regular file" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "ok"),
+    [
+        ("KT_SPIN_ROUNDS", "abc", False),
+        ("KT_SPIN_ROUNDS", "100", True),
+        ("KT_KERNEL_AMX_EMULATE", "yes", False),
+        ("KT_KERNEL_AMX_EMULATE", "0", True),
+        ("KT_BF16_KERNEL", "", True),
+    ],
+)
+def test_environment_settings_are_used_or_refused_by_name(name, value, ok):
+    code = f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from conftest import make_wrapper, random_experts
+        w = make_wrapper()
+        w.load_weights_from_tensors(*random_experts(8, 64, 64))
+        print(w.forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.long),
+                        torch.ones(3, 2)).shape)
+        """
+    r = _run(code, **{name: value})
+    if ok:
+        assert r.returncode == 0 and "torch.Size([3, 64])" in r.stdout, r.stderr
+    else:
+        assert r.returncode != 0 and name in r.stderr and "ValueError" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K"])
+def test_quantising_beyond_the_fp16_scale_range_is_refused(ggml_type):
+    from kt_kernel import _kt_core
+
+    x = torch.full((256,), 3e38, dtype=torch.float32).numpy().tobytes()
+    with pytest.raises(ValueError, match="fp16 range"):
+        _kt_core.ggml_quantize(ggml_type, x)

@@ -63,6 +63,20 @@ def test_checkpoint_namings_and_dtypes(tmp_path, naming, dtype):
         check_layer(tmp_path, layer, layers[layer])
 
 
+@pytest.mark.parametrize("naming", ["qwen", "packed"])
+def test_a_layer_may_read_fewer_experts_than_the_file_holds(tmp_path, naming):
+    # 8 experts on file, a 4-expert layer mapped onto logical experts 7, 2, 5, 0.
+    layers = [random_experts(E, H, I, dtype=torch.float32, seed=9)]
+    write_checkpoint(tmp_path, layers, naming=naming)
+    m = torch.tensor([7, 2, 5, 0])
+    w = make_wrapper(e=4, k=K, h=H, i=I, weight_path=str(tmp_path))
+    w.load_weights(m)
+    x = torch.randn(5, H)
+    ids, wt = random_routing(5, 4, K, seed=3)
+    g, u, d = (t.to(torch.bfloat16)[m] for t in layers[0])
+    assert rel_l2(w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d)) < 5e-3
+
+
 def test_physical_to_logical_map_on_file_path(tmp_path):
     layers = [random_experts(E, H, I, dtype=torch.float32, seed=7)]
     write_checkpoint(tmp_path, layers, prefix="model.language_model".replace(".layers", ""))

@@ -517,6 +517,12 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
     }
     parts.sort_unstable();
     kt_ensure!(
+        !parts.is_empty(),
+        Format,
+        "{}: no _numa_N folders (an incomplete or foreign _layer_ folder)",
+        folder.display()
+    );
+    kt_ensure!(
         parts.iter().enumerate().all(|(i, &n)| i == n),
         Format,
         "{}: _numa_ folders {parts:?} are not numbered 0..{}",

@@ -363,11 +363,16 @@ impl HfLayerSource {
                 let (gu, gu_shape) =
                     ckpt.float_view(&format!("{base}.mlp.experts.gate_up_proj"))?;
                 let (dn, dn_shape) = ckpt.float_view(&format!("{base}.mlp.experts.down_proj"))?;
+                // The file may hold more experts than the layer reads (like per-expert names).
+                let held = gu_shape.first().copied().unwrap_or(0);
                 kt_ensure!(
-                    gu_shape == [experts, 2 * intermediate, hidden] && dn_shape == [experts, hidden, intermediate],
+                    held >= experts
+                        && gu_shape == [held, 2 * intermediate, hidden]
+                        && dn_shape == [held, hidden, intermediate],
                     Invalid,
                     "layer {layer}: packed experts have gate_up_proj {gu_shape:?} and down_proj \
-                     {dn_shape:?}, expected [{experts}, {}, {hidden}] and [{experts}, {hidden}, {intermediate}]",
+                     {dn_shape:?}, expected [E, {}, {hidden}] and [E, {hidden}, {intermediate}] \
+                     with E >= {experts}",
                     2 * intermediate
                 );
                 for e in 0..experts {

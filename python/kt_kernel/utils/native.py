@@ -30,7 +30,7 @@ class NativeMoEWrapper(BaseMoEWrapper):
             self.chunked_prefill_size,
             self.swiglu_limit,
             self.swiglu_alpha,
-            os.environ.get("KT_BF16_KERNEL"),
+            os.environ.get("KT_BF16_KERNEL") or None,  # set but empty: as if unset
             self._format,
         )
 

@@ -40,6 +40,18 @@ pub(super) fn weight_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> 
                 ty.name()
             );
         }
+        // Block scales are fp16: beyond its range they would become inf and decode to NaN.
+        // (Conservative for the types whose codes reach above 1; real weights are far below.)
+        if let Some(i) = x.iter().position(|v| v.abs() > f16::MAX.to_f32()) {
+            kt_bail!(
+                Invalid,
+                "cannot quantise to {}: value {i} is {}, beyond the fp16 range ({}) of its block \
+                 scales",
+                ty.name(),
+                x[i],
+                f16::MAX
+            );
+        }
     }
     for (xs, b) in x
         .chunks_exact(ty.block_size())

@@ -282,7 +282,13 @@ impl KernelSet {
     /// kernels at the amx level, none otherwise; threshold from `KT_KERNEL_AMX_MIN_ROWS`.
     fn with_best_amx(self) -> Result<KernelSet> {
         let min_rows = amx_min_rows_from_env()?;
-        if std::env::var("KT_KERNEL_AMX_EMULATE").is_ok_and(|v| v == "1") {
+        let emulate = std::env::var("KT_KERNEL_AMX_EMULATE").unwrap_or_default();
+        if !matches!(emulate.as_str(), "" | "0" | "1") {
+            return Err(Error::Invalid(format!(
+                "KT_KERNEL_AMX_EMULATE={emulate:?}: use 1 (emulate the AMX tile programs) or 0"
+            )));
+        }
+        if emulate == "1" {
             Ok(self.with_emulated_amx(min_rows))
         } else if self.level >= Level::Amx && amx::HARDWARE_BUILT {
             self.with_amx(min_rows)

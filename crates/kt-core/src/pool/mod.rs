@@ -78,6 +78,16 @@ impl PoolConfig {
     }
 }
 
+/// A set but unusable `KT_SPIN_ROUNDS` is an error when a pool starts (not a silent default).
+fn check_spin_rounds_setting() -> Result<()> {
+    match std::env::var("KT_SPIN_ROUNDS") {
+        Ok(v) if v.parse::<u32>().is_err() => Err(Error::Invalid(format!(
+            "KT_SPIN_ROUNDS={v:?} is not a round count (a whole number >= 0; default 4000)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Spin rounds before parking (override with `KT_SPIN_ROUNDS`).
 fn spin_rounds() -> u32 {
     static ROUNDS: OnceLock<u32> = OnceLock::new();
@@ -336,6 +346,7 @@ impl Pool {
         if let Some(i) = config.threads.iter().position(|&t| t == 0) {
             return Err(Error::Invalid(format!("sub-pool {i} has no threads")));
         }
+        check_spin_rounds_setting()?;
         check_thread_count(
             config
                 .threads
