@@ -301,3 +301,12 @@ def test_quantising_beyond_the_fp16_scale_range_is_refused(ggml_type):
     x = torch.full((256,), 3e38, dtype=torch.float32).numpy().tobytes()
     with pytest.raises(ValueError, match="fp16 range"):
         _kt_core.ggml_quantize(ggml_type, x)
+
+
+def test_a_wrapper_asking_for_another_engine_configuration_is_warned():
+    # One engine per process (as in the original): a later, different request is not used,
+    # and says so instead of silently running with the first configuration.
+    make_wrapper()
+    with pytest.warns(RuntimeWarning, match="threadpool_count=2"):
+        w = make_wrapper(threadpool_count=2)
+    assert w.threadpool_count == 1
