@@ -8,10 +8,7 @@ use std::time::Instant;
 fn main() {
     let pool = kt_benches::pool(2);
     // DECODE_I shrinks the intermediate size: with tiny experts what remains is fixed overhead.
-    let i: usize = std::env::var("DECODE_I")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(768);
+    let i: usize = kt_benches::env_or("DECODE_I", 768);
     let (e, k, h) = (128, 8, 2048);
     let mut rng = Rng::new(2);
     let formats: Vec<WeightFormat> = match std::env::args().nth(1).as_deref() {
@@ -40,10 +37,7 @@ fn main() {
         let mut out = vec![0f32; h];
         let mut best = f64::MAX;
         let mut times = Vec::new();
-        let iters = std::env::var("ITERS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(200);
+        let iters = kt_benches::env_or("ITERS", 200);
         for it in 0..iters {
             let (ids, w) = kt_benches::routing(&mut rng, 1, e, k);
             let t = Instant::now();

@@ -18,10 +18,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(512);
     // EXPERTS shrinks the layer (e.g. 8: every expert gets every token, weights fit in L3).
-    let e: usize = std::env::var("EXPERTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(128);
+    let e: usize = kt_benches::env_or("EXPERTS", 128);
     let (k, h, i) = (8, 2048, 768);
     let mut rng = Rng::new(3);
     let layers: Vec<_> = (0..2)
@@ -41,10 +38,7 @@ fn main() {
     let mut ws = Workspace::new();
     let x = rng.normals(tokens * h, 1.0);
     let mut out = vec![0f32; tokens * h];
-    let iters = std::env::var("ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let iters = kt_benches::env_or("ITERS", 20);
     eprintln!("set-up done");
     let mut times = Vec::new();
     for it in 0..iters {

@@ -5,6 +5,15 @@ use kt_core::moe::{MoeConfig, MoeLayer, TensorSource, WeightFormat};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::rng::Rng;
 
+/// The environment variable `name` as a number, or `default` when unset or unparsable
+/// (diagnostic examples' knobs, e.g. `ITERS`).
+pub fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A loaded layer of the given shape with random bf16 weights.
 pub fn synthetic_layer(
     pool: &Pool,

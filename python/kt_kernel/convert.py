@@ -128,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    for flag, value, low in (
-        ("--cpuinfer-threads", args.cpuinfer_threads, 0),
-        ("--threadpool-count", args.threadpool_count, 1),
-        ("--resume-layer", args.resume_layer, 0),
+    most = _kt_core.MAX_THREADS
+    for flag, value, low, high in (
+        ("--cpuinfer-threads", args.cpuinfer_threads, 0, most),
+        ("--threadpool-count", args.threadpool_count, 1, most),
+        ("--resume-layer", args.resume_layer, 0, None),
     ):
-        high = _kt_core.MAX_THREADS if flag != "--resume-layer" else None
         if value < low or (high is not None and value > high):
-            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
             print(f"error: {flag} must be {bound}, got {value}", file=sys.stderr)
             return 2
     if args.gpu:

@@ -34,7 +34,7 @@ _UNLIMITED_TOKENS = 1 << 31
 def _as_int(value):
     """``value`` as an int if it is integer-like (int, numpy or 0-d torch integer), else
     unchanged, so that ``_check_int`` refuses it by type rather than truncating a float."""
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool too: _check_int refuses it by type
         return value
     try:
         return operator.index(value)
@@ -206,7 +206,6 @@ class BaseMoEWrapper:
                 return cls._cpu_infer
             if threads is None:
                 threads = max(count, int(_kt_core.cpu_info()["physical_cores"]))
-            threads = _check_int("cpuinfer_threads", threads, 1, _kt_core.MAX_THREADS)
             if threads < count:
                 raise ValueError(
                     f"cpuinfer_threads={threads} is less than threadpool_count={count}"

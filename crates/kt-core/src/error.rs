@@ -56,16 +56,21 @@ pub fn io_error_at(path: &std::path::Path, action: &str, e: std::io::Error) -> E
     }
 }
 
-/// Open `path` for reading if it is a regular file (`what` names it in errors, e.g. "GGUF
-/// file"). The type is checked first, from the path: opening a FIFO would block until a
-/// writer appears, and a directory or device only fails later with an unhelpful error.
-pub fn open_regular_file(path: &std::path::Path, what: &str) -> Result<std::fs::File> {
-    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+/// `path`'s metadata (without opening it); `what` names it in errors, e.g. "GGUF path".
+pub fn metadata_of(path: &std::path::Path, what: &str) -> Result<std::fs::Metadata> {
+    std::fs::metadata(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => {
             Error::NotFound(format!("{what} {} does not exist", path.display()))
         }
         _ => io_error_at(path, "inspect", e),
-    })?;
+    })
+}
+
+/// Open `path` for reading if it is a regular file (`what` names it in errors, e.g. "GGUF
+/// file"). The type is checked first, from the path: opening a FIFO would block until a
+/// writer appears, and a directory or device only fails later with an unhelpful error.
+pub fn open_regular_file(path: &std::path::Path, what: &str) -> Result<std::fs::File> {
+    let meta = metadata_of(path, what)?;
     if !meta.is_file() {
         let kind = if meta.is_dir() {
             "a directory"

@@ -691,12 +691,7 @@ impl GgufModel {
     /// across the files.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufModel> {
         let root = path.as_ref();
-        let meta = std::fs::metadata(root).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                Error::NotFound(format!("GGUF path {} does not exist", root.display()))
-            }
-            _ => Error::Runtime(format!("cannot read {}: {e}", root.display())),
-        })?;
+        let meta = crate::error::metadata_of(root, "GGUF path")?;
         let paths = if meta.is_dir() {
             let mut v: Vec<PathBuf> = std::fs::read_dir(root)
                 .map_err(|e| crate::error::io_error_at(root, "list", e))?

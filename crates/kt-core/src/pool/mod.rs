@@ -78,25 +78,23 @@ impl PoolConfig {
     }
 }
 
-/// A set but unusable `KT_SPIN_ROUNDS` is an error when a pool starts (not a silent default).
-fn check_spin_rounds_setting() -> Result<()> {
+/// `KT_SPIN_ROUNDS` if set; a set but unusable value is an error (checked when a pool starts,
+/// so it is never a silent default).
+fn spin_rounds_setting() -> Result<Option<u32>> {
     match std::env::var("KT_SPIN_ROUNDS") {
-        Ok(v) if v.parse::<u32>().is_err() => Err(Error::Invalid(format!(
-            "KT_SPIN_ROUNDS={v:?} is not a round count (a whole number >= 0; default 4000)"
-        ))),
-        _ => Ok(()),
+        Ok(v) => v.parse().map(Some).map_err(|_| {
+            Error::Invalid(format!(
+                "KT_SPIN_ROUNDS={v:?} is not a round count (a whole number >= 0; default 4000)"
+            ))
+        }),
+        Err(_) => Ok(None),
     }
 }
 
 /// Spin rounds before parking (override with `KT_SPIN_ROUNDS`).
 fn spin_rounds() -> u32 {
     static ROUNDS: OnceLock<u32> = OnceLock::new();
-    *ROUNDS.get_or_init(|| {
-        std::env::var("KT_SPIN_ROUNDS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(4000)
-    })
+    *ROUNDS.get_or_init(|| spin_rounds_setting().ok().flatten().unwrap_or(4000))
 }
 
 /// Spin, then park until `ready()`. `sleeping` tells notifiers to unpark us.
@@ -346,7 +344,7 @@ impl Pool {
         if let Some(i) = config.threads.iter().position(|&t| t == 0) {
             return Err(Error::Invalid(format!("sub-pool {i} has no threads")));
         }
-        check_spin_rounds_setting()?;
+        spin_rounds_setting()?;
         check_thread_count(
             config
                 .threads
