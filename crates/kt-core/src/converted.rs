@@ -15,6 +15,7 @@
 //! out of the page cache, on every loading thread at once, nothing mapped), after the file
 //! sizes and safetensors headers have been checked against the layer's shape.
 use crate::moe::{Proj, WeightFormat};
+use crate::shard_index::ShardIndex;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::collections::HashMap;
 use std::fs::File;
@@ -158,7 +159,14 @@ pub fn has_converted_layer(path: &Path, layer: usize) -> Result<bool> {
         return Ok(true);
     }
     let first = merged_key(layer, 0, Proj::Gate, 0, false);
-    for f in merged_shards(path, &|n| n == first)? {
+    // An index that names the shard is enough: `ConvertedLayer::open` reads and checks its
+    // header (naming it when it is corrupt), so it is not parsed twice per layer.
+    if let Some(file) = ShardIndex::of(path).and_then(|ix| ix.file_of(&first).map(str::to_owned)) {
+        if path.join(&file).is_file() && !is_partial_name(&file) {
+            return Ok(true);
+        }
+    }
+    for f in merged_shards(path, &first)? {
         let file = crate::error::open_regular_file(&f, "safetensors file")?;
         if header_of(&file, &f)?.contains_key(&first) {
             return Ok(true);
@@ -175,9 +183,9 @@ fn header_of(file: &File, path: &Path) -> Result<HashMap<String, HeaderEntry>> {
     })
 }
 
-/// The safetensors files of `dir` that may hold wanted tensors: by the index when there is
-/// one, else all of them.
-fn merged_shards(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Vec<PathBuf>> {
+/// The safetensors files of `dir` that may hold tensors whose names start with `prefix`: by
+/// the index when there is one, else all of them.
+fn merged_shards(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| crate::error::io_error_at(dir, "list", e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -188,21 +196,12 @@ fn merged_shards(dir: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<Vec<PathBu
         })
         .collect();
     files.sort();
-    if let Ok(text) = std::fs::read_to_string(dir.join("model.safetensors.index.json")) {
-        if let Some(map) = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|v| v.get("weight_map").and_then(|m| m.as_object()).cloned())
-        {
-            let keep: std::collections::HashSet<&str> = map
-                .iter()
-                .filter(|(k, _)| wanted(k))
-                .filter_map(|(_, f)| f.as_str())
-                .collect();
-            files.retain(|p| {
-                p.file_name()
-                    .is_some_and(|n| keep.contains(&*n.to_string_lossy()))
-            });
-        }
+    if let Some(index) = ShardIndex::of(dir) {
+        let keep = index.shards_with_prefix(prefix);
+        files.retain(|p| {
+            p.file_name()
+                .is_some_and(|n| keep.contains(&*n.to_string_lossy()))
+        });
     }
     Ok(files)
 }
@@ -431,7 +430,7 @@ fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
         at: HashMap::new(),
     };
     let mut names: HashMap<String, (usize, HeaderEntry)> = HashMap::new();
-    for p in merged_shards(path, &|n| n.starts_with(&prefix))? {
+    for p in merged_shards(path, &prefix)? {
         let f = crate::error::open_regular_file(&p, "converted shard")?;
         let header = header_of(&f, &p)?;
         let idx = store.files.len();

@@ -33,6 +33,7 @@ pub mod probe;
 pub mod quant;
 pub mod rng;
 pub mod routing;
+pub mod shard_index;
 #[cfg(test)]
 mod testutil;
 pub mod topology;

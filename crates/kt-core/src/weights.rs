@@ -66,7 +66,8 @@ impl Checkpoint {
                 kt_bail!(NotFound, "no .safetensors files in {}", path.display());
             }
             // With an index, only the shards that hold wanted tensors (maybe none).
-            if let Some(keep) = shards_from_index(path, wanted) {
+            if let Some(index) = crate::shard_index::ShardIndex::of(path) {
+                let keep = index.shards(wanted);
                 v.retain(|p| {
                     p.file_name()
                         .is_some_and(|n| keep.contains(&*n.to_string_lossy()))
@@ -264,22 +265,6 @@ impl Checkpoint {
         }
         Ok((view, t.shape.clone()))
     }
-}
-
-/// Shard file names that `model.safetensors.index.json` (if any) lists for wanted tensors.
-fn shards_from_index(
-    dir: &Path,
-    wanted: &dyn Fn(&str) -> bool,
-) -> Option<std::collections::HashSet<String>> {
-    let text = std::fs::read_to_string(dir.join("model.safetensors.index.json")).ok()?;
-    let index: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let map = index.get("weight_map")?.as_object()?;
-    Some(
-        map.iter()
-            .filter(|(name, _)| wanted(name))
-            .filter_map(|(_, file)| file.as_str().map(str::to_owned))
-            .collect(),
-    )
 }
 
 /// How a checkpoint names a layer's experts.

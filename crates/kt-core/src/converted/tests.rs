@@ -319,3 +319,27 @@ fn header_offsets_that_wrap_around_are_refused() {
     assert!(err.to_string().contains("outside the file"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_index_decides_which_shards_hold_a_layer() {
+    let Some(root) = crate::testutil::fixtures("amx") else {
+        return;
+    };
+    let tmp = std::env::temp_dir().join(format!("kt-index-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    copy_tree(&root.join("int8-tp1-merged"), &tmp);
+    assert!(has_converted_layer(&tmp, 1).unwrap());
+    assert!(!has_converted_layer(&tmp, 2).unwrap());
+    // An index naming a shard that is not there: nothing is found (the shards on disk are
+    // not listed for the layer), rather than a shard taken on the index's word.
+    let index = tmp.join(crate::shard_index::INDEX_FILE);
+    let text = std::fs::read_to_string(&index).unwrap();
+    let shard = text
+        .split('"')
+        .find(|s| s.ends_with(".safetensors"))
+        .unwrap()
+        .to_owned();
+    std::fs::write(&index, text.replace(&shard, "elsewhere.safetensors")).unwrap();
+    assert!(!has_converted_layer(&tmp, 1).unwrap());
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
