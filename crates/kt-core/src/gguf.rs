@@ -25,7 +25,9 @@ use crate::ggml::GgmlType;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The four bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -530,9 +532,97 @@ pub(crate) struct Header {
 pub struct GgufFile {
     path: PathBuf,
     map: Mmap,
+    parsed: Arc<Parsed>,
+}
+
+/// A file's validated header and its lookups. Loading each layer of a model opens its files
+/// again, and a real model's header is large (a 150k-token vocabulary with its merges takes
+/// about 17 ms to parse), so headers are kept per file version ([`PARSED`]).
+#[derive(Debug)]
+struct Parsed {
     header: Header,
     metadata_index: HashMap<String, usize>,
     tensor_index: HashMap<String, usize>,
+}
+
+/// What identifies a version of a file: device, inode, size, modification time.
+type FileStamp = (u64, u64, u64, Option<std::time::SystemTime>);
+
+/// Files whose parsed header is kept (a DeepSeek-V3 GGUF has 9 shards; a draft model adds some).
+const PARSED_FILES: usize = 16;
+
+/// A kept header: the file's path and version, a fingerprint of its header bytes.
+type Kept = (PathBuf, FileStamp, u64, Arc<Parsed>);
+
+/// Parsed headers, oldest first.
+static PARSED: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
+
+/// A fast 64-bit fingerprint of `bytes` (four independent multiply-rotate lanes). Besides the
+/// file's stamp, a kept header is reused only when the bytes it was parsed from are unchanged,
+/// so a same-size rewrite within the file system's timestamp resolution is still noticed.
+fn fingerprint(bytes: &[u8]) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mix = |h: u64, w: u64| (h ^ w).wrapping_mul(K).rotate_left(29);
+    let mut lanes = [K, K ^ 1, K ^ 2, K ^ 3];
+    let chunks = bytes.chunks_exact(32);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (l, w) in lanes.iter_mut().zip(c.chunks_exact(8)) {
+            *l = mix(*l, u64::from_le_bytes(w.try_into().unwrap()));
+        }
+    }
+    let mut h = mix(bytes.len() as u64, 0);
+    for b in tail {
+        h = mix(h, *b as u64);
+    }
+    lanes.iter().fold(h, |h, &l| mix(h, l))
+}
+
+impl Parsed {
+    fn new(header: Header) -> Parsed {
+        let metadata_index = header
+            .metadata
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (k.clone(), i))
+            .collect();
+        let tensor_index = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Parsed {
+            header,
+            metadata_index,
+            tensor_index,
+        }
+    }
+
+    /// The header of `map` (the file at `path`, version `stamp`): the kept one when this
+    /// version was parsed before, else parsed and validated now.
+    fn of(path: &Path, stamp: FileStamp, map: &[u8]) -> Result<Arc<Parsed>> {
+        let cache = || PARSED.lock().unwrap_or_else(|e| e.into_inner());
+        let found = cache()
+            .iter()
+            .find(|(q, s, _, _)| q == path && *s == stamp)
+            .map(|(_, _, f, p)| (*f, p.clone()));
+        if let Some((print, parsed)) = found {
+            // The stamp's size equals the map's, and the header was validated against it.
+            if fingerprint(&map[..parsed.header.data_offset.min(map.len())]) == print {
+                return Ok(parsed);
+            }
+        }
+        let parsed = Arc::new(Parsed::new(parse(map).map_err(|e| with_path(e, path))?));
+        let print = fingerprint(&map[..parsed.header.data_offset.min(map.len())]);
+        let mut kept = cache();
+        kept.retain(|(q, _, _, _)| q != path);
+        if kept.len() >= PARSED_FILES {
+            kept.remove(0);
+        }
+        kept.push((path.to_path_buf(), stamp, print, parsed.clone()));
+        Ok(parsed)
+    }
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -541,9 +631,9 @@ impl std::fmt::Debug for GgufFile {
             f,
             "GgufFile({}, v{}, {} metadata keys, {} tensors)",
             self.path.display(),
-            self.header.version,
-            self.header.metadata.len(),
-            self.header.tensors.len()
+            self.parsed.header.version,
+            self.parsed.header.metadata.len(),
+            self.parsed.header.tensors.len()
         )
     }
 }
@@ -557,25 +647,21 @@ impl GgufFile {
         // reads could fault — the contract every memory-mapped model reader has.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| Error::Runtime(format!("cannot map {}: {e}", path.display())))?;
-        let header = parse(&map).map_err(|e| with_path(e, path))?;
-        let metadata_index = header
-            .metadata
-            .iter()
-            .enumerate()
-            .map(|(i, (k, _))| (k.clone(), i))
-            .collect();
-        let tensor_index = header
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let meta = file
+            .metadata()
+            .map_err(|e| crate::error::io_error_at(path, "inspect", e))?;
+        let stamp = (meta.dev(), meta.ino(), meta.len(), meta.modified().ok());
+        kt_ensure!(
+            meta.len() == map.len() as u64,
+            Runtime,
+            "{} changed while it was being opened",
+            path.display()
+        );
+        let parsed = Parsed::of(path, stamp, &map)?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             map,
-            header,
-            metadata_index,
-            tensor_index,
+            parsed,
         })
     }
 
@@ -586,17 +672,17 @@ impl GgufFile {
 
     /// Format version (2 or 3).
     pub fn version(&self) -> u32 {
-        self.header.version
+        self.parsed.header.version
     }
 
     /// Data-section alignment.
     pub fn alignment(&self) -> usize {
-        self.header.alignment
+        self.parsed.header.alignment
     }
 
     /// Absolute offset of the data section.
     pub fn data_offset(&self) -> usize {
-        self.header.data_offset
+        self.parsed.header.data_offset
     }
 
     /// File size in bytes.
@@ -611,14 +697,15 @@ impl GgufFile {
 
     /// The value of a metadata key.
     pub fn metadata(&self, key: &str) -> Option<&Value> {
-        self.metadata_index
+        self.parsed
+            .metadata_index
             .get(key)
-            .map(|&i| &self.header.metadata[i].1)
+            .map(|&i| &self.parsed.header.metadata[i].1)
     }
 
     /// Every metadata entry, in file order.
     pub fn metadata_entries(&self) -> &[(String, Value)] {
-        &self.header.metadata
+        &self.parsed.header.metadata
     }
 
     /// `general.architecture`, if present and a string.
@@ -629,14 +716,15 @@ impl GgufFile {
 
     /// Every tensor, in file order.
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.header.tensors
+        &self.parsed.header.tensors
     }
 
     /// A tensor by name.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensor_index
+        self.parsed
+            .tensor_index
             .get(name)
-            .map(|&i| &self.header.tensors[i])
+            .map(|&i| &self.parsed.header.tensors[i])
     }
 
     /// A tensor's bytes, borrowed from the map.

@@ -614,6 +614,41 @@ fn files_open_zero_copy_and_expose_experts() {
 }
 
 #[test]
+fn reopening_reuses_the_parsed_header_until_the_file_changes() {
+    let dir = TempDir::new("reopen");
+    let (bytes, _) = valid_builder(&mut Rng::new(11)).build();
+    let path = dir.0.join("model.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let a = GgufFile::open(&path).unwrap();
+    let b = GgufFile::open(&path).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a.parsed, &b.parsed));
+    // Same size, one header byte changed (an i16 metadata value): parsed again, whatever the
+    // file system's timestamp resolution.
+    let at = bytes
+        .windows(2)
+        .position(|w| w == (-30000i16).to_le_bytes())
+        .unwrap();
+    let mut changed = bytes.clone();
+    changed[at..at + 2].copy_from_slice(&1234i16.to_le_bytes());
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    std::fs::write(&path, &changed).unwrap();
+    // The same stamp (inode, size, time) as before: only the header's fingerprint differs.
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let c = GgufFile::open(&path).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&a.parsed, &c.parsed));
+    assert_eq!(c.metadata("t.i16"), Some(&Value::I16(1234)));
+    assert_eq!(a.metadata("t.i16"), Some(&Value::I16(-30000)));
+    // Truncated now: an error, not the kept header.
+    std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+    assert!(GgufFile::open(&path).is_err());
+}
+
+#[test]
 #[should_panic(expected = "does not belong")]
 fn tensor_data_rejects_foreign_infos() {
     let dir = TempDir::new("foreign");
