@@ -1102,11 +1102,9 @@ impl MoeLayer {
                 };
                 // int8: this panel's 32 rows of gate and up (tiled), their scales and row sums.
                 let qrow = e * ip + p * PANEL;
-                let mut acc = [0i32; MAX_ROWS * PANEL];
+                let mut scratch = PanelScratch::take();
+                let PanelScratch { acc, g, u, a } = &mut *scratch;
                 let mut ptrs_q = [std::ptr::null::<u8>(); MAX_ROWS];
-                let mut g = [0f32; MAX_ROWS * PANEL];
-                let mut u = [0f32; MAX_ROWS * PANEL];
-                let mut a = [0f32; MAX_ROWS * PANEL];
                 let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
                 let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
                 let bf = bf16_for(rows.len(), h);
@@ -1131,7 +1129,7 @@ impl MoeLayer {
                         }
                     }
                     if let Some(qw) = q {
-                        for (which, dst) in [(0usize, &mut g), (1, &mut u)] {
+                        for (which, dst) in [(0usize, &mut *g), (1, &mut *u)] {
                             // SAFETY: panel rows qrow..qrow+32 of an E*ip x h matrix; x_q rows
                             // are activation rows of h values; acc holds nr*32.
                             unsafe {
@@ -1151,7 +1149,7 @@ impl MoeLayer {
                                 let sa = unsafe {
                                     *x_scale.get().add(routing.row_token[r0 + i] as usize)
                                 };
-                                scale_panel_row(&acc, sw, sa, i, dst);
+                                scale_panel_row(acc, sw, sa, i, dst);
                             }
                         }
                     }
@@ -1161,7 +1159,7 @@ impl MoeLayer {
                             // SAFETY: each pointer is a quantised x row of xq_stride bytes.
                             *x = unsafe { std::slice::from_raw_parts(ptr, xq_stride) };
                         }
-                        plan.gate_up_panel(gp, e, p, &xs[..nr], &mut g, &mut u);
+                        plan.gate_up_panel(gp, e, p, &xs[..nr], g, u);
                     }
                     // SAFETY: rows of x have h floats (h/2 pairs staged); panels panel_len(h).
                     unsafe {
@@ -1202,6 +1200,7 @@ impl MoeLayer {
                     }
                     r0 += nr;
                 }
+                PanelScratch::give_back(scratch);
             });
             // 2b. int8 / GGUF: quantise each act row (its scales span every panel, hence a
             //     phase).
@@ -1239,8 +1238,8 @@ impl MoeLayer {
                         (None, Some(b)) => b.rows_per_block,
                         (None, None) => rows_per_block,
                     };
-                    let mut o = [0f32; MAX_ROWS * PANEL];
-                    let mut acc = [0i32; MAX_ROWS * PANEL];
+                    let mut scratch = PanelScratch::take();
+                    let PanelScratch { acc, g: o, .. } = &mut *scratch;
                     let mut ptrs = [std::ptr::null::<f32>(); MAX_ROWS];
                     let mut ptrs_bf16 = [std::ptr::null::<u32>(); MAX_ROWS];
                     let mut ptrs_q = [std::ptr::null::<u8>(); MAX_ROWS];
@@ -1280,7 +1279,7 @@ impl MoeLayer {
                                 for i in 0..nr {
                                     // SAFETY: act_scale has a value per row.
                                     let sa = unsafe { *act_scale.get().add(r0 + i) };
-                                    scale_panel_row(&acc, sw, sa, i, &mut o);
+                                    scale_panel_row(acc, sw, sa, i, o);
                                 }
                             }
                             if let Some((gp, plan)) = gguf {
@@ -1290,7 +1289,7 @@ impl MoeLayer {
                                     // bytes.
                                     *a = unsafe { std::slice::from_raw_parts(ptr, aq_stride) };
                                 }
-                                plan.down_panel(gp, e, p, &acts[..nr], &mut o);
+                                plan.down_panel(gp, e, p, &acts[..nr], o);
                             }
                             // SAFETY: act rows have ip floats (ip/2 staged pairs); panel_len(ip).
                             unsafe {
@@ -1316,6 +1315,7 @@ impl MoeLayer {
                             r0 += nr;
                         }
                     }
+                    PanelScratch::give_back(scratch);
                 };
             let zero_columns = |cols: Range<usize>| {
                 for t in 0..qlen {
@@ -1428,6 +1428,40 @@ impl MoeLayer {
             }
         }
         Ok(())
+    }
+}
+
+/// One thread's panel buffers (products, gate, up, activation of up to [`MAX_ROWS`] rows). The
+/// kernels overwrite the rows they are given, so the buffers are zeroed once per thread rather
+/// than once per task: a decode task streams about 64 KiB of weights, and clearing 16 KiB of
+/// stack arrays each time cost several percent of it.
+struct PanelScratch {
+    acc: [i32; MAX_ROWS * PANEL],
+    g: [f32; MAX_ROWS * PANEL],
+    u: [f32; MAX_ROWS * PANEL],
+    a: [f32; MAX_ROWS * PANEL],
+}
+
+thread_local! {
+    static PANEL_SCRATCH: std::cell::Cell<Option<Box<PanelScratch>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+impl PanelScratch {
+    /// This thread's buffers (new ones if they are out, e.g. a task inside a task).
+    fn take() -> Box<PanelScratch> {
+        PANEL_SCRATCH.take().unwrap_or_else(|| {
+            Box::new(PanelScratch {
+                acc: [0; MAX_ROWS * PANEL],
+                g: [0.0; MAX_ROWS * PANEL],
+                u: [0.0; MAX_ROWS * PANEL],
+                a: [0.0; MAX_ROWS * PANEL],
+            })
+        })
+    }
+
+    fn give_back(scratch: Box<PanelScratch>) {
+        PANEL_SCRATCH.set(Some(scratch));
     }
 }
 

@@ -564,3 +564,55 @@ fn int8_format_needs_multiples_of_64() {
         .unwrap();
     assert!(err.to_string().contains("threadpool_count=3"), "{err}");
 }
+
+#[test]
+fn results_do_not_depend_on_earlier_forwards() {
+    // The panel buffers are per thread and not cleared between tasks: a forward of one token
+    // after a 40-token forward of large values must equal the same forward on a fresh layer.
+    let mut rng = Rng::new(41);
+    let (e, k, h, i) = (6, 2, 128, 128);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let one = rng.normals(h, 1.0);
+    let (ids1, w1) = routing_inputs(&mut rng, 1, e, k);
+    let big: Vec<f32> = rng.normals(40 * h, 1.0).iter().map(|v| v * 1e4).collect();
+    let (ids40, w40) = routing_inputs(&mut rng, 40, e, k);
+    for format in [WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Int4] {
+        let run = |pool: &crate::pool::Pool, layer: &mut MoeLayer, x: &[f32], ids, w| {
+            let mut out = vec![0f32; x.len()];
+            layer
+                .forward_f32(pool, &mut Workspace::new(), x, ids, w, &mut out)
+                .unwrap();
+            out
+        };
+        let fresh = {
+            let pool = pool(1, 2);
+            let mut layer = MoeLayer::with_format(
+                config(e, k, h, i, 40),
+                1,
+                KernelSet::best().unwrap(),
+                format,
+            )
+            .unwrap();
+            layer.load(&pool, &wts.source(), None).unwrap();
+            run(&pool, &mut layer, &one, &ids1, &w1)
+        };
+        let pool = pool(1, 2);
+        let mut layer = MoeLayer::with_format(
+            config(e, k, h, i, 40),
+            1,
+            KernelSet::best().unwrap(),
+            format,
+        )
+        .unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        run(&pool, &mut layer, &big, &ids40, &w40);
+        let after = run(&pool, &mut layer, &one, &ids1, &w1);
+        assert!(
+            after
+                .iter()
+                .zip(&fresh)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{format:?}"
+        );
+    }
+}
