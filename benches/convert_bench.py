@@ -43,47 +43,44 @@ from kt_kernel import KTMoEWrapper
 path, method, tp, layers, e, h, i = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 files = [os.path.join(root, n) for root, _, names in os.walk(path) for n in names
          if n.endswith((".safetensors", ".kt")) and f"-{layers + 1:05d}-of-" not in n]
-def read(names):
-    buf, n = memoryview(bytearray(16 << 20)), 0
-    for name in names:
-        with open(name, "rb", buffering=0) as f:
-            while (r := f.readinto(buf)):
-                n += r
-    return n
-def read_gbps(threads):
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as ex:
-        n = sum(ex.map(read, [files[k::threads] for k in range(threads)]))
-    return n / (time.perf_counter() - t) / 1e9
-def read_fresh(names):
-    # Into newly mapped memory, as a load must: the kernel zeroes each fresh page, then read()
-    # copies into it. Private and advised for huge pages like the layer's own buffers (a
-    # bytearray would fault 4 KiB pages one by one).
-    n = 0
-    for name in names:
+def read_part(part, threads, fresh):
+    # Thread `part` of `threads` reads that share of every file (one contiguous range each: a
+    # layer's merged shard is one file). Into a reused 16 MiB buffer, or (fresh) into newly
+    # mapped memory as a load must: the kernel zeroes each fresh page, then the read copies
+    # into it; private and advised for huge pages like the layer's own buffers (a bytearray
+    # would fault 4 KiB pages one by one).
+    n, reused = 0, memoryview(bytearray(16 << 20))
+    for name in files:
         size = os.path.getsize(name)
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)
-        buf = memoryview(m)
-        with open(name, "rb", buffering=0) as f:
-            at = 0
-            while at < size and (r := f.readinto(buf[at:])):
-                at += r
-        n += at
-        buf.release()
-        m.close()
+        lo, hi = size * part // threads, size * (part + 1) // threads
+        if fresh and hi > lo:
+            m = mmap.mmap(-1, hi - lo, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m.madvise(mmap.MADV_HUGEPAGE)
+            view = memoryview(m)
+        fd = os.open(name, os.O_RDONLY)
+        at = lo
+        while at < hi:
+            dst = view[at - lo:] if fresh else reused[: min(len(reused), hi - at)]
+            r = os.preadv(fd, [dst], at)
+            if r == 0:
+                break
+            at += r
+        os.close(fd)
+        n += at - lo
+        # The mapping goes with its last view (slices of it may still be alive here).
+        dst = view = m = None
     return n
-def read_fresh_gbps(threads):
+def read_gbps(threads, fresh=False):
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
-        n = sum(ex.map(read_fresh, [files[k::threads] for k in range(threads)]))
+        n = sum(ex.map(lambda p: read_part(p, threads, fresh), range(threads)))
     return n / (time.perf_counter() - t) / 1e9
 read_gbps(1)
 read1 = max(read_gbps(1) for _ in range(3))
 read2 = max(read_gbps(2) for _ in range(3))
 # Best of three: the first touch of memory this process has never used costs a host fault on
 # this VM, which says nothing about the copy; later rounds reuse freed memory, zeroed again.
-fresh2 = max(read_fresh_gbps(2) for _ in range(3))
+fresh2 = max(read_gbps(2, fresh=True) for _ in range(3))
 per_expert = 3 * h * i // (2 if method == "int4" else 1) + (2 * i + h) * 4 * tp
 # Round 0 loads every layer once; round 1 loads them again, each into memory the previous
 # (freed) layers used: on this VM the first touch of guest memory costs far more than zeroing.

@@ -21,11 +21,11 @@
 //! allocation). Tensor offsets must be aligned, rows must be whole blocks of the tensor's type,
 //! byte sizes are computed with overflow checks, and every tensor must lie inside the file.
 //! Tensor names must be unique (within a file, and across the shards of a [`GgufModel`]).
+use crate::file_stamp::{fingerprint, stamp, FileStamp};
 use crate::ggml::GgmlType;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;
 use std::collections::{HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -545,38 +545,16 @@ struct Parsed {
     tensor_index: HashMap<String, usize>,
 }
 
-/// What identifies a version of a file: device, inode, size, modification time.
-type FileStamp = (u64, u64, u64, Option<std::time::SystemTime>);
-
-/// Files whose parsed header is kept (a DeepSeek-V3 GGUF has 9 shards; a draft model adds some).
-const PARSED_FILES: usize = 16;
+/// Files whose parsed header is kept, least recently used dropped first. Opening a model opens
+/// every file of its folder, so this must exceed a model's shard count (a BF16 DeepSeek-V3 or
+/// Kimi-K2 GGUF has 30 to 50); only the first shard holds the large vocabulary.
+const PARSED_FILES: usize = 128;
 
 /// A kept header: the file's path and version, a fingerprint of its header bytes.
 type Kept = (PathBuf, FileStamp, u64, Arc<Parsed>);
 
-/// Parsed headers, oldest first.
+/// Parsed headers, least recently used first.
 static PARSED: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
-
-/// A fast 64-bit fingerprint of `bytes` (four independent multiply-rotate lanes). Besides the
-/// file's stamp, a kept header is reused only when the bytes it was parsed from are unchanged,
-/// so a same-size rewrite within the file system's timestamp resolution is still noticed.
-fn fingerprint(bytes: &[u8]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mix = |h: u64, w: u64| (h ^ w).wrapping_mul(K).rotate_left(29);
-    let mut lanes = [K, K ^ 1, K ^ 2, K ^ 3];
-    let chunks = bytes.chunks_exact(32);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (l, w) in lanes.iter_mut().zip(c.chunks_exact(8)) {
-            *l = mix(*l, u64::from_le_bytes(w.try_into().unwrap()));
-        }
-    }
-    let mut h = mix(bytes.len() as u64, 0);
-    for b in tail {
-        h = mix(h, *b as u64);
-    }
-    lanes.iter().fold(h, |h, &l| mix(h, l))
-}
 
 impl Parsed {
     fn new(header: Header) -> Parsed {
@@ -603,10 +581,19 @@ impl Parsed {
     /// version was parsed before, else parsed and validated now.
     fn of(path: &Path, stamp: FileStamp, map: &[u8]) -> Result<Arc<Parsed>> {
         let cache = || PARSED.lock().unwrap_or_else(|e| e.into_inner());
-        let found = cache()
-            .iter()
-            .find(|(q, s, _, _)| q == path && *s == stamp)
-            .map(|(_, _, f, p)| (*f, p.clone()));
+        let found = {
+            let mut kept = cache();
+            let at = kept
+                .iter()
+                .position(|(q, s, _, _)| q == path && *s == stamp);
+            // Most recently used last.
+            at.map(|at| {
+                let entry = kept.remove(at);
+                let found = (entry.2, entry.3.clone());
+                kept.push(entry);
+                found
+            })
+        };
         if let Some((print, parsed)) = found {
             // The stamp's size equals the map's, and the header was validated against it.
             if fingerprint(&map[..parsed.header.data_offset.min(map.len())]) == print {
@@ -650,7 +637,7 @@ impl GgufFile {
         let meta = file
             .metadata()
             .map_err(|e| crate::error::io_error_at(path, "inspect", e))?;
-        let stamp = (meta.dev(), meta.ino(), meta.len(), meta.modified().ok());
+        let stamp = stamp(&meta);
         kt_ensure!(
             meta.len() == map.len() as u64,
             Runtime,

@@ -22,6 +22,7 @@ pub mod converted;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod file_stamp;
 pub mod ggml;
 pub mod gguf;
 pub mod isa;

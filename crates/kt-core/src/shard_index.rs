@@ -2,12 +2,11 @@
 //!
 //! A large MoE model's index names every tensor of every layer (about 6 MB for a 48-layer
 //! Qwen3-MoE, more for DeepSeek-V3), and loading each layer consults it, twice for converted
-//! weights. So it is parsed once per process and read again only when the file changes (its
-//! size or modification time differ).
+//! weights. Parsing it takes tens of milliseconds, reading and fingerprinting it about one; so
+//! each load reads it and parses it only when its bytes differ from the kept parse's.
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
 
 /// The index's file name inside a checkpoint folder.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -23,12 +22,10 @@ pub struct ShardIndex {
     tensors: Vec<(String, u32)>,
 }
 
-/// What identifies a version of an index file.
-type Stamp = (u64, Option<SystemTime>);
-
 struct Cached {
     folder: PathBuf,
-    stamp: Stamp,
+    /// Length and fingerprint of the parsed bytes.
+    version: (usize, u64),
     index: Arc<ShardIndex>,
 }
 
@@ -39,18 +36,19 @@ impl ShardIndex {
     /// (callers then consider every shard, as without an index).
     pub fn of(folder: &Path) -> Option<Arc<ShardIndex>> {
         let path = folder.join(INDEX_FILE);
-        let meta = std::fs::metadata(&path).ok().filter(|m| m.is_file())?;
-        let stamp = (meta.len(), meta.modified().ok());
+        std::fs::metadata(&path).ok().filter(|m| m.is_file())?;
+        let text = std::fs::read(&path).ok()?;
+        let version = (text.len(), crate::file_stamp::fingerprint(&text));
         {
             let cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(c) = cache
                 .iter()
-                .find(|c| c.folder == folder && c.stamp == stamp)
+                .find(|c| c.folder == folder && c.version == version)
             {
                 return Some(c.index.clone());
             }
         }
-        let index = Arc::new(Self::parse(&std::fs::read(&path).ok()?)?);
+        let index = Arc::new(Self::parse(&text)?);
         let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
         cache.retain(|c| c.folder != folder);
         if cache.len() >= CACHED_FOLDERS {
@@ -58,7 +56,7 @@ impl ShardIndex {
         }
         cache.push(Cached {
             folder: folder.to_path_buf(),
-            stamp,
+            version,
             index: index.clone(),
         });
         Some(index)
@@ -161,15 +159,21 @@ mod tests {
         std::fs::write(dir.join(INDEX_FILE), TEXT).unwrap();
         let first = ShardIndex::of(&dir).unwrap();
         assert!(Arc::ptr_eq(&first, &ShardIndex::of(&dir).unwrap()));
-        // A different size is a new version even within the file system's time resolution.
-        std::fs::write(
-            dir.join(INDEX_FILE),
-            r#"{"weight_map": {"a.0": "four.safetensors"}}"#,
-        )
-        .unwrap();
+        // Rewritten at the same size with the old modification time: still a new version.
+        let mtime = std::fs::metadata(dir.join(INDEX_FILE))
+            .unwrap()
+            .modified()
+            .unwrap();
+        std::fs::write(dir.join(INDEX_FILE), TEXT.replace("two.", "six.")).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join(INDEX_FILE))
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
         let second = ShardIndex::of(&dir).unwrap();
-        assert_eq!(second.file_of("a.0"), Some("four.safetensors"));
-        assert_eq!(second.file_of("a.1"), None);
+        assert_eq!(second.file_of("a.1"), Some("six.safetensors"));
+        assert_eq!(second.file_of("a.0"), Some("one.safetensors"));
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(ShardIndex::of(&dir).is_none());
     }
