@@ -552,10 +552,14 @@ pub const DOT_MANY_ROWS: usize = 4;
 /// An x8 kernel ([`x8`]): `out[i · stride + r] = dot(row r of an interleaved group of eight,
 /// activations[i])` for up to [`X8_ROWS`] activation rows.
 ///
+/// `sums32` holds, for Q4_K, each activation row's [`x8::q8_k_pair_sums`] (`k/256` entries per
+/// row, rows in order), computed once per call of [`DotKernel::dot_x8`] rather than per group;
+/// it is empty for the other types.
+///
 /// # Safety
 /// The group holds eight rows of `k` values in the type's x8 layout; the [`RawRowsFn`]
 /// contract for the activations; `out` holds `(activations.len() − 1) · stride + 8`.
-type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &mut [f32], usize);
+type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &[[i32; 4]], &mut [f32], usize);
 
 /// Activation rows an x8 kernel takes per call: each decoded weight vector serves this many
 /// token rows (8 rather than 4 made Q6_K, whose decoding is the costly part, about 30% faster
@@ -802,14 +806,28 @@ impl DotKernel {
                 "DotKernel::dot_x8: activation rows of different lengths"
             );
         }
+        // Q4_K's kernels take each activation row's 32-value sums as pairs, made once here
+        // for every group of the call.
+        let blocks = k / 256;
+        let mut sums32 = Vec::new();
+        if self.weight_type == GgmlType::Q4_K {
+            sums32.reserve(activations.len() * blocks);
+            for a in activations {
+                sums32.extend((0..blocks).map(|sb| x8::q8_k_pair_sums(a, sb)));
+            }
+        }
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
         for g in 0..n {
             let group = &groups[g * gb..(g + 1) * gb];
             for (c, acts) in activations.chunks(X8_ROWS).enumerate() {
                 let at = c * X8_ROWS * out_stride + g * x8::GROUP;
+                let sums = match sums32.is_empty() {
+                    true => &[][..],
+                    false => &sums32[c * X8_ROWS * blocks..][..acts.len() * blocks],
+                };
                 // SAFETY: sizes checked above; the constructor checked the CPU.
-                unsafe { f(k, group, acts, &mut out[at..], out_stride) };
+                unsafe { f(k, group, acts, sums, &mut out[at..], out_stride) };
             }
         }
     }

@@ -82,6 +82,16 @@ pub fn dot_scalar(
     }
 }
 
+/// Super-block `sb` of a Q8_K activation row as Q4_K's x8 kernels use it: the sums of its
+/// eight 32-value sub-blocks (`bsums[2j] + bsums[2j + 1]`, at most 32 · 128 in magnitude), as
+/// pairs `j = 2q, 2q + 1` of i16 packed into one i32 each (low half first).
+pub fn q8_k_pair_sums(row: &[u8], sb: usize) -> [i32; 4] {
+    let b = &row[sb * Q8_K_BYTES..(sb + 1) * Q8_K_BYTES];
+    let bsum = |i: usize| i16::from_le_bytes([b[260 + 2 * i], b[261 + 2 * i]]) as i32;
+    let sum32 = |j: usize| (bsum(2 * j) + bsum(2 * j + 1)) as i16 as u16 as u32;
+    std::array::from_fn(|q| (sum32(2 * q) | (sum32(2 * q + 1) << 16)) as i32)
+}
+
 /// Q8_0 rows into x8 blocks.
 pub fn repack_q8_0(rows: &[u8], k: usize, out: &mut [u8]) {
     let blocks = k / 32;

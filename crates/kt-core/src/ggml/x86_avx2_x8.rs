@@ -20,10 +20,17 @@ pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
 /// # Safety
 /// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
 /// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
-pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+pub(super) unsafe fn q4_k(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    sums32: &[[i32; 4]],
+    out: &mut [f32],
+    stride: usize,
+) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
+        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
     }
 }
 
@@ -31,10 +38,20 @@ pub(super) unsafe fn q4_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32
 ///
 /// # Safety
 /// As [`q4_k`].
-pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+pub(super) unsafe fn q6_k(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    sums32: &[[i32; 4]],
+    out: &mut [f32],
+    stride: usize,
+) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
+        {
+            let _ = sums32; // Q4_K only
+            crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
+        }
     }
 }
 
@@ -42,10 +59,20 @@ pub(super) unsafe fn q6_k(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32
 ///
 /// # Safety
 /// As [`q4_k`].
-pub(super) unsafe fn q8_0(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+pub(super) unsafe fn q8_0(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    sums32: &[[i32; 4]],
+    out: &mut [f32],
+    stride: usize,
+) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
+        {
+            let _ = sums32; // Q4_K only
+            crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
+        }
     }
 }
 
@@ -262,14 +289,15 @@ unsafe fn q4_k_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
+    sums32: &[[i32; 4]],
     out: &mut [f32],
     stride: usize,
 ) {
     let blocks = k / 256;
     assert!(group.len() >= blocks * Q4_K_X8_BYTES);
+    assert!(sums32.len() >= R * blocks, "32-value sums missing");
     let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
     let low4 = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
     // SAFETY (all loads): offsets inside the checked group and activation blocks.
@@ -313,19 +341,13 @@ unsafe fn q4_k_rows<const R: usize>(
             let mins = [min_pairs(0), min_pairs(1), min_pairs(2), min_pairs(3)];
             for r in 0..R {
                 let ab = a[r].add(sb * Q8_K_BYTES);
-                // Σ per 32 values (pairs of the 16-value bsums), as eight i16 (|·| ≤ 32·127).
-                let b32 =
-                    _mm256_madd_epi16(_mm256_loadu_si256(ab.add(260) as *const __m256i), ones);
-                let b16 = _mm_packs_epi32(
-                    _mm256_castsi256_si128(b32),
-                    _mm256_extracti128_si256::<1>(b32),
-                );
-                // Pair q of the 32-value sums in every lane, times the rows' minima pairs.
+                // Pair q of the row's 32-value sums in every lane, times the rows' minima pairs.
+                let s32 = sums32.get_unchecked(r * blocks + sb);
                 let pairs = [
-                    _mm256_broadcastd_epi32(b16),
-                    _mm256_broadcastd_epi32(_mm_shuffle_epi32::<0x55>(b16)),
-                    _mm256_broadcastd_epi32(_mm_shuffle_epi32::<0xAA>(b16)),
-                    _mm256_broadcastd_epi32(_mm_shuffle_epi32::<0xFF>(b16)),
+                    _mm256_set1_epi32(s32[0]),
+                    _mm256_set1_epi32(s32[1]),
+                    _mm256_set1_epi32(s32[2]),
+                    _mm256_set1_epi32(s32[3]),
                 ];
                 let mut summs = _mm256_madd_epi16(mins[0], pairs[0]);
                 for q in 1..4 {
