@@ -15,66 +15,49 @@ pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     }
 }
 
-/// Q4_K x8 against up to [`super::X8_ROWS`] Q8_K rows: `out[i · stride + r]` for the group's rows r.
-///
-/// # Safety
-/// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
-/// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
-pub(super) unsafe fn q4_k(
-    k: usize,
-    group: &[u8],
-    acts: &[&[u8]],
-    sums32: &[[i32; 4]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        crate::kernels::dispatch_rows!(q4_k_rows, "x8 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
-    }
+/// The public entry of each x8 kernel: dispatch on the activation row count.
+macro_rules! x8_entry {
+    ($(#[$doc:meta])* $name:ident => $rows:ident) => {
+        $(#[$doc])*
+        pub(super) unsafe fn $name(
+            k: usize,
+            group: &[u8],
+            acts: &[&[u8]],
+            sums32: &[[i32; 4]],
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            // SAFETY: forwarded.
+            unsafe {
+                crate::kernels::dispatch_rows!($rows, "x8 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+            }
+        }
+    };
 }
 
-/// Q6_K x8 against up to [`super::X8_ROWS`] Q8_K rows (contract of [`q4_k`]).
-///
-/// # Safety
-/// As [`q4_k`].
-pub(super) unsafe fn q6_k(
-    k: usize,
-    group: &[u8],
-    acts: &[&[u8]],
-    sums32: &[[i32; 4]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        {
-            let _ = sums32; // Q4_K only
-            crate::kernels::dispatch_rows!(q6_k_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
-        }
-    }
-}
-
-/// Q8_0 x8 against up to [`super::X8_ROWS`] Q8_0 rows (contract of [`q4_k`]).
-///
-/// # Safety
-/// As [`q4_k`].
-pub(super) unsafe fn q8_0(
-    k: usize,
-    group: &[u8],
-    acts: &[&[u8]],
-    sums32: &[[i32; 4]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        {
-            let _ = sums32; // Q4_K only
-            crate::kernels::dispatch_rows!(q8_0_rows, "x8 kernel", acts, (k, group, acts, out, stride); 1 2 3 4 5 6 7 8)
-        }
-    }
-}
+x8_entry!(
+    /// Q4_K x8 against up to [`super::X8_ROWS`] Q8_K rows: `out[i · stride + r]` for the
+    /// group's rows r; `sums32` holds each row's 32-value sums per super-block.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
+    /// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
+    q4_k => q4_k_rows
+);
+x8_entry!(
+    /// Q6_K x8 against up to [`super::X8_ROWS`] Q8_K rows (contract of [`q4_k`]; no sums).
+    ///
+    /// # Safety
+    /// As [`q4_k`].
+    q6_k => q6_k_rows
+);
+x8_entry!(
+    /// Q8_0 x8 against up to [`super::X8_ROWS`] Q8_0 rows (contract of [`q4_k`]; no sums).
+    ///
+    /// # Safety
+    /// As [`q4_k`].
+    q8_0 => q8_0_rows
+);
 
 /// Eight unsigned bytes at `p` as (v, v) 16-bit pairs, one per 32-bit lane (the rows' scales
 /// for `vpmaddwd`).
@@ -149,6 +132,7 @@ unsafe fn q8_0_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
+    _sums32: &[[i32; 4]],
     out: &mut [f32],
     stride: usize,
 ) {
@@ -196,6 +180,7 @@ unsafe fn q6_k_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
+    _sums32: &[[i32; 4]],
     out: &mut [f32],
     stride: usize,
 ) {

@@ -584,27 +584,18 @@ fn results_do_not_depend_on_earlier_forwards() {
                 .unwrap();
             out
         };
+        let loaded = |pool: &crate::pool::Pool| {
+            let kern = KernelSet::best().unwrap();
+            let mut layer = MoeLayer::with_format(config(e, k, h, i, 40), 1, kern, format).unwrap();
+            layer.load(pool, &wts.source(), None).unwrap();
+            layer
+        };
         let fresh = {
             let pool = pool(1, 2);
-            let mut layer = MoeLayer::with_format(
-                config(e, k, h, i, 40),
-                1,
-                KernelSet::best().unwrap(),
-                format,
-            )
-            .unwrap();
-            layer.load(&pool, &wts.source(), None).unwrap();
-            run(&pool, &mut layer, &one, &ids1, &w1)
+            run(&pool, &mut loaded(&pool), &one, &ids1, &w1)
         };
         let pool = pool(1, 2);
-        let mut layer = MoeLayer::with_format(
-            config(e, k, h, i, 40),
-            1,
-            KernelSet::best().unwrap(),
-            format,
-        )
-        .unwrap();
-        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut layer = loaded(&pool);
         run(&pool, &mut layer, &big, &ids40, &w40);
         let after = run(&pool, &mut layer, &one, &ids1, &w1);
         assert!(
