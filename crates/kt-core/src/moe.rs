@@ -372,7 +372,7 @@ impl Workspace {
                 // activation format's blocks for GGUF.
                 let copies = crate::kernels::int8::ACT_COPIES;
                 let (xb, ab) = match (&layer.ggml, &p.g) {
-                    (Some(plan), Some(g)) => (plan.x_bytes, g.act_bytes),
+                    (Some(plan), Some(g)) => (plan.x_stride, g.act_stride),
                     _ => (copies * c.hidden, copies * p.inter.len()),
                 };
                 grow(&mut s.x_q, tokens * xb)?;
@@ -1055,8 +1055,8 @@ impl MoeLayer {
             // of the types' activation formats (strides in bytes).
             let gguf = pw.g.as_ref().zip(self.ggml.as_ref());
             let copies = crate::kernels::int8::ACT_COPIES;
-            let xq_stride = gguf.map_or(copies * h, |(_, plan)| plan.x_bytes);
-            let aq_stride = gguf.map_or(copies * ip, |(g, _)| g.act_bytes);
+            let xq_stride = gguf.map_or(copies * h, |(_, plan)| plan.x_stride);
+            let aq_stride = gguf.map_or(copies * ip, |(g, _)| g.act_stride);
             // 1. Activations to fp32, once per part (NUMA-local copy), and to bf16 pairs if any
             //    expert takes the bf16 path.
             team.parallel_for(qlen, &|t| {
@@ -1214,7 +1214,7 @@ impl MoeLayer {
                             aq_stride,
                         );
                         match gguf {
-                            Some((_, plan)) => plan.quantise_act(src, dst),
+                            Some((g, plan)) => plan.quantise_act(g, src, dst),
                             None => *act_scale.get().add(row) = quantise_activation(src, dst),
                         }
                     }

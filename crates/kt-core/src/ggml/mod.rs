@@ -552,14 +552,14 @@ pub const DOT_MANY_ROWS: usize = 4;
 /// An x8 kernel ([`x8`]): `out[i · stride + r] = dot(row r of an interleaved group of eight,
 /// activations[i])` for up to [`X8_ROWS`] activation rows.
 ///
-/// `sums32` holds, for Q4_K, each activation row's [`x8::q8_k_pair_sums`] (`k/256` entries per
-/// row, rows in order), computed once per call of [`DotKernel::dot_x8`] rather than per group;
-/// it is empty for the other types.
+/// `sums32[i]` holds, for Q4_K, activation row i's [`x8::q8_k_pair_sums`] (`k/256` entries),
+/// made once per activation row ([`DotKernel::x8_sums`]) rather than per group; the other
+/// types ignore it.
 ///
 /// # Safety
 /// The group holds eight rows of `k` values in the type's x8 layout; the [`RawRowsFn`]
 /// contract for the activations; `out` holds `(activations.len() − 1) · stride + 8`.
-type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &[[i32; 4]], &mut [f32], usize);
+type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &[&[[i32; 4]]], &mut [f32], usize);
 
 /// Activation rows an x8 kernel takes per call: each decoded weight vector serves this many
 /// token rows (8 rather than 4 made Q6_K, whose decoding is the costly part, about 30% faster
@@ -768,6 +768,40 @@ impl DotKernel {
         x8::repack(self.weight_type, rows, k, out);
     }
 
+    /// Entries of [`DotKernel::x8_sums`] per activation row of `k` values: `k/256` for Q4_K's
+    /// x8 kernels, 0 for the others (they need none).
+    pub fn x8_sums_per_row(&self, k: usize) -> usize {
+        match (self.weight_type, self.has_x8()) {
+            (GgmlType::Q4_K, true) => k / 256,
+            _ => 0,
+        }
+    }
+
+    /// An activation row's per-super-block 32-value sums for the x8 kernels (`out` holds
+    /// [`DotKernel::x8_sums_per_row`] entries): made once per row, they serve every group of
+    /// every call (a prefill's gate, up and each panel).
+    ///
+    /// # Panics
+    /// If `out` or `activation` does not fit `k`.
+    pub fn x8_sums(&self, k: usize, activation: &[u8], out: &mut [[i32; 4]]) {
+        assert_eq!(
+            out.len(),
+            self.x8_sums_per_row(k),
+            "DotKernel::x8_sums: bad output"
+        );
+        if !out.is_empty() {
+            let need = self.activation_format().row_bytes(k).unwrap_or(usize::MAX);
+            assert_eq!(
+                activation.len(),
+                need,
+                "DotKernel::x8_sums: bad activation row"
+            );
+        }
+        for (sb, o) in out.iter_mut().enumerate() {
+            *o = x8::q8_k_pair_sums(activation, sb);
+        }
+    }
+
     /// `out[i · out_stride + r] = dot(row r, activations[i])` for the x8 groups in `groups`
     /// (rows 8g.. of group g) and every activation row, each result equal to
     /// [`DotKernel::dot`]'s on the file rows.
@@ -779,6 +813,34 @@ impl DotKernel {
         k: usize,
         groups: &[u8],
         activations: &[&[u8]],
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let per_row = self.x8_sums_per_row(k);
+        let mut sums = vec![[0i32; 4]; activations.len() * per_row];
+        if per_row > 0 {
+            for (a, s) in activations.iter().zip(sums.chunks_mut(per_row)) {
+                self.x8_sums(k, a, s);
+            }
+        }
+        let rows: Vec<&[[i32; 4]]> = match per_row {
+            0 => vec![&[][..]; activations.len()],
+            n => sums.chunks(n).collect(),
+        };
+        self.dot_x8_presummed(k, groups, activations, &rows, out, out_stride);
+    }
+
+    /// [`DotKernel::dot_x8`] with each activation row's [`DotKernel::x8_sums`] made by the
+    /// caller (`sums[i]` for `activations[i]`; empty slices where the type needs none).
+    ///
+    /// # Panics
+    /// Without an x8 kernel, or if the sizes do not fit.
+    pub fn dot_x8_presummed(
+        &self,
+        k: usize,
+        groups: &[u8],
+        activations: &[&[u8]],
+        sums: &[&[[i32; 4]]],
         out: &mut [f32],
         out_stride: usize,
     ) {
@@ -795,6 +857,11 @@ impl DotKernel {
                 "DotKernel::dot_x8: output too short"
             );
         }
+        let per_row = self.x8_sums_per_row(k);
+        assert!(
+            sums.len() == activations.len() && sums.iter().all(|s| s.len() == per_row),
+            "DotKernel::dot_x8: {per_row} sums per activation row needed"
+        );
         // The full shape check once, then only lengths: this runs per panel in prefill.
         if let Some(first) = activations.first() {
             let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
@@ -806,28 +873,15 @@ impl DotKernel {
                 "DotKernel::dot_x8: activation rows of different lengths"
             );
         }
-        // Q4_K's kernels take each activation row's 32-value sums as pairs, made once here
-        // for every group of the call.
-        let blocks = k / 256;
-        let mut sums32 = Vec::new();
-        if self.weight_type == GgmlType::Q4_K {
-            sums32.reserve(activations.len() * blocks);
-            for a in activations {
-                sums32.extend((0..blocks).map(|sb| x8::q8_k_pair_sums(a, sb)));
-            }
-        }
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
         for g in 0..n {
             let group = &groups[g * gb..(g + 1) * gb];
             for (c, acts) in activations.chunks(X8_ROWS).enumerate() {
                 let at = c * X8_ROWS * out_stride + g * x8::GROUP;
-                let sums = match sums32.is_empty() {
-                    true => &[][..],
-                    false => &sums32[c * X8_ROWS * blocks..][..acts.len() * blocks],
-                };
+                let rows = &sums[c * X8_ROWS..c * X8_ROWS + acts.len()];
                 // SAFETY: sizes checked above; the constructor checked the CPU.
-                unsafe { f(k, group, acts, sums, &mut out[at..], out_stride) };
+                unsafe { f(k, group, acts, rows, &mut out[at..], out_stride) };
             }
         }
     }

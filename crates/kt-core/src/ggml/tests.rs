@@ -734,3 +734,55 @@ fn reproduces_the_original_llamafile_outputs() {
         );
     }
 }
+
+#[test]
+fn x8_sums_are_made_once_per_row_and_checked() {
+    let Ok(kernel) = DotKernel::best(GgmlType::Q4_K) else {
+        return;
+    };
+    if !kernel.has_x8() {
+        return;
+    }
+    let k = 512;
+    assert_eq!(kernel.x8_sums_per_row(k), 2);
+    assert_eq!(
+        DotKernel::best(GgmlType::Q8_0).unwrap().x8_sums_per_row(k),
+        0
+    );
+    let mut rng = crate::rng::Rng::new(71);
+    let w = quantize(GgmlType::Q4_K, &rng.normals(8 * k, 0.1)).unwrap();
+    let mut group = vec![0u8; kernel.memory_row_bytes(k).unwrap() * 8];
+    kernel.repack_x8(&w, k, &mut group);
+    let acts: Vec<Vec<u8>> = (0..3)
+        .map(|_| quantize_activation(ActivationFormat::Q8_K, &rng.normals(k, 1.0)).unwrap())
+        .collect();
+    let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+    let sums: Vec<Vec<[i32; 4]>> = refs
+        .iter()
+        .map(|a| {
+            let mut s = vec![[0; 4]; 2];
+            kernel.x8_sums(k, a, &mut s);
+            s
+        })
+        .collect();
+    let sum_refs: Vec<&[[i32; 4]]> = sums.iter().map(|s| s.as_slice()).collect();
+    let (mut a, mut b) = (vec![0f32; 24], vec![0f32; 24]);
+    kernel.dot_x8(k, &group, &refs, &mut a, 8);
+    kernel.dot_x8_presummed(k, &group, &refs, &sum_refs, &mut b, 8);
+    assert_eq!(a, b);
+    // The sums matter: made for other rows, they change the result.
+    let swapped = [sum_refs[1], sum_refs[0], sum_refs[2]];
+    kernel.dot_x8_presummed(k, &group, &refs, &swapped, &mut b, 8);
+    assert_ne!(a, b);
+    // Missing or short sums are refused, not read out of bounds.
+    for bad in [
+        &sum_refs[..2],
+        &[sum_refs[0], &sums[1][..1], sum_refs[2]][..],
+    ] {
+        let r = std::panic::catch_unwind(|| {
+            let mut out = vec![0f32; 24];
+            kernel.dot_x8_presummed(k, &group, &refs, bad, &mut out, 8);
+        });
+        assert!(r.is_err());
+    }
+}

@@ -23,7 +23,7 @@ macro_rules! x8_entry {
             k: usize,
             group: &[u8],
             acts: &[&[u8]],
-            sums32: &[[i32; 4]],
+            sums32: &[&[[i32; 4]]],
             out: &mut [f32],
             stride: usize,
         ) {
@@ -37,7 +37,7 @@ macro_rules! x8_entry {
 
 x8_entry!(
     /// Q4_K x8 against up to [`super::X8_ROWS`] Q8_K rows: `out[i · stride + r]` for the
-    /// group's rows r; `sums32` holds each row's 32-value sums per super-block.
+    /// group's rows r; `sums32[i]` holds row i's 32-value sums, one entry per super-block.
     ///
     /// # Safety
     /// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
@@ -132,7 +132,7 @@ unsafe fn q8_0_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
-    _sums32: &[[i32; 4]],
+    _sums32: &[&[[i32; 4]]],
     out: &mut [f32],
     stride: usize,
 ) {
@@ -180,7 +180,7 @@ unsafe fn q6_k_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
-    _sums32: &[[i32; 4]],
+    _sums32: &[&[[i32; 4]]],
     out: &mut [f32],
     stride: usize,
 ) {
@@ -239,16 +239,18 @@ unsafe fn q6_k_rows<const R: usize>(
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
             // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs (for every token).
-            let pairs: [__m256i; 8] = std::array::from_fn(|q| {
+            // (A loop: a closure would not inherit the target features.)
+            let mut pairs = [_mm256_setzero_si256(); 8];
+            for (q, pair) in pairs.iter_mut().enumerate() {
                 let s_lo =
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
                 let s_hi =
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
-                _mm256_or_si256(
+                *pair = _mm256_or_si256(
                     _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
                     _mm256_slli_epi32::<16>(s_hi),
-                )
-            });
+                );
+            }
             for r in 0..R {
                 let ab = a[r].add(sb * Q8_K_BYTES);
                 let mut offset = _mm256_setzero_si256();
@@ -274,13 +276,20 @@ unsafe fn q4_k_rows<const R: usize>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
-    sums32: &[[i32; 4]],
+    sums32: &[&[[i32; 4]]],
     out: &mut [f32],
     stride: usize,
 ) {
     let blocks = k / 256;
     assert!(group.len() >= blocks * Q4_K_X8_BYTES);
-    assert!(sums32.len() >= R * blocks, "32-value sums missing");
+    assert!(
+        sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= blocks),
+        "32-value sums missing"
+    );
+    // (No closures here: a closure does not inherit the target features, so its intrinsics
+    // would become calls.)
+    let mut sums: [&[[i32; 4]]; R] = [&[]; R];
+    sums.copy_from_slice(&sums32[..R]);
     let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
     let low4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -320,14 +329,14 @@ unsafe fn q4_k_rows<const R: usize>(
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
             let dmin = _mm256_cvtph_ps(_mm_loadu_si128(g.add(16) as *const __m128i));
-            let min_pairs = |q: usize| {
-                _mm256_cvtepu8_epi16(_mm_loadu_si128(g.add(96 + 16 * q) as *const __m128i))
-            };
-            let mins = [min_pairs(0), min_pairs(1), min_pairs(2), min_pairs(3)];
+            let mut mins = [_mm256_setzero_si256(); 4];
+            for (q, m) in mins.iter_mut().enumerate() {
+                *m = _mm256_cvtepu8_epi16(_mm_loadu_si128(g.add(96 + 16 * q) as *const __m128i));
+            }
             for r in 0..R {
                 let ab = a[r].add(sb * Q8_K_BYTES);
                 // Pair q of the row's 32-value sums in every lane, times the rows' minima pairs.
-                let s32 = sums32.get_unchecked(r * blocks + sb);
+                let s32 = sums[r].get_unchecked(sb);
                 let pairs = [
                     _mm256_set1_epi32(s32[0]),
                     _mm256_set1_epi32(s32[1]),

@@ -577,14 +577,18 @@ pub(crate) fn exp_approx(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // Round to nearest with the 1.5·2^23 trick (exact for |t| < 2^22, which the clamp ensures).
     const MAGIC: f32 = 12_582_912.0;
-    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let shifted = x * LOG2E + MAGIC;
+    let n = shifted - MAGIC;
     // Cody-Waite split of ln 2 keeps r accurate.
     let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (0.166_666_67 + r * (0.041_666_52 + r * (0.008_333_7 + r * 0.001_394_2)))));
-    let bits = ((n as i32 + 127) as u32) << 23;
+    // n as an integer from the same sum's bits (the unit of `shifted` is 1): `n as i32` is a
+    // saturating conversion that does not vectorise. NaN gives garbage bits, but p is NaN.
+    let n_int = shifted.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    let bits = (n_int.wrapping_add(127) as u32) << 23;
     p * f32::from_bits(bits)
 }
 

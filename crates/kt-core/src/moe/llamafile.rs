@@ -14,8 +14,8 @@
 //! Activations: each token's `x` is quantised once per part to the gate/up type's activation
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
-use super::{MoeConfig, MoeLayer, PartWeights, SyncPtr, WeightFormat, PANEL};
-use crate::ggml::{x8, ActivationFormat, DotKernel, GgmlType};
+use super::{MoeConfig, MoeLayer, PartWeights, SyncPtr, WeightFormat, MAX_ROWS, PANEL};
+use crate::ggml::{x8, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
 use crate::pack::AlignedBuf;
 use crate::pool::{Pool, Team};
@@ -49,6 +49,9 @@ pub(super) struct GgmlPlan {
     pub row_bytes: usize,
     /// Bytes of one token's x in the gate/up activation format.
     pub x_bytes: usize,
+    /// Bytes of one token's quantised x row in the workspace: `x_bytes`, then the row's
+    /// [`DotKernel::x8_sums`] for the gate/up kernel (made once per token, read by every panel).
+    pub x_stride: usize,
 }
 
 /// One part's GGUF experts (layout in the module docs).
@@ -61,20 +64,23 @@ pub(super) struct GgmlPart {
     pub down_row_bytes: usize,
     /// Bytes of one SwiGLU row (`ip` values) in the down activation format.
     pub act_bytes: usize,
+    /// Bytes of one quantised SwiGLU row in the workspace: `act_bytes`, then its x8 sums.
+    pub act_stride: usize,
 }
 
 impl GgmlPlan {
-    /// Quantise `x` (one row) to the gate/up activation format.
+    /// Quantise `x` (one row) to the gate/up activation format, followed by its x8 sums.
     ///
     /// # Panics
-    /// If `out` is not [`GgmlPlan::x_bytes`] long (the workspace plans it).
+    /// If `out` is not [`GgmlPlan::x_stride`] long (the workspace plans it).
     pub fn quantise_x(&self, x: &[f32], out: &mut [u8]) {
-        quantise(self.gate_up.activation_format(), x, out);
+        quantise_row(&self.gate_up, self.x_bytes, x, out);
     }
 
-    /// Quantise one SwiGLU row to the down activation format.
-    pub fn quantise_act(&self, act: &[f32], out: &mut [u8]) {
-        quantise(self.down.activation_format(), act, out);
+    /// Quantise one SwiGLU row to the down activation format, followed by its x8 sums
+    /// (`out` is [`GgmlPart::act_stride`] long).
+    pub fn quantise_act(&self, part: &GgmlPart, act: &[f32], out: &mut [u8]) {
+        quantise_row(&self.down, part.act_bytes, act, out);
     }
 
     /// `g`, `u` (32 values per x row, row i at `32·i`): panel `p` of expert `e` against the
@@ -91,9 +97,13 @@ impl GgmlPlan {
         let (h, run) = (self.hidden, PANEL * self.row_bytes);
         let at = (e * (part.rows / PANEL) + p) * 2 * run;
         let gu = &part.gate_up.as_slice()[at..at + 2 * run];
+        let (rows, sums) = split_rows(xs, self.x_bytes);
+        let (xs, sums) = (&rows[..xs.len()], &sums[..xs.len()]);
         if self.gate_up.has_x8() {
-            self.gate_up.dot_x8(h, &gu[..run], xs, g, PANEL);
-            self.gate_up.dot_x8(h, &gu[run..], xs, u, PANEL);
+            self.gate_up
+                .dot_x8_presummed(h, &gu[..run], xs, sums, g, PANEL);
+            self.gate_up
+                .dot_x8_presummed(h, &gu[run..], xs, sums, u, PANEL);
         } else if let [x] = xs {
             self.gate_up.dot_rows(h, &gu[..run], x, &mut g[..PANEL]);
             self.gate_up.dot_rows(h, &gu[run..], x, &mut u[..PANEL]);
@@ -109,8 +119,11 @@ impl GgmlPlan {
         let rb = part.down_row_bytes;
         let at = (e * self.hidden + p * PANEL) * rb;
         let rows = &part.down.as_slice()[at..at + PANEL * rb];
+        let (act_rows, sums) = split_rows(acts, part.act_bytes);
+        let (acts, sums) = (&act_rows[..acts.len()], &sums[..acts.len()]);
         if self.down.has_x8() {
-            self.down.dot_x8(part.rows, rows, acts, o, PANEL);
+            self.down
+                .dot_x8_presummed(part.rows, rows, acts, sums, o, PANEL);
         } else if let [act] = acts {
             self.down.dot_rows(part.rows, rows, act, &mut o[..PANEL]);
         } else {
@@ -119,10 +132,50 @@ impl GgmlPlan {
     }
 }
 
-fn quantise(format: ActivationFormat, x: &[f32], out: &mut [u8]) {
-    if let Err(e) = crate::ggml::quantize_activation_into(format, x, out) {
+/// Quantise `x` for `kernel` into `out`: `bytes` of activation blocks, then the row's x8 sums.
+fn quantise_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
+    let (blocks, sums) = out.split_at_mut(bytes);
+    if let Err(e) = crate::ggml::quantize_activation_into(kernel.activation_format(), x, blocks) {
         panic!("activation scratch does not fit the plan: {e}");
     }
+    kernel.x8_sums(x.len(), blocks, as_sums_mut(sums));
+}
+
+/// Bytes of a workspace row of `bytes` activation bytes plus `kernel`'s x8 sums for `k` inputs.
+pub(super) fn row_stride(kernel: &DotKernel, bytes: usize, k: usize) -> usize {
+    bytes + kernel.x8_sums_per_row(k) * std::mem::size_of::<[i32; 4]>()
+}
+
+/// Workspace rows (see [`quantise_row`]) as their activation blocks (`bytes` each) and sums.
+fn split_rows<'a>(
+    rows: &[&'a [u8]],
+    bytes: usize,
+) -> ([&'a [u8]; MAX_ROWS], [&'a [[i32; 4]]; MAX_ROWS]) {
+    let mut blocks = [&[][..]; MAX_ROWS];
+    let mut sums = [&[][..]; MAX_ROWS];
+    for ((row, b), s) in rows.iter().zip(&mut blocks).zip(&mut sums) {
+        let (head, tail) = row.split_at(bytes);
+        *b = head;
+        *s = as_sums(tail);
+    }
+    (blocks, sums)
+}
+
+/// A row's sums bytes as entries (activation rows are 4-byte multiples in 64-byte-aligned
+/// workspace buffers, so the sums are aligned).
+fn as_sums(bytes: &[u8]) -> &[[i32; 4]] {
+    // SAFETY: any bits are valid i32 values; the split checks the alignment.
+    let (pre, sums, post) = unsafe { bytes.align_to::<[i32; 4]>() };
+    assert!(pre.is_empty() && post.is_empty(), "misaligned x8 sums");
+    sums
+}
+
+/// [`as_sums`] for writing.
+fn as_sums_mut(bytes: &mut [u8]) -> &mut [[i32; 4]] {
+    // SAFETY: as in `as_sums`.
+    let (pre, sums, post) = unsafe { bytes.align_to_mut::<[i32; 4]>() };
+    assert!(pre.is_empty() && post.is_empty(), "misaligned x8 sums");
+    sums
 }
 
 /// Split unit of the intermediate dimension for `parts` parts with down type `down` (see the
@@ -277,9 +330,11 @@ impl MoeLayer {
             hidden: c.hidden,
             row_bytes: 0,
             x_bytes: types.gate_up.activation_format()?.row_bytes(c.hidden)?,
+            x_stride: 0,
         };
         let plan = GgmlPlan {
             row_bytes: plan.gate_up.memory_row_bytes(c.hidden)?,
+            x_stride: row_stride(&plan.gate_up, plan.x_bytes, c.hidden),
             ..plan
         };
         let unit = split_unit(&c, parts, types.down, down.name())?;
@@ -289,6 +344,7 @@ impl MoeLayer {
         for inter in ranges {
             let ip = inter.len();
             let down_row_bytes = plan.down.memory_row_bytes(ip)?;
+            let act_bytes = types.down.activation_format()?.row_bytes(ip)?;
             let gate_up_bytes = e_count * 2 * ip * plan.row_bytes;
             new_parts.push(PartWeights {
                 inter,
@@ -300,7 +356,8 @@ impl MoeLayer {
                     gate_up: AlignedBuf::zeroed(gate_up_bytes)?,
                     down: AlignedBuf::zeroed(e_count * h * down_row_bytes)?,
                     down_row_bytes,
-                    act_bytes: types.down.activation_format()?.row_bytes(ip)?,
+                    act_bytes,
+                    act_stride: row_stride(&plan.down, act_bytes, ip),
                 }),
             });
         }
