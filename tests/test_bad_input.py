@@ -232,6 +232,11 @@ def test_odd_arguments_are_refused_by_type_or_range(small_layer):
         w.forward(torch.randn(2, 64).to_sparse(), ids, wt)
     with pytest.raises(TypeError, match="dense"):
         w.forward(torch.randn(2, 64), ids.to_sparse(), wt)
+    # Zero tensors have no storage (their data pointer is 0).
+    with pytest.raises(ValueError, match="zero tensor"):
+        w.forward(torch._efficientzerotensor((2, 64)), ids, wt)
+    with pytest.raises(ValueError, match="zero tensor"):
+        w.forward(torch.randn(2, 64), ids, torch._efficientzerotensor((2, 2)))
 
 
 def test_native_pool_refuses_a_thread_storm():

@@ -291,6 +291,13 @@ def test_bad_paths_files_types_and_shapes_raise_clear_errors(tmp_path):
         llamafile(good, h=512).load_weights()
     with pytest.raises(ValueError, match="4 experts but num_experts=8"):
         llamafile(good, e=8).load_weights()
+    # More experts in the file than the layer reads: without a map, slot e is file expert e.
+    small, full = llamafile(good, e=2, k=1), llamafile(good, k=1)
+    small.load_weights()
+    full.load_weights()
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(9))
+    ids, wt = torch.tensor([[0], [1], [1]]), torch.ones(3, 1)
+    assert torch.equal(small.forward(x, ids, wt, None), full.forward(x, ids, wt, None))
     with pytest.raises(ValueError, match="outside 0..4"):
         llamafile(good).load_weights(torch.tensor([0, 1, 2, 4]))
     with pytest.raises(NotImplementedError, match="GGUF files"):

@@ -42,6 +42,17 @@ def _as_int(value):
         return value
 
 
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    """Refuse tensors without ordinary storage: sparse layouts and zero tensors."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+    if t._is_zerotensor():
+        raise ValueError(
+            f"{name} is a zero tensor without storage (torch._efficientzerotensor); "
+            "pass a materialised tensor, e.g. torch.zeros_like(...)"
+        )
+
+
 def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -280,10 +291,7 @@ class BaseMoEWrapper:
     def _check_forward_inputs(self, hidden_states, topk_ids, topk_weights):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError("hidden_states must be a torch.Tensor")
-        if hidden_states.layout != torch.strided:
-            raise TypeError(
-                f"hidden_states must be a dense (strided) tensor, got {hidden_states.layout}"
-            )
+        _check_dense("hidden_states", hidden_states)
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
@@ -299,9 +307,8 @@ class BaseMoEWrapper:
         qlen = x.shape[0]
         if not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
             raise TypeError("topk_ids and topk_weights must be torch.Tensors")
-        for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if t.layout != torch.strided:
-                raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+        _check_dense("topk_ids", topk_ids)
+        _check_dense("topk_weights", topk_weights)
         if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool or topk_ids.is_complex():
             raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
         if not topk_weights.is_floating_point():

@@ -281,8 +281,9 @@ impl MoeLayer {
     /// dims `[k, n, experts]`) into this [`WeightFormat::Gguf`] layer. The file decides the ggml
     /// types (gate and up must share one; down may differ) and with them the split of `I`
     /// (module docs); each part's bytes are copied and first touched by its own threads.
-    /// Physical slot `p` receives file expert `map[p]`; without a map the file must hold
-    /// exactly `num_experts` experts. On error the layer keeps its previous weights.
+    /// Physical slot `p` receives file expert `map[p]`; without a map slot `p` takes file expert
+    /// `p` (the file holds at least `num_experts`). On error the layer keeps its previous
+    /// weights.
     pub fn load_gguf(
         &mut self,
         pool: &Pool,
@@ -309,8 +310,10 @@ impl MoeLayer {
         let [gate, up, down] = &tensors;
         let experts = gate.experts();
         if map.is_none() {
+            // As the original (which ignores the map): slot e takes file expert e, so the file
+            // may hold more experts than the layer reads, never fewer.
             kt_ensure!(
-                experts == c.num_experts,
+                experts >= c.num_experts,
                 Invalid,
                 "layer {l}: {} holds {experts} experts but num_experts={}",
                 gate.name(),

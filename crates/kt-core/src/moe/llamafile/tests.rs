@@ -365,14 +365,24 @@ fn maps_and_gpu_masks() {
     let map = [5i64, 0, 3, 2];
     let mut layer =
         MoeLayer::with_format(config(e, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
-    // Six experts in the file, four in the layer: only with a map.
-    let err = layer.load_gguf(&pool, &model, 1, None).unwrap_err();
-    assert!(err.to_string().contains("6 experts"), "{err}");
-    layer.load_gguf(&pool, &model, 1, Some(&map)).unwrap();
+    // Six experts in the file, four in the layer: without a map slot p is file expert p
+    // (as the original, which ignores the map); with one, the map decides.
     let (x, ids, w) = inputs(&mut rng, 6, e, k, h);
+    layer.load_gguf(&pool, &model, 1, None).unwrap();
+    let want = experts.reference(&x, &ids, &w, k, &[0, 1, 2, 3]);
+    assert!(rel_l2(&run(&layer, &pool, &x, &ids, &w), &want) < 0.03);
+    layer.load_gguf(&pool, &model, 1, Some(&map)).unwrap();
     let want = experts.reference(&x, &ids, &w, k, &[5, 0, 3, 2]);
     let got = run(&layer, &pool, &x, &ids, &w);
     assert!(rel_l2(&got, &want) < 0.03);
+    // A layer wider than the file fails, naming both counts.
+    let mut wide =
+        MoeLayer::with_format(config(8, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
+    let err = wide.load_gguf(&pool, &model, 1, None).unwrap_err();
+    assert!(
+        err.to_string().contains("6 experts but num_experts=8"),
+        "{err}"
+    );
     // Mask expert slot 2: its rows contribute nothing.
     let mask = [0u8, 0, 1, 0];
     let mut out = vec![0f32; x.len()];
