@@ -237,6 +237,9 @@ def test_odd_arguments_are_refused_by_type_or_range(small_layer):
         w.forward(torch._efficientzerotensor((2, 64)), ids, wt)
     with pytest.raises(ValueError, match="zero tensor"):
         w.forward(torch.randn(2, 64), ids, torch._efficientzerotensor((2, 2)))
+    zero_gate = torch._efficientzerotensor(tuple(g.shape), dtype=g.dtype)
+    with pytest.raises(ValueError, match="gate_proj is a zero tensor"):
+        w.load_weights_from_tensors(zero_gate, u, d, torch.arange(8))
 
 
 def test_native_pool_refuses_a_thread_storm():

@@ -9,7 +9,7 @@ import os
 import torch
 
 from .. import _kt_core
-from ..experts_base import _FLOAT_DTYPES, BaseMoEWrapper
+from ..experts_base import _FLOAT_DTYPES, BaseMoEWrapper, _check_dense
 
 
 class NativeMoEWrapper(BaseMoEWrapper):
@@ -54,6 +54,7 @@ class NativeMoEWrapper(BaseMoEWrapper):
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor")
+            _check_dense(name, t)
             if t.dtype not in _FLOAT_DTYPES:
                 raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
             if t.dim() != 3:

@@ -816,6 +816,13 @@ impl DotKernel {
         out: &mut [f32],
         out_stride: usize,
     ) {
+        // The shape first, so a bad k gets the kernel's own message.
+        if let Some(first) = activations.first() {
+            let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
+            if let Err(e) = self.check(k, row_bytes, first.len()) {
+                panic!("DotKernel::dot_x8: {e}");
+            }
+        }
         let per_row = self.x8_sums_per_row(k);
         let mut sums = vec![[0i32; 4]; activations.len() * per_row];
         if per_row > 0 {

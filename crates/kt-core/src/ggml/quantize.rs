@@ -608,6 +608,21 @@ mod rounding_tests {
             blocks.push(b);
         }
         blocks.push((0..QK_K).map(|i| (i as f32 - 100.0) * 1e-42).collect());
+        // Random bit patterns (NaN, ±Inf, subnormals, huge values), random finite bits, and
+        // exact ties m·(j + ½)/127 around random extremes m.
+        for n in 0..3000 {
+            let m = rng.normal() * 10f32.powi(rng.below(60) as i32 - 30);
+            blocks.push(
+                (0..QK_K)
+                    .map(|i| match n % 3 {
+                        0 => f32::from_bits(rng.next_u64() as u32),
+                        1 => f32::from_bits(rng.next_u64() as u32 & 0xBFFF_FFFF),
+                        _ if i == 0 => m,
+                        _ => m * (rng.below(254) as f32 - 127.0 + 0.5) / 127.0,
+                    })
+                    .collect(),
+            );
+        }
         for (n, x) in blocks.iter().enumerate() {
             let (mut want, mut got) = ([0xAAu8; Q8_K_BYTES], [0x55u8; Q8_K_BYTES]);
             q8_k_block(x, &mut want);

@@ -162,20 +162,31 @@ fn split_rows<'a>(
 }
 
 /// A row's sums bytes as entries (activation rows are 4-byte multiples in 64-byte-aligned
-/// workspace buffers, so the sums are aligned).
+/// workspace buffers, so the sums are aligned; checked). Rows without sums may be unaligned.
 fn as_sums(bytes: &[u8]) -> &[[i32; 4]] {
-    // SAFETY: any bits are valid i32 values; the split checks the alignment.
-    let (pre, sums, post) = unsafe { bytes.align_to::<[i32; 4]>() };
-    assert!(pre.is_empty() && post.is_empty(), "misaligned x8 sums");
-    sums
+    if bytes.is_empty() {
+        return &[];
+    }
+    check_sums(bytes.as_ptr(), bytes.len());
+    // SAFETY: checked aligned and a whole number of entries; any bits are valid i32 values.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 16) }
 }
 
 /// [`as_sums`] for writing.
 fn as_sums_mut(bytes: &mut [u8]) -> &mut [[i32; 4]] {
-    // SAFETY: as in `as_sums`.
-    let (pre, sums, post) = unsafe { bytes.align_to_mut::<[i32; 4]>() };
-    assert!(pre.is_empty() && post.is_empty(), "misaligned x8 sums");
-    sums
+    if bytes.is_empty() {
+        return &mut [];
+    }
+    check_sums(bytes.as_ptr(), bytes.len());
+    // SAFETY: as in `as_sums`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len() / 16) }
+}
+
+fn check_sums(at: *const u8, len: usize) {
+    assert!(
+        len.is_multiple_of(16) && at.align_offset(4) == 0,
+        "misaligned x8 sums"
+    );
 }
 
 /// Split unit of the intermediate dimension for `parts` parts with down type `down` (see the
