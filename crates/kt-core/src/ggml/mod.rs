@@ -817,12 +817,7 @@ impl DotKernel {
         out_stride: usize,
     ) {
         // The shape first, so a bad k gets the kernel's own message.
-        if let Some(first) = activations.first() {
-            let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
-            if let Err(e) = self.check(k, row_bytes, first.len()) {
-                panic!("DotKernel::dot_x8: {e}");
-            }
-        }
+        self.check_x8_activations(k, activations);
         let per_row = self.x8_sums_per_row(k);
         let mut sums = vec![[0i32; 4]; activations.len() * per_row];
         if per_row > 0 {
@@ -834,7 +829,24 @@ impl DotKernel {
             0 => vec![&[][..]; activations.len()],
             n => sums.chunks(n).collect(),
         };
+        // (dot_x8 is for tests and benches: the layer calls dot_x8_presummed, which checks the
+        // activations again here.)
         self.dot_x8_presummed(k, groups, activations, &rows, out, out_stride);
+    }
+
+    /// The full shape check of x8 activation rows (once per call, then only lengths: this runs
+    /// per panel in prefill).
+    fn check_x8_activations(&self, k: usize, activations: &[&[u8]]) {
+        if let Some(first) = activations.first() {
+            let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
+            if let Err(e) = self.check(k, row_bytes, first.len()) {
+                panic!("DotKernel::dot_x8: {e}");
+            }
+            assert!(
+                activations.iter().all(|a| a.len() == first.len()),
+                "DotKernel::dot_x8: activation rows of different lengths"
+            );
+        }
     }
 
     /// [`DotKernel::dot_x8`] with each activation row's [`DotKernel::x8_sums`] made by the
@@ -851,6 +863,7 @@ impl DotKernel {
         out: &mut [f32],
         out_stride: usize,
     ) {
+        self.check_x8_activations(k, activations);
         let f = self.x8.expect("dot_x8 needs an x8 kernel");
         let gb = x8::group_bytes(self.weight_type, k);
         let n = groups.len() / gb;
@@ -869,17 +882,6 @@ impl DotKernel {
             sums.len() == activations.len() && sums.iter().all(|s| s.len() == per_row),
             "DotKernel::dot_x8: {per_row} sums per activation row needed"
         );
-        // The full shape check once, then only lengths: this runs per panel in prefill.
-        if let Some(first) = activations.first() {
-            let row_bytes = self.weight_type.row_bytes(k).unwrap_or(0);
-            if let Err(e) = self.check(k, row_bytes, first.len()) {
-                panic!("DotKernel::dot_x8: {e}");
-            }
-            assert!(
-                activations.iter().all(|a| a.len() == first.len()),
-                "DotKernel::dot_x8: activation rows of different lengths"
-            );
-        }
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
         for g in 0..n {
