@@ -371,7 +371,7 @@ def ensure_gguf(torch, args, ckpt: Checkpoint, wdir: Path):
             try:
                 q = gguf.quants.quantize(w, qtype)
             except NotImplementedError:
-                # gguf-py has no quantiser for this type (e.g. Q4_K): use kt_kernel's, which only
+                # gguf-py has no quantizer for this type (e.g. Q4_K): use kt_kernel's, which only
                 # our package has, so run ours first with a shared --weights-dir.
                 import numpy as np
                 from kt_kernel import _kt_core
@@ -452,8 +452,8 @@ def build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch):
     elif method == "LLAMAFILE":
         weight_path = str(ensure_gguf(torch, args, ckpt, wdir))
     else:
-        # Online quantisation writes .kt files under weight_path; it must not
-        # contain *.safetensors or the original takes its pre-quantised route.
+        # Online quantization writes .kt files under weight_path; it must not
+        # contain *.safetensors or the original takes its pre-quantized route.
         weight_path = str(scratch / f"{method.lower()}_kt")
         shutil.rmtree(weight_path, ignore_errors=True)
         os.makedirs(weight_path)

@@ -33,7 +33,7 @@ print(' '.join(['BF16', 'LLAMAFILE'] + (['AMXINT8', 'AMXINT4'] if hasattr(m, 'AM
   echo "[benchmarks] original kt-kernel 0.7.2 (black box): $METHODS"
   # shellcheck disable=SC2086
   # Ours first: it writes the shared synthetic checkpoint and GGUF files (gguf-py cannot
-  # quantise Q4_K, kt_kernel can), then the original reads the same files.
+  # quantize Q4_K, kt_kernel can), then the original reads the same files.
   if "$VENV/bin/python" benches/compare_original.py --methods $METHODS --gguf-type Q4_K \
       --weights-dir "$OUT/ckpt" --json "$OUT/ours.json" >"$OUT/ours.log" 2>&1 &&
      "$ORIG/bin/python" benches/compare_original.py --original --methods $METHODS --gguf-type Q4_K \
@@ -67,7 +67,7 @@ lines.append(open(f"{out}/layer.md").read())
 lines += ["", "## Converter and loading converted weights (`benches/convert_bench.py`)", "",
           "The original's converter cannot run here: its PyPI wheel does not ship "
           "`scripts/convert_cpu_weights.py` (its `kt quant` looks for it), and its AVX2 build "
-          "has no AMXINT8/AMXINT4 classes to quantise with. Conversion writes to the local disk "
+          "has no AMXINT8/AMXINT4 classes to quantize with. Conversion writes to the local disk "
           "(fsync included). Load times include the first touch of the layer's fresh memory, "
           "which is slow on this VM the first time a process uses it.", ""]
 lines.append(open(f"{out}/convert.md").read())

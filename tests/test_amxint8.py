@@ -1,4 +1,4 @@
-"""AMXINT8: online quantisation (the original's rule) and int8 dot products on every CPU."""
+"""AMXINT8: online quantization (the original's rule) and int8 dot products on every CPU."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_int8_kernel_is_reported():
     assert kt_kernel.kt_kernel_ext.__int8_kernel__ == kt_kernel.__int8_kernel__
 
 
-# The original measures these relative errors on random data (per-row quantised weights).
+# The original measures these relative errors on random data (per-row quantized weights).
 BOUND = {"AMXINT8": 0.027, "AMXINT4": 0.27}
 
 
@@ -76,14 +76,14 @@ for t in (1, 5, 16):
     print(t, ours, orig, close)
     assert ours <= orig * 1.05, (ours, orig)
     # The original also rounds g, u, h and d to bf16; different roundings before the
-    # activation quantisation leave ~1% differences, half its quantisation error.
+    # activation quantization leave ~1% differences, half its quantization error.
     assert close < 0.02, close
 """
 
 
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_quantised_from_the_hf_checkpoint_matches_the_originals_outputs(method, tp):
+def test_quantized_from_the_hf_checkpoint_matches_the_originals_outputs(method, tp):
     from test_fixtures import FIXTURES
 
     if not FIXTURES.is_dir():

@@ -303,7 +303,7 @@ def test_environment_settings_are_used_or_refused_by_name(name, value, ok):
 
 
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K"])
-def test_quantising_beyond_the_fp16_scale_range_is_refused(ggml_type):
+def test_quantizing_beyond_the_fp16_scale_range_is_refused(ggml_type):
     from kt_kernel import _kt_core
 
     x = torch.full((256,), 3e38, dtype=torch.float32).numpy().tobytes()

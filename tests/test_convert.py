@@ -1,6 +1,6 @@
 """The converter (``python -m kt_kernel.convert`` / ``kt quant``): the original's bytes on its own
 fixture, sharded multi-layer checkpoints in every input precision that load into the same
-layers as online quantisation, clear errors, and interrupted runs that resume cleanly."""
+layers as online quantization, clear errors, and interrupted runs that resume cleanly."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def write_checkpoint(path: Path, layers: int, dtype: str, e=E, h=H, i=I) -> None
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8"])
-def test_sharded_checkpoints_convert_and_load_like_online_quantisation(tmp_path, dtype):
+def test_sharded_checkpoints_convert_and_load_like_online_quantization(tmp_path, dtype):
     src, out = tmp_path / "hf", tmp_path / "out"
     write_checkpoint(src, 3, dtype)
     # The engine (and its part count) is per process, as in the original: convert for it.
@@ -139,7 +139,7 @@ def test_sharded_checkpoints_convert_and_load_like_online_quantisation(tmp_path,
     ids, wt = random_routing(7, E, K, seed=4)
     for layer in (1, 2):
         outs = []
-        for path in (out, src):  # converted files, then the checkpoint quantised online
+        for path in (out, src):  # converted files, then the checkpoint quantized online
             w = make_wrapper(
                 layer_idx=layer,
                 e=E,

@@ -1,6 +1,6 @@
 """ggml block formats and GGUF files against the `gguf` package (gguf-py) as the oracle.
 
-- Our dequantisers (`_kt_core.ggml_dequantize`) against gguf-py's, on blocks gguf-py quantised
+- Our dequantizers (`_kt_core.ggml_dequantize`) against gguf-py's, on blocks gguf-py quantized
   and on random block bytes (every bit pattern, finite fp16 scales) for every type we support.
 - The committed `crates/kt-core/tests/data/gguf-py-experts.gguf`, which the Rust suite reads, is
   what gguf-py's GGUFWriter writes (regenerate it with `python tests/test_ggml_formats.py`).
@@ -52,7 +52,7 @@ def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_dequantiser_matches_gguf_on_random_blocks(name):
+def test_dequantizer_matches_gguf_on_random_blocks(name):
     rng = np.random.default_rng(sum(map(ord, name)))
     n = 256 * 64
     raw = random_blocks(name, n, rng)
@@ -62,8 +62,8 @@ def test_dequantiser_matches_gguf_on_random_blocks(name):
 
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-def test_dequantiser_matches_gguf_on_gguf_quantised_data(name):
-    """For the types gguf-py can quantise: its bytes, read by both dequantisers."""
+def test_dequantizer_matches_gguf_on_gguf_quantized_data(name):
+    """For the types gguf-py can quantize: its bytes, read by both dequantizers."""
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((16, 512)) * 0.05).astype(np.float32)
     q = quants.quantize(x, T[name])
@@ -75,7 +75,7 @@ def test_dequantiser_matches_gguf_on_gguf_quantised_data(name):
     assert err < {"F32": 1e-7, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.01}.get(name, 0.12)
 
 
-def test_dequantise_errors():
+def test_dequantize_errors():
     good = bytes(34)
     assert len(ours("q8_0", good, 32)) == 32  # names are case-insensitive
     with pytest.raises(ValueError, match="unknown ggml type"):
@@ -93,8 +93,8 @@ def test_dequantise_errors():
 
 def write_fixture(path: Path) -> None:
     """Every metadata type, alignment 64, stacked experts [E=2, n=4, k] in Q8_0 (gate, k=64,
-    quantised by gguf-py) and Q4_K (up, k=256, random blocks), plus F32 `ref.*` tensors holding
-    gguf-py's dequantisation of each."""
+    quantized by gguf-py) and Q4_K (up, k=256, random blocks), plus F32 `ref.*` tensors holding
+    gguf-py's dequantization of each."""
     rng = np.random.default_rng(1234)
     w = GGUFWriter(str(path), "qwen3moe")
     w.add_custom_alignment(64)

@@ -1,8 +1,8 @@
 """LLAMAFILE (GGUF experts) end to end: real GGUF files written with gguf-py's GGUFWriter.
 
-Weights are quantised by gguf-py where it can (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and
-by our quantiser (`_kt_core.ggml_quantize`) for the K and IQ4 types; the reference is a float64
-MoE on the weights as gguf-py dequantises them, so only our arithmetic is measured.
+Weights are quantized by gguf-py where it can (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and
+by our quantizer (`_kt_core.ggml_quantize`) for the K and IQ4 types; the reference is a float64
+MoE on the weights as gguf-py dequantizes them, so only our arithmetic is measured.
 
 Tolerances: float weights (F32/F16/BF16) meet f32 activations, so the layer is exact to ~1e-6.
 Every other type meets 8-bit activations (Q8_0/Q8_1 blocks of 32, Q8_K blocks of 256) rounded in
@@ -45,7 +45,7 @@ FLOAT = {"F32", "F16", "BF16"}
 E, K, H, I = 4, 2, 256, 512  # noqa: E741 (the model's names)
 
 
-def quantise(values: np.ndarray, name: str) -> np.ndarray:
+def quantize(values: np.ndarray, name: str) -> np.ndarray:
     """[E, n, k] float32 → gguf-py's array for GGUFWriter (uint8 rows for block types)."""
     if name in GGUF_PY_QUANTISES:
         return quants.quantize(values, T[name])
@@ -69,7 +69,7 @@ def build_gguf(path, types=("Q8_0", "Q8_0"), layer=1, e=E, h=H, i=I, seed=0, sha
     out = {}
     for proj, shape in shapes.items():
         name = types[1] if proj == "down" else types[0]
-        q = quantise((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+        q = quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
         writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", q, raw_dtype=T[name])
         out[proj] = decoded(q, name)
     writer.write_header_to_file()
@@ -89,7 +89,7 @@ ACT_FORMAT = {
 
 
 def fake_quant(v: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """The values a row of f32 activations stands for after the kernels' quantisation to `fmt`
+    """The values a row of f32 activations stands for after the kernels' quantization to `fmt`
     (Q8_0/Q8_1: d = amax/127 stored as fp16, q = rne(x·f32(127/amax)); Q8_K: the value m of
     largest magnitude maps to −127, q = rne(x·(−127/m)) on the exact product, d = 1/(−127/m))."""
     if fmt is None:
@@ -109,7 +109,7 @@ def fake_quant(v: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return (q * d).reshape(v.shape)
 
 
-def quantised_reference(x, ids, weights, gate, up, down, types):
+def quantized_reference(x, ids, weights, gate, up, down, types):
     """float64 MoE whose x and SwiGLU rows are rounded like the kernels round them."""
     xq = fake_quant(x.reshape(-1, gate.shape[2]).to(torch.float32), ACT_FORMAT[types[0]]).double()
     out = torch.zeros_like(xq)
@@ -150,7 +150,7 @@ def check_layer(w, weights, tol, tokens=(1, 5, 33), seed=1, types=None, **ref_kw
         err = rel_l2(out, reference_moe(x, ids, wt, *weights, **ref_kw))
         assert err < tol, (t, err)
         if types is not None:
-            err = rel_l2(out, quantised_reference(x, ids, wt, *weights, types))
+            err = rel_l2(out, quantized_reference(x, ids, wt, *weights, types))
             assert err < (1e-2 if "Q8_1" in map(ACT_FORMAT.get, types) else 1e-3), (t, err)
 
 
@@ -342,7 +342,7 @@ def test_bad_paths_files_types_and_shapes_raise_clear_errors(tmp_path):
     )
     with pytest.raises(ValueError, match=r"ffn_down_exps.weight has dims \[256, 512, 4\]"):
         llamafile(bad).load_weights()
-    # Our quantiser: bf16/f16 input gives the bytes of the same values as f32; argument checks.
+    # Our quantizer: bf16/f16 input gives the bytes of the same values as f32; argument checks.
     x = torch.randn(4, 512).to(torch.bfloat16)
     want = _kt_core.ggml_quantize("Q4_K", x.float().numpy().tobytes())
     assert _kt_core.ggml_quantize("Q4_K", x.view(torch.int16).numpy().tobytes(), 1, "bf16") == want

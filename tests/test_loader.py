@@ -134,7 +134,7 @@ def test_int8_checkpoint_is_rejected_by_name(tmp_path):
         w.load_weights(None)
 
 
-def fp8_block_quantise(w):
+def fp8_block_quantize(w):
     """DeepSeek-V3 style: e4m3 values and F32 `weight_scale_inv` per 128x128 block (amax/448)."""
     rows, cols = w.shape
     br, bc = -(-rows // 128), -(-cols // 128)
@@ -149,7 +149,7 @@ def fp8_block_quantise(w):
     return q, scale
 
 
-def fp8_dequantise(q, scale):
+def fp8_dequantize(q, scale):
     s = scale.repeat_interleave(128, 0)[: q.shape[0]].repeat_interleave(128, 1)[:, : q.shape[1]]
     return q.float() * s
 
@@ -162,10 +162,10 @@ def test_block_fp8_checkpoints(tmp_path, method):
     tensors, deq = {}, {"gate": [], "up": [], "down": []}
     for x in range(e):
         for name, t in (("gate", g[x]), ("up", u[x]), ("down", d[x])):
-            q, s = fp8_block_quantise(t)
+            q, s = fp8_block_quantize(t)
             key = f"model.layers.3.mlp.experts.{x}.{name}_proj.weight"
             tensors[key], tensors[key + "_scale_inv"] = q, s
-            deq[name].append(fp8_dequantise(q, s))
+            deq[name].append(fp8_dequantize(q, s))
     save_file(tensors, str(tmp_path / "model.safetensors"))
     gd, ud, dd = (torch.stack(deq[n]) for n in ("gate", "up", "down"))
     w = make_wrapper(layer_idx=3, e=e, k=2, h=h, i=i, method=method, weight_path=str(tmp_path))

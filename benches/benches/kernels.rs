@@ -4,7 +4,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kt_benches::{pool, routing, synthetic_layer_as};
 use kt_core::isa::Level;
 use kt_core::kernels::{runnable_levels, KernelSet};
-use kt_core::moe::{WeightFormat, Workspace};
+use kt_core::moe::{Method, Workspace};
 use kt_core::rng::Rng;
 
 fn panel_kernels(c: &mut Criterion) {
@@ -97,9 +97,9 @@ fn layer(c: &mut Criterion) {
     let pool = pool(2);
     // Per format two layers, alternated, so weights come from DRAM.
     for (format, name, bytes_per_weight) in [
-        (WeightFormat::Bf16, "moe_bf16_qwen3_30b_a3b", 2.0),
-        (WeightFormat::Int8, "moe_int8_qwen3_30b_a3b", 1.0),
-        (WeightFormat::Int4, "moe_int4_qwen3_30b_a3b", 0.5),
+        (Method::Bf16, "moe_bf16_qwen3_30b_a3b", 2.0),
+        (Method::AmxInt8, "moe_int8_qwen3_30b_a3b", 1.0),
+        (Method::AmxInt4, "moe_int4_qwen3_30b_a3b", 0.5),
     ] {
         layer_format(c, &pool, format, name, bytes_per_weight);
     }
@@ -108,7 +108,7 @@ fn layer(c: &mut Criterion) {
 fn layer_format(
     c: &mut Criterion,
     pool: &kt_core::pool::Pool,
-    format: WeightFormat,
+    format: Method,
     name: &str,
     bytes_per_weight: f64,
 ) {

@@ -1,7 +1,7 @@
 //! Diagnostic: decode latency of one layer per weight format, alternating two layers so the
 //! weights come from DRAM. `cargo run --release -p kt-benches --example decode`
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{WeightFormat, Workspace};
+use kt_core::moe::{Method, Workspace};
 use kt_core::rng::Rng;
 use std::time::Instant;
 
@@ -11,11 +11,11 @@ fn main() {
     let i: usize = kt_benches::env_or("DECODE_I", 768);
     let (e, k, h) = (128, 8, 2048);
     let mut rng = Rng::new(2);
-    let formats: Vec<WeightFormat> = match std::env::args().nth(1).as_deref() {
-        Some("int8") => vec![WeightFormat::Int8],
-        Some("bf16") => vec![WeightFormat::Bf16],
-        Some("int4") => vec![WeightFormat::Int4],
-        _ => vec![WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Int4],
+    let formats: Vec<Method> = match std::env::args().nth(1).as_deref() {
+        Some("int8") => vec![Method::AmxInt8],
+        Some("bf16") => vec![Method::Bf16],
+        Some("int4") => vec![Method::AmxInt4],
+        _ => vec![Method::Bf16, Method::AmxInt8, Method::AmxInt4],
     };
     for format in formats {
         let layers: Vec<_> = (0..2)
@@ -50,10 +50,10 @@ fn main() {
         }
         times.sort_by(f64::total_cmp);
         let bytes = match format {
-            WeightFormat::Bf16 => 8 * 3 * h * i * 2,
-            WeightFormat::Int8 => 8 * 3 * h * i,
-            WeightFormat::Int4 => 8 * 3 * h * i / 2,
-            WeightFormat::Gguf => {
+            Method::Bf16 => 8 * 3 * h * i * 2,
+            Method::AmxInt8 => 8 * 3 * h * i,
+            Method::AmxInt4 => 8 * 3 * h * i / 2,
+            Method::Llamafile => {
                 unreachable!("GGUF layers load from files (kt bench --method LLAMAFILE)")
             }
         };

@@ -1,17 +1,17 @@
-//! Diagnostic: prefill latency of one quantised layer, alternating two layers; prints a marker
+//! Diagnostic: prefill latency of one quantized layer, alternating two layers; prints a marker
 //! once set-up is done so `perf record -D` can skip it.
 //! `cargo run --release -p kt-benches --example prefill -- int8 512`
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{WeightFormat, Workspace};
+use kt_core::moe::{Method, Workspace};
 use kt_core::rng::Rng;
 use std::time::Instant;
 
 fn main() {
     let pool = kt_benches::pool(2);
     let format = match std::env::args().nth(1).as_deref() {
-        Some("int4") => WeightFormat::Int4,
-        Some("bf16") => WeightFormat::Bf16,
-        _ => WeightFormat::Int8,
+        Some("int4") => Method::AmxInt4,
+        Some("bf16") => Method::Bf16,
+        _ => Method::AmxInt8,
     };
     let tokens: usize = std::env::args()
         .nth(2)

@@ -4,7 +4,7 @@
 //   moe_layer <q4_K|q8_0> <repack 0|1> <threads> <min_seconds> <tokens>...
 //
 // Weights: 3 layers (cycled, so decode streams them from DRAM) of E=128 experts, H=2048, I=768
-// (Qwen3-30B-A3B), quantised by ggml from random normals; with repack=1 (q4_K only) they live in
+// (Qwen3-30B-A3B), quantized by ggml from random normals; with repack=1 (q4_K only) they live in
 // the CPU_REPACK buffer type, as llama.cpp places Q4_K experts on AVX2 CPUs. Each timed call gets fresh
 // random top-8 routing. Prints one JSON object per token count.
 #include "ggml-alloc.h"
@@ -38,7 +38,7 @@ ggml_backend_buffer_type_t repack_buffer_type(ggml_backend_t backend) {
     return nullptr;
 }
 
-// One expert quantised from normals, copied to every expert: speed does not depend on values.
+// One expert quantized from normals, copied to every expert: speed does not depend on values.
 void fill_experts(ggml_tensor *t, std::mt19937 &rng) {
     const int64_t k = t->ne[0], n = t->ne[1];
     std::normal_distribution<float> normal(0.f, 0.02f);

@@ -1,7 +1,7 @@
 //! Shared set-up for the kt-core benchmarks: a synthetic BF16 MoE layer.
 use kt_core::dtype::FloatType;
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{MoeConfig, MoeLayer, TensorSource, WeightFormat};
+use kt_core::moe::{MoeConfig, MoeLayer, TensorSource, Method};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::rng::Rng;
 
@@ -24,7 +24,7 @@ pub fn synthetic_layer(
     max_tokens: usize,
     kernels: KernelSet,
 ) -> MoeLayer {
-    synthetic_layer_as(pool, e, k, h, i, max_tokens, kernels, WeightFormat::Bf16)
+    synthetic_layer_as(pool, e, k, h, i, max_tokens, kernels, Method::Bf16)
 }
 
 /// Like [`synthetic_layer`], stored in `format`.
@@ -37,7 +37,7 @@ pub fn synthetic_layer_as(
     i: usize,
     max_tokens: usize,
     kernels: KernelSet,
-    format: WeightFormat,
+    format: Method,
 ) -> MoeLayer {
     let mut rng = Rng::new(1);
     let mut mk = |n: usize| -> Vec<u16> {
@@ -65,7 +65,7 @@ pub fn synthetic_layer_as(
         swiglu_limit: 0.0,
         swiglu_alpha: 0.0,
     };
-    let mut layer = MoeLayer::with_format(cfg, pool.parts(), kernels, format).expect("valid shape");
+    let mut layer = MoeLayer::with_method(cfg, pool.parts(), kernels, format).expect("valid shape");
     layer.load(pool, &src, None).expect("load");
     layer
 }

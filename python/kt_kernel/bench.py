@@ -1,7 +1,7 @@
 """Whole-layer benchmark on synthetic weights (``python -m kt_kernel bench``).
 
 Builds ``--layers`` MoE layers of a model shape with random bf16 experts (enough bytes that they
-stream from DRAM; LLAMAFILE quantises them to ``--gguf-type`` with kt_kernel's own quantiser and
+stream from DRAM; LLAMAFILE quantizes them to ``--gguf-type`` with kt_kernel's own quantizer and
 loads them from GGUF files written to a temporary folder), then for each token count runs fresh
 random routing through the layers in turn and reports latency, tokens/s, GB/s of expert weights
 read, GFLOP/s and the error against a float64 reference, beside a plain torch bf16 implementation
@@ -138,7 +138,7 @@ def _gguf_bytes_per_expert(gate_up: str, down: str, hidden: int, inter: int) -> 
 
 
 def _write_gguf_layers(folder: str, weights, gate_up: str, down: str, threads: int) -> None:
-    """One GGUF file per layer (a folder of shards), quantised with kt_kernel's quantiser."""
+    """One GGUF file per layer (a folder of shards), quantized with kt_kernel's quantizer."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         if gguf_dir:
             gguf_dir.cleanup()
             print(
-                f"{name}: GGUF quantised and written in {write_s:.1f}s, loaded; kernels "
+                f"{name}: GGUF quantized and written in {write_s:.1f}s, loaded; kernels "
                 f"{ws[0].moe.kernel}"
             )
     engine = BaseMoEWrapper._cpu_infer.engine

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {flag} must be {bound}, got {value}", file=sys.stderr)
             return 2
     if args.gpu:
-        print("note: --gpu is not needed (FP8 is dequantised on the CPU); ignored", file=sys.stderr)
+        print("note: --gpu is not needed (FP8 is dequantized on the CPU); ignored", file=sys.stderr)
     try:
         job = _kt_core.Conversion(
             os.fspath(source),

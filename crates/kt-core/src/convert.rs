@@ -8,7 +8,7 @@
 //! copies of `config.json` and the tokenizer files. Folder layout (`merge: false`): only
 //! `_layer_{L}/_numa_{N}/*.kt`, nothing else, as the original.
 //!
-//! It streams: one layer at a time, each (part, expert, projection) quantised by a pool task
+//! It streams: one layer at a time, each (part, expert, projection) quantized by a pool task
 //! straight from the memory-mapped input into a buffer of that one matrix, then written at its
 //! place in the output. Memory is therefore bounded by `threads ×` one expert matrix (int8
 //! bytes, its f32 row and a 32-row group of int8 values), whatever the model size, and each
@@ -20,10 +20,11 @@ use crate::converted::{
     TensorEntry, PROJS,
 };
 use crate::dtype::FloatType;
-use crate::moe::{ExpertSource, Proj, WeightFormat};
+use crate::method::Method;
+use crate::moe::{ExpertSource, Proj};
 use crate::pool::Pool;
 use crate::quant::{
-    k_step, matrix_bytes, quantise_matrix, to_file_layout, FILE_K_BLOCK, GROUP_ROWS,
+    k_step, matrix_bytes, quantize_matrix, to_file_layout, FILE_K_BLOCK, GROUP_ROWS,
 };
 use crate::weights::{Checkpoint, HfLayerSource};
 use crate::{kt_bail, kt_ensure, Error, Result};
@@ -97,11 +98,11 @@ impl ModelConfig {
 pub enum InputType {
     /// bf16 tensors.
     Bf16,
-    /// fp16 tensors (cast to bf16 before quantising, as the original does).
+    /// fp16 tensors (cast to bf16 before quantizing, as the original does).
     Fp16,
     /// fp32 tensors (cast to bf16 likewise).
     Fp32,
-    /// e4m3 tensors with 128×128 `weight_scale_inv` blocks (dequantised, then cast to bf16).
+    /// e4m3 tensors with 128×128 `weight_scale_inv` blocks (dequantized, then cast to bf16).
     Fp8,
 }
 
@@ -152,7 +153,7 @@ pub struct ConvertOptions {
     /// The output folder (created if missing).
     pub output: PathBuf,
     /// AMXINT8 or AMXINT4.
-    pub format: WeightFormat,
+    pub method: Method,
     /// Expected precision of the experts (checked), or None to take what the files hold.
     pub input_type: Option<InputType>,
     /// `threadpool_count` the files are for (the split of the intermediate dimension).
@@ -251,11 +252,11 @@ pub fn convert(
 ) -> Result<ConvertReport> {
     let t0 = std::time::Instant::now();
     kt_ensure!(
-        opts.format.is_quantised() && opts.format != WeightFormat::Gguf,
+        matches!(opts.method, Method::AmxInt8 | Method::AmxInt4),
         Invalid,
         "the converter writes AMXINT8 or AMXINT4 weights"
     );
-    let int4 = opts.format == WeightFormat::Int4;
+    let int4 = opts.method == Method::AmxInt4;
     kt_ensure!(
         opts.parts >= 1,
         Invalid,
@@ -355,7 +356,7 @@ pub fn convert(
             hidden: h,
             intermediate: i,
             parts: opts.parts,
-            format: opts.format,
+            method: opts.method,
         };
         let writer = if opts.merge {
             LayerWriter::merged(&opts.output.join(shard_name(*idx, files)), shape)?
@@ -451,11 +452,11 @@ fn source_bytes(src: &HfLayerSource) -> u64 {
 }
 
 thread_local! {
-    /// One matrix's quantised bytes, its file-layout copy and its scales, per thread.
+    /// One matrix's quantized bytes, its file-layout copy and its scales, per thread.
     static BUFFERS: std::cell::RefCell<(Vec<u8>, Vec<u8>, Vec<f32>)> = Default::default();
 }
 
-/// Quantise every (part, expert, projection) of one layer into `writer`, one pool task each.
+/// Quantize every (part, expert, projection) of one layer into `writer`, one pool task each.
 fn convert_layer(
     pool: &Pool,
     src: &HfLayerSource,
@@ -463,7 +464,7 @@ fn convert_layer(
     writer: &LayerWriter,
     progress: &ConvertProgress,
 ) -> Result<()> {
-    let int4 = shape.format == WeightFormat::Int4;
+    let int4 = shape.method == Method::AmxInt4;
     let (h, ip) = (shape.hidden, shape.intermediate / shape.parts);
     // Task order: expert, projection, part — so a matrix's parts finish close together and its
     // input pages can be dropped at once (resident input stays at a few matrices).
@@ -491,7 +492,7 @@ fn convert_layer(
                 mem.resize(bytes, 0);
                 scales.resize(n, 0.0);
                 // SAFETY: the view points into the checkpoint's maps, alive for this call.
-                unsafe { quantise_matrix(&view, int4, mem, scales, None)? };
+                unsafe { quantize_matrix(&view, int4, mem, scales, None)? };
                 let out = if k <= FILE_K_BLOCK {
                     &mem[..] // the file layout is the memory layout
                 } else {
@@ -581,7 +582,7 @@ fn write_rest(
             hidden,
             intermediate,
             parts: opts.parts,
-            format: opts.format,
+            method: opts.method,
         };
         let file = shard_name(idx, files);
         map.extend(

@@ -6,7 +6,7 @@
 //! and `....scale` (F32, one per output row). Folders (`--no-merge-safetensor`):
 //! `_layer_{L}/_numa_{N}/{INT8|INT4}_{gate|up|down}_{e}_{B}Byte_{quant|scale}_.kt`, raw bytes,
 //! `B` = the file size. Part `N` of `threadpool_count` holds rows `[N·I/tp, (N+1)·I/tp)` of
-//! gate/up and the same columns of down (re-quantised per part), so files only fit a layer with
+//! gate/up and the same columns of down (re-quantized per part), so files only fit a layer with
 //! the same `threadpool_count`. The matrix bytes are the tiled layout of [`crate::quant`] (the
 //! in-memory layout up to 3584 inputs; wider matrices are re-blocked, see
 //! [`crate::quant::file_runs`]).
@@ -14,7 +14,8 @@
 //! Loading reads each matrix with positioned reads straight into the layer's memory (one copy
 //! out of the page cache, on every loading thread at once, nothing mapped), after the file
 //! sizes and safetensors headers have been checked against the layer's shape.
-use crate::moe::{Proj, WeightFormat};
+use crate::method::Method;
+use crate::moe::Proj;
 use crate::shard_index::ShardIndex;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::collections::HashMap;
@@ -31,13 +32,11 @@ pub const READ_PIECE_BYTES: usize = 128 << 10;
 pub const PROJS: [(Proj, &str); 3] = [(Proj::Gate, "gate"), (Proj::Up, "up"), (Proj::Down, "down")];
 
 /// Name prefix of the `.kt` files of a format ("INT8" / "INT4").
-pub fn kt_prefix(format: WeightFormat) -> Result<&'static str> {
-    match format {
-        WeightFormat::Int8 => Ok("INT8"),
-        WeightFormat::Int4 => Ok("INT4"),
-        WeightFormat::Bf16 | WeightFormat::Gguf => {
-            kt_bail!(Invalid, "converted files hold AMXINT8 or AMXINT4 weights")
-        }
+pub fn kt_prefix(method: Method) -> Result<&'static str> {
+    match method {
+        Method::AmxInt8 => Ok("INT8"),
+        Method::AmxInt4 => Ok("INT4"),
+        _ => kt_bail!(Invalid, "converted files hold AMXINT8 or AMXINT4 weights"),
     }
 }
 
@@ -77,7 +76,7 @@ pub struct LayerShape {
     /// `threadpool_count` the files were converted for.
     pub parts: usize,
     /// AMXINT8 or AMXINT4.
-    pub format: WeightFormat,
+    pub method: Method,
 }
 
 impl LayerShape {
@@ -90,11 +89,11 @@ impl LayerShape {
         }
     }
 
-    /// Bytes of one part's quantised matrix and of its scales.
+    /// Bytes of one part's quantized matrix and of its scales.
     pub fn part_bytes(&self, proj: Proj) -> (usize, usize) {
         let (n, k) = self.part_dims(proj);
-        let q = match self.format {
-            WeightFormat::Int4 => n * k / 2,
+        let q = match self.method {
+            Method::AmxInt4 => n * k / 2,
             _ => n * k,
         };
         (q, n * 4)
@@ -266,7 +265,7 @@ impl ConvertedLayer {
     /// Open layer `shape.layer` under `path` (a converter output directory) and check that
     /// every expert the layer needs is there with the sizes `shape` implies.
     pub fn open(path: &Path, shape: LayerShape) -> Result<ConvertedLayer> {
-        kt_prefix(shape.format)?;
+        kt_prefix(shape.method)?;
         kt_ensure!(
             shape.parts > 0 && shape.intermediate.is_multiple_of(shape.parts),
             Invalid,
@@ -335,7 +334,7 @@ impl ConvertedLayer {
                      with threadpool_count={}{hint}",
                     l.name,
                     l.len,
-                    kt_prefix(self.shape.format)?,
+                    kt_prefix(self.shape.method)?,
                     self.shape.parts
                 );
             }
@@ -372,7 +371,7 @@ impl ConvertedLayer {
     ) -> Result<()> {
         let (q, s) = self.locate(expert, proj, part)?;
         let (n, k) = self.shape.part_dims(proj);
-        let int4 = self.shape.format == WeightFormat::Int4;
+        let int4 = self.shape.method == Method::AmxInt4;
         kt_ensure!(
             mem.len() == q.len && scales.len() * 4 == s.len,
             Invalid,
@@ -490,7 +489,7 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
         found == shape.parts,
         Invalid,
         "{} was converted with --threadpool-count {found}, but this layer runs with \
-         threadpool_count={}; the parts split the intermediate dimension and are quantised per \
+         threadpool_count={}; the parts split the intermediate dimension and are quantized per \
          part, so they cannot be regrouped: use threadpool_count={found} or convert again",
         path.display(),
         shape.parts
@@ -500,7 +499,7 @@ fn check_parts(found: usize, shape: &LayerShape, path: &Path) -> Result<()> {
 
 /// Map every `.kt` file of a `_layer_L` folder, checking names, sizes and the part count.
 fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
-    let prefix = kt_prefix(shape.format)?;
+    let prefix = kt_prefix(shape.method)?;
     let mut parts = Vec::new();
     let list =
         |dir: &Path| std::fs::read_dir(dir).map_err(|e| crate::error::io_error_at(dir, "list", e));
@@ -784,7 +783,7 @@ enum Sink {
 impl LayerWriter {
     /// The expert shard `file` (merged layout).
     pub fn merged(file: &Path, shape: LayerShape) -> Result<Self> {
-        kt_prefix(shape.format)?;
+        kt_prefix(shape.method)?;
         let mut entries = Vec::new();
         for (name, scale) in merged_index_order(&shape) {
             entries.push(TensorEntry {
@@ -805,7 +804,7 @@ impl LayerWriter {
 
     /// The folder `out/_layer_{L}` (folder layout), built under a temporary name.
     pub fn folders(out: &Path, shape: LayerShape) -> Result<Self> {
-        kt_prefix(shape.format)?;
+        kt_prefix(shape.method)?;
         let dir = out.join(format!("_layer_{}", shape.layer));
         let tmp = partial_name(&dir);
         if tmp.exists() {
@@ -859,7 +858,7 @@ impl LayerWriter {
             }
             Sink::Folders { tmp, .. } => {
                 let sub = tmp.join(format!("_numa_{part}"));
-                let prefix = kt_prefix(self.shape.format)?;
+                let prefix = kt_prefix(self.shape.method)?;
                 for (bytes, scale) in [(q, false), (&scale_bytes[..], true)] {
                     let name = kt_file_name(prefix, expert, proj, scale, bytes.len());
                     std::fs::write(sub.join(name), bytes)?;

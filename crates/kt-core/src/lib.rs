@@ -8,7 +8,10 @@
 //! - [`topology`], [`affinity`], [`pool`]: NUMA nodes and physical cores, pinned worker groups
 //!   (one per sub-pool) that spin briefly and then park.
 //! - [`engine`]: a FIFO task queue (submit returns at once, sync waits) like the original's CPUInfer.
-//! - [`moe`]: the MoE layer: route, gather, gate/up, SwiGLU, down, weighted sum, NUMA merge.
+//! - [`method`]: the public method strings as one enum.
+//! - [`formats`]: one folder per weight format behind the `ExpertFormat` trait, and the registry.
+//! - [`moe`]: the MoE layer, generic over the format: route, gather, gate/up, SwiGLU, down,
+//!   weighted sum, NUMA merge.
 //! - [`weights`]: expert weights from tensors in memory or Hugging Face safetensors checkpoints.
 //!
 //! Threading model: a layer is split along the intermediate dimension into one part per sub-pool;
@@ -23,10 +26,12 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod file_stamp;
+pub mod formats;
 pub mod ggml;
 pub mod gguf;
 pub mod isa;
 pub mod kernels;
+pub mod method;
 pub mod moe;
 pub mod pack;
 pub mod pool;
@@ -35,6 +40,7 @@ pub mod quant;
 pub mod rng;
 pub mod routing;
 pub mod shard_index;
+pub mod sync_ptr;
 #[cfg(test)]
 mod testutil;
 pub mod topology;

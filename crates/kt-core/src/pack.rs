@@ -178,11 +178,11 @@ pub struct MatrixView {
     pub cols: usize,
     /// Distance between rows, in elements.
     pub row_stride: usize,
-    /// Per-block scales that multiply the stored values (block-quantised FP8 checkpoints).
+    /// Per-block scales that multiply the stored values (block-quantized FP8 checkpoints).
     pub block_scale: Option<BlockScale>,
 }
 
-/// Block scales of a block-quantised matrix: the value at absolute `[r][c]` is the stored value
+/// Block scales of a block-quantized matrix: the value at absolute `[r][c]` is the stored value
 /// times `scales[(r / block) * cols + c / block]` (DeepSeek-V3 FP8: `weight_scale_inv`,
 /// 128 × 128 blocks).
 #[derive(Clone, Copy, Debug)]

@@ -1,4 +1,4 @@
-//! Quantisation of expert weights to the original kt-kernel's AMXINT8 / AMXINT4 formats, and
+//! Quantization of expert weights to the original kt-kernel's AMXINT8 / AMXINT4 formats, and
 //! the byte order of its converted files.
 //!
 //! Rules (reproducing the original 0.7.2 bit for bit, see `shared/fixtures/README.md` §2.3):
@@ -44,7 +44,7 @@ pub fn k_step(int4: bool) -> usize {
     }
 }
 
-/// Bytes of a quantised `n × k` matrix.
+/// Bytes of a quantized `n × k` matrix.
 pub fn matrix_bytes(int4: bool, n: usize, k: usize) -> usize {
     if int4 {
         n * k / 2
@@ -53,7 +53,7 @@ pub fn matrix_bytes(int4: bool, n: usize, k: usize) -> usize {
     }
 }
 
-/// Quantise one row to INT8; returns the fp32 scale.
+/// Quantize one row to INT8; returns the fp32 scale.
 #[inline(always)]
 pub fn quantize_row_int8(row: &[f32], q: &mut [i8]) -> f32 {
     let amax = abs_max(row);
@@ -62,7 +62,7 @@ pub fn quantize_row_int8(row: &[f32], q: &mut [i8]) -> f32 {
     d
 }
 
-/// Quantise one row to INT4 values in [−7, 7] (one per i8); returns the fp32 scale `d`
+/// Quantize one row to INT4 values in [−7, 7] (one per i8); returns the fp32 scale `d`
 /// (weights are `v × 16 × d`).
 #[inline(always)]
 pub fn quantize_row_int4(row: &[f32], v: &mut [i8]) -> f32 {
@@ -172,16 +172,16 @@ fn relayout(
     Ok(())
 }
 
-/// Quantise `view` (rows = outputs, `n × k`) to INT8 or INT4 in the in-memory tiled layout:
+/// Quantize `view` (rows = outputs, `n × k`) to INT8 or INT4 in the in-memory tiled layout:
 /// `out` gets the matrix bytes, `scales` one fp32 per row, `sums` (if given) each row's sum of
 /// the int8 operands the kernels multiply (`16·v` for INT4).
 ///
-/// Each weight is first rounded to bf16: the original converter quantises bf16 tensors (it
+/// Each weight is first rounded to bf16: the original converter quantizes bf16 tensors (it
 /// casts fp16 and block-FP8 inputs to bf16), so every input precision gives its bytes.
 ///
 /// # Safety
 /// `view`'s memory is alive.
-pub unsafe fn quantise_matrix(
+pub unsafe fn quantize_matrix(
     view: &MatrixView,
     int4: bool,
     out: &mut [u8],
@@ -195,7 +195,7 @@ pub unsafe fn quantise_matrix(
             && scales.len() == n
             && sums.as_ref().is_none_or(|s| s.len() == n),
         Invalid,
-        "quantise_matrix: buffers do not fit a {n}x{k} matrix"
+        "quantize_matrix: buffers do not fit a {n}x{k} matrix"
     );
     let mut row = vec![0f32; k];
     let mut q = vec![0i8; GROUP_ROWS * k];
@@ -204,7 +204,7 @@ pub unsafe fn quantise_matrix(
         let group_sums = sums.as_deref_mut().map(|s| &mut s[rows.clone()]);
         // SAFETY: rows of the view (contract); buffers sized above.
         unsafe {
-            quantise_group(
+            quantize_group(
                 view,
                 rows.start,
                 int4,
@@ -221,13 +221,13 @@ pub unsafe fn quantise_matrix(
     Ok(())
 }
 
-/// Quantise the 32 rows from `r0` into `q` (row-major), with AVX2 where the CPU has it: the
+/// Quantize the 32 rows from `r0` into `q` (row-major), with AVX2 where the CPU has it: the
 /// same code compiled twice, so both give identical bytes (the AVX2 copy is vectorised).
 ///
 /// # Safety
 /// Rows `r0..r0+32` of `view` exist and its memory is alive; `row` holds `k` values, `q`
 /// `32·k`, `scales` 32, `sums` 32.
-unsafe fn quantise_group(
+unsafe fn quantize_group(
     view: &MatrixView,
     r0: usize,
     int4: bool,
@@ -239,19 +239,19 @@ unsafe fn quantise_group(
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the features were just detected; the rest is the caller's contract.
-        return unsafe { quantise_group_avx2(view, r0, int4, row, q, scales, sums) };
+        return unsafe { quantize_group_avx2(view, r0, int4, row, q, scales, sums) };
     }
     // SAFETY: the caller's contract.
-    unsafe { quantise_group_body(view, r0, int4, row, q, scales, sums) }
+    unsafe { quantize_group_body(view, r0, int4, row, q, scales, sums) }
 }
 
-/// [`quantise_group`] compiled for AVX2.
+/// [`quantize_group`] compiled for AVX2.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; [`quantise_group`]'s contract.
+/// The CPU has AVX2 and FMA; [`quantize_group`]'s contract.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantise_group_avx2(
+unsafe fn quantize_group_avx2(
     view: &MatrixView,
     r0: usize,
     int4: bool,
@@ -261,11 +261,11 @@ unsafe fn quantise_group_avx2(
     sums: Option<&mut [i32]>,
 ) {
     // SAFETY: forwarded.
-    unsafe { quantise_group_body(view, r0, int4, row, q, scales, sums) }
+    unsafe { quantize_group_body(view, r0, int4, row, q, scales, sums) }
 }
 
 #[inline(always)]
-unsafe fn quantise_group_body(
+unsafe fn quantize_group_body(
     view: &MatrixView,
     r0: usize,
     int4: bool,

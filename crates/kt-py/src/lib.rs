@@ -9,7 +9,7 @@ use kt_core::ggml::{self, GgmlType};
 use kt_core::gguf::GgufModel;
 use kt_core::isa;
 use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
-use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, WeightFormat};
+use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, Method};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
 use kt_core::weights::{Checkpoint, HfLayerSource};
@@ -105,9 +105,9 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Dequantise `n` values of ggml type `type_name` (e.g. "Q4_K", case-insensitive) from `data`;
+/// Dequantize `n` values of ggml type `type_name` (e.g. "Q4_K", case-insensitive) from `data`;
 /// returns the values as little-endian float32 bytes. ValueError for an unknown name or a size
-/// that does not fit; NotImplementedError for a known type without a dequantiser here.
+/// that does not fit; NotImplementedError for a known type without a dequantizer here.
 #[pyfunction]
 fn ggml_dequantize<'py>(
     py: Python<'py>,
@@ -121,11 +121,11 @@ fn ggml_dequantize<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// Quantise little-endian values (`data`, of `dtype` float32, bfloat16 or float16) to ggml type
+/// Quantize little-endian values (`data`, of `dtype` float32, bfloat16 or float16) to ggml type
 /// `type_name`; returns the block bytes. Blocks are independent, so `threads` (0 = all cores)
 /// share the work, each converting its values a chunk at a time. ValueError for a size that is
 /// not whole blocks or a non-finite value; TypeError for another dtype; NotImplementedError for
-/// a type without a quantiser here.
+/// a type without a quantizer here.
 #[pyfunction]
 #[pyo3(signature = (type_name, data, threads=0, dtype="float32"))]
 fn ggml_quantize<'py>(
@@ -179,7 +179,7 @@ fn ggml_quantize<'py>(
                     })
                     .collect();
                 jobs.into_iter()
-                    .try_for_each(|j| j.join().expect("quantiser thread panicked"))
+                    .try_for_each(|j| j.join().expect("quantizer thread panicked"))
             })?;
             Ok(out)
         })
@@ -332,11 +332,11 @@ impl MoeLayer {
         format: &str,
     ) -> PyResult<Self> {
         let format = match format {
-            "bf16" => WeightFormat::Bf16,
-            "int8" => WeightFormat::Int8,
-            "int4" => WeightFormat::Int4,
+            "bf16" => Method::Bf16,
+            "int8" => Method::AmxInt8,
+            "int4" => Method::AmxInt4,
             // ggml blocks from a GGUF file; the file decides the types at load_from_gguf.
-            "gguf" => WeightFormat::Gguf,
+            "gguf" => Method::Llamafile,
             other => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(
                     "format={other:?}: expected 'bf16', 'int8', 'int4' or 'gguf'"
@@ -370,7 +370,7 @@ impl MoeLayer {
         }
         .py()?;
         let layer =
-            CoreLayer::with_format(config, engine.inner.pool().parts(), kernels, format).py()?;
+            CoreLayer::with_method(config, engine.inner.pool().parts(), kernels, format).py()?;
         // Plan the forward scratch now (shared by all layers of the engine), not on first use.
         engine.inner.with_workspace(|w| w.reserve(&layer)).py()?;
         Ok(MoeLayer {
@@ -384,9 +384,9 @@ impl MoeLayer {
     fn kernel(&self) -> String {
         let l = self.layer.read().unwrap();
         let vector = match l.format() {
-            WeightFormat::Bf16 => l.kernels().name(),
-            WeightFormat::Int8 | WeightFormat::Int4 => l.kernels().int8_name(),
-            WeightFormat::Gguf => {
+            Method::Bf16 => l.kernels().name(),
+            Method::AmxInt8 | Method::AmxInt4 => l.kernels().int8_name(),
+            Method::Llamafile => {
                 return l
                     .ggml_kernel_name()
                     .unwrap_or_else(|| "ggml (types chosen at load)".into())
@@ -731,8 +731,8 @@ impl Conversion {
         resume_layer: usize,
     ) -> PyResult<Self> {
         let format = match method.to_ascii_lowercase().as_str() {
-            "int8" | "amxint8" => WeightFormat::Int8,
-            "int4" | "amxint4" => WeightFormat::Int4,
+            "int8" | "amxint8" => Method::AmxInt8,
+            "int4" | "amxint4" => Method::AmxInt4,
             other => {
                 return Err(PyNotImplementedError::new_err(format!(
                     "--quant-method {other}: only int8 and int4 (the AMXINT8/AMXINT4 files) are \

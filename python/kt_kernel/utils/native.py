@@ -92,7 +92,7 @@ class AMXMoEWrapper(NativeMoEWrapper):
     """AMXINT8 / AMXINT4 experts: per-output-row int8/int4 weights (the original's values and
     layout), run with AMX tiles where the CPU has them and integer vector kernels elsewhere.
     Weights come from files the original's converter wrote, from a Hugging Face checkpoint
-    (quantised while loading, to the same bytes) or from tensors."""
+    (quantized while loading, to the same bytes) or from tensors."""
 
     @property
     def _format(self) -> str:
@@ -101,7 +101,7 @@ class AMXMoEWrapper(NativeMoEWrapper):
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
         """Load this layer from ``weight_path``: converted files (merged ``blk.*`` safetensors
         or ``_layer_*/_numa_*/*.kt``, written for the same ``threadpool_count``) are copied as
-        they are; a Hugging Face checkpoint is quantised on the fly."""
+        they are; a Hugging Face checkpoint is quantized on the fly."""
         path = os.fspath(self.weight_path) if self.weight_path else ""
         if path and os.path.isdir(path) and _kt_core.has_converted_layer(path, self.layer_idx):
             ptr, n, keep = self._map_arg(physical_to_logical_map_cpu)

@@ -1,5 +1,5 @@
 //! The converter against the original's own output (the fixtures), and on synthetic sharded
-//! checkpoints of every input precision: what it writes loads into the same layer as quantising
+//! checkpoints of every input precision: what it writes loads into the same layer as quantizing
 //! the checkpoint online.
 use super::*;
 use crate::converted::ConvertedLayer;
@@ -27,14 +27,14 @@ fn tmpdir(tag: &str) -> PathBuf {
 fn opts(
     input: &Path,
     output: &Path,
-    format: WeightFormat,
+    format: Method,
     parts: usize,
     merge: bool,
 ) -> ConvertOptions {
     ConvertOptions {
         input: input.to_path_buf(),
         output: output.to_path_buf(),
-        format,
+        method: format,
         input_type: None,
         parts,
         merge,
@@ -63,7 +63,7 @@ fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 #[test]
 fn fixture_checkpoint_converts_to_the_originals_files_byte_for_byte() {
     let Some(root) = fixtures() else { return };
-    for (format, bits) in [(WeightFormat::Int8, "int8"), (WeightFormat::Int4, "int4")] {
+    for (format, bits) in [(Method::AmxInt8, "int8"), (Method::AmxInt4, "int4")] {
         for tp in [1, 2] {
             for (merge, layout) in [(true, "merged"), (false, "kt")] {
                 let out = tmpdir(&format!("fx-{bits}-{tp}-{layout}"));
@@ -196,7 +196,7 @@ fn synthetic_checkpoint(dir: &Path, store: Store, e: usize, h: usize, i: usize, 
     std::fs::write(dir.join("tokenizer.json"), "{\"tok\": 1}").unwrap();
 }
 
-fn layer(format: WeightFormat, e: usize, h: usize, i: usize, l: usize, parts: usize) -> MoeLayer {
+fn layer(format: Method, e: usize, h: usize, i: usize, l: usize, parts: usize) -> MoeLayer {
     let cfg = MoeConfig {
         layer_idx: l,
         num_experts: e,
@@ -207,20 +207,20 @@ fn layer(format: WeightFormat, e: usize, h: usize, i: usize, l: usize, parts: us
         swiglu_limit: 0.0,
         swiglu_alpha: 0.0,
     };
-    MoeLayer::with_format(cfg, parts, KernelSet::best().unwrap(), format).unwrap()
+    MoeLayer::with_method(cfg, parts, KernelSet::best().unwrap(), format).unwrap()
 }
 
 #[test]
-fn converted_layers_load_equal_to_online_quantisation_for_every_input_precision() {
+fn converted_layers_load_equal_to_online_quantization_for_every_input_precision() {
     // H = 3712 > 3584 exercises the original's column blocks of wide matrices in the files.
     for (store, h) in [(Store::Bf16, 256), (Store::F16, 256), (Store::Fp8, 3712)] {
         let (e, i, layers) = (3, 256, 3);
         let input = tmpdir(&format!("in-{store:?}"));
         synthetic_checkpoint(&input, store, e, h, i, layers);
         for (format, parts, merge) in [
-            (WeightFormat::Int8, 1, true),
-            (WeightFormat::Int4, 2, false),
-            (WeightFormat::Int8, 2, true),
+            (Method::AmxInt8, 1, true),
+            (Method::AmxInt4, 2, false),
+            (Method::AmxInt8, 2, true),
         ] {
             let out = tmpdir(&format!("out-{store:?}-{format:?}-{parts}-{merge}"));
             let pool = pool(parts);
@@ -261,7 +261,7 @@ fn converted_layers_load_equal_to_online_quantisation_for_every_input_precision(
                     hidden: h,
                     intermediate: i,
                     parts,
-                    format,
+                    method: format,
                 };
                 let files = ConvertedLayer::open(&out, shape).unwrap();
                 let mut loaded = layer(format, e, h, i, l, parts);
@@ -270,8 +270,8 @@ fn converted_layers_load_equal_to_online_quantisation_for_every_input_precision(
                     for x in 0..e {
                         for (proj, _) in PROJS {
                             assert!(
-                                online.quantised_part(x, proj, n).unwrap()
-                                    == loaded.quantised_part(x, proj, n).unwrap(),
+                                online.quantized_part(x, proj, n).unwrap()
+                                    == loaded.quantized_part(x, proj, n).unwrap(),
                                 "{store:?} {format:?} layer {l} expert {x} {proj:?} part {n}"
                             );
                         }
@@ -300,7 +300,7 @@ fn resume_continues_and_checks_what_it_skips() {
     let pool = pool(1);
     convert(
         &pool,
-        &opts(&input, &full, WeightFormat::Int8, 1, true),
+        &opts(&input, &full, Method::AmxInt8, 1, true),
         &Default::default(),
     )
     .unwrap();
@@ -311,7 +311,7 @@ fn resume_continues_and_checks_what_it_skips() {
     std::fs::copy(full.join(&first), part.join(&first)).unwrap();
     let stale = part.join("model-00002-of-00004.safetensors.partial-999999");
     std::fs::write(&stale, b"half").unwrap();
-    let mut o = opts(&input, &part, WeightFormat::Int8, 1, true);
+    let mut o = opts(&input, &part, Method::AmxInt8, 1, true);
     o.resume_layer = 2;
     let report = convert(&pool, &o, &Default::default()).unwrap();
     assert_eq!(
@@ -342,7 +342,7 @@ fn bad_inputs_are_refused_with_reasons() {
     let out = tmpdir("bad-out");
     let pool = pool(1);
     let err = |o: &ConvertOptions| convert(&pool, o, &Default::default()).unwrap_err();
-    let mut o = opts(&input, &out, WeightFormat::Int8, 1, true);
+    let mut o = opts(&input, &out, Method::AmxInt8, 1, true);
     o.input_type = Some(InputType::Bf16);
     let e1 = err(&o);
     assert!(
@@ -350,11 +350,11 @@ fn bad_inputs_are_refused_with_reasons() {
         "{e1}"
     );
     // I / parts must keep whole tiles: 256 / 4 = 64 is not a multiple of 128 for int4.
-    let e2 = err(&opts(&input, &out, WeightFormat::Int4, 4, true)).to_string();
+    let e2 = err(&opts(&input, &out, Method::AmxInt4, 4, true)).to_string();
     assert!(e2.contains("64 per part"), "{e2}");
-    let e3 = err(&opts(&out.join("nope"), &out, WeightFormat::Int8, 1, true));
+    let e3 = err(&opts(&out.join("nope"), &out, Method::AmxInt8, 1, true));
     assert!(matches!(e3, Error::NotFound(_)), "{e3}");
-    let e4 = err(&opts(&input, &input, WeightFormat::Int8, 1, true)).to_string();
+    let e4 = err(&opts(&input, &input, Method::AmxInt8, 1, true)).to_string();
     assert!(e4.contains("must differ"), "{e4}");
     assert!(InputType::parse("awq").is_err() && InputType::parse("int3").is_err());
     // A missing expert names the tensor.
@@ -363,10 +363,10 @@ fn bad_inputs_are_refused_with_reasons() {
         r#"{"hidden_size": 128, "moe_intermediate_size": 256, "num_experts": 3}"#,
     )
     .unwrap();
-    let e5 = err(&opts(&input, &out, WeightFormat::Int8, 1, true)).to_string();
+    let e5 = err(&opts(&input, &out, Method::AmxInt8, 1, true)).to_string();
     assert!(e5.contains("expert 2 is missing"), "{e5}");
     std::fs::write(input.join("config.json"), "{}").unwrap();
-    let e6 = err(&opts(&input, &out, WeightFormat::Int8, 1, true)).to_string();
+    let e6 = err(&opts(&input, &out, Method::AmxInt8, 1, true)).to_string();
     assert!(e6.contains("hidden_size"), "{e6}");
     // Cancelled before the first matrix: nothing under a final name.
     std::fs::write(
@@ -378,7 +378,7 @@ fn bad_inputs_are_refused_with_reasons() {
     cancelled.cancel.store(true, Ordering::Relaxed);
     let e7 = convert(
         &pool,
-        &opts(&input, &out, WeightFormat::Int8, 1, true),
+        &opts(&input, &out, Method::AmxInt8, 1, true),
         &cancelled,
     )
     .unwrap_err();

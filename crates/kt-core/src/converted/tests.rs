@@ -15,18 +15,18 @@ fn pool(parts: usize) -> Pool {
     crate::testutil::pool(parts, 2)
 }
 
-fn shape(format: WeightFormat, parts: usize) -> LayerShape {
+fn shape(format: Method, parts: usize) -> LayerShape {
     LayerShape {
         layer: 1,
         experts: 4,
         hidden: 128,
         intermediate: 256,
         parts,
-        format,
+        method: format,
     }
 }
 
-fn layer(format: WeightFormat, parts: usize) -> MoeLayer {
+fn layer(format: Method, parts: usize) -> MoeLayer {
     let cfg = MoeConfig {
         layer_idx: 1,
         num_experts: 4,
@@ -37,14 +37,14 @@ fn layer(format: WeightFormat, parts: usize) -> MoeLayer {
         swiglu_limit: 0.0,
         swiglu_alpha: 0.0,
     };
-    MoeLayer::with_format(cfg, parts, KernelSet::best().unwrap(), format).unwrap()
+    MoeLayer::with_method(cfg, parts, KernelSet::best().unwrap(), format).unwrap()
 }
 
-const SETS: [(WeightFormat, &str); 2] =
-    [(WeightFormat::Int8, "int8"), (WeightFormat::Int4, "int4")];
+const SETS: [(Method, &str); 2] =
+    [(Method::AmxInt8, "int8"), (Method::AmxInt4, "int4")];
 
 #[test]
-fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
+fn original_files_load_equal_to_our_quantizer_and_write_back_byte_identical() {
     let Some(root) = fixtures() else { return };
     let hf = Checkpoint::open(&root.join("hf")).unwrap();
     let src = HfLayerSource::new(hf, 1, 4, 128, 256).unwrap();
@@ -55,8 +55,8 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
     for (format, bits) in SETS {
         for tp in [1, 2] {
             let pool = pool(tp);
-            let mut quantised = layer(format, tp);
-            quantised.load(&pool, &src, None).unwrap();
+            let mut quantized = layer(format, tp);
+            quantized.load(&pool, &src, None).unwrap();
             for layout in ["merged", "kt"] {
                 let dir = root.join(format!("{bits}-tp{tp}-{layout}"));
                 let files = ConvertedLayer::open(&dir, shape(format, tp)).unwrap();
@@ -66,7 +66,7 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                     for e in 0..4 {
                         for (proj, _) in PROJS {
                             let (q, s) = files.part(e, proj, n).unwrap();
-                            let ours = file_form(&quantised, format, tp, e, proj, n);
+                            let ours = file_form(&quantized, format, tp, e, proj, n);
                             assert!(ours.0 == q, "{dir:?} e={e} {proj:?} part {n}");
                             assert!(ours.1 == s, "{dir:?} e={e} {proj:?} part {n} scales");
                             assert!(file_form(&loaded, format, tp, e, proj, n) == ours);
@@ -75,7 +75,7 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                 }
                 // Same bytes, same kernels: bit-identical outputs.
                 let mut outs = [vec![0f32; x.len()], vec![0f32; x.len()]];
-                for (l, out) in [&quantised, &loaded].into_iter().zip(outs.iter_mut()) {
+                for (l, out) in [&quantized, &loaded].into_iter().zip(outs.iter_mut()) {
                     l.forward_f32(&pool, &mut Workspace::new(), &x, &ids, &w, out)
                         .unwrap();
                 }
@@ -90,7 +90,7 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
                 for n in 0..tp {
                     for e in 0..4 {
                         for (proj, _) in PROJS {
-                            let (q, s) = file_form(&quantised, format, tp, e, proj, n);
+                            let (q, s) = file_form(&quantized, format, tp, e, proj, n);
                             let s: Vec<f32> = s
                                 .chunks_exact(4)
                                 .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
@@ -149,16 +149,16 @@ fn original_files_load_equal_to_our_quantiser_and_write_back_byte_identical() {
 /// A layer's part in the original's file form: matrix bytes and little-endian scale bytes.
 fn file_form(
     l: &MoeLayer,
-    format: WeightFormat,
+    format: Method,
     tp: usize,
     e: usize,
     proj: Proj,
     n: usize,
 ) -> (Vec<u8>, Vec<u8>) {
-    let (q, s) = l.quantised_part(e, proj, n).unwrap();
+    let (q, s) = l.quantized_part(e, proj, n).unwrap();
     let (pn, pk) = shape(format, tp).part_dims(proj);
     let mut file = vec![0u8; q.len()];
-    crate::quant::to_file_layout(format == WeightFormat::Int4, pn, pk, q, &mut file).unwrap();
+    crate::quant::to_file_layout(format == Method::AmxInt4, pn, pk, q, &mut file).unwrap();
     (file, s.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
@@ -258,7 +258,7 @@ fn damaged_or_mismatched_files_are_refused_with_reasons() {
     for layout in ["merged", "kt"] {
         let e = err(
             &root.join(format!("int8-tp2-{layout}")),
-            shape(WeightFormat::Int8, 1),
+            shape(Method::AmxInt8, 1),
         );
         assert!(
             e.contains("--threadpool-count 2") && e.contains("threadpool_count=1"),
@@ -266,20 +266,20 @@ fn damaged_or_mismatched_files_are_refused_with_reasons() {
         );
     }
     // Wrong method for the files.
-    let e = err(&root.join("int4-tp1-kt"), shape(WeightFormat::Int8, 1));
+    let e = err(&root.join("int4-tp1-kt"), shape(Method::AmxInt8, 1));
     assert!(e.contains("INT4"), "{e}");
-    let e = err(&root.join("int4-tp1-merged"), shape(WeightFormat::Int8, 1));
+    let e = err(&root.join("int4-tp1-merged"), shape(Method::AmxInt8, 1));
     assert!(e.contains("AMXINT8/AMXINT4"), "{e}");
     // Wrong shape (H).
-    let mut s = shape(WeightFormat::Int8, 1);
+    let mut s = shape(Method::AmxInt8, 1);
     s.hidden = 256;
     assert!(err(&root.join("int8-tp1-merged"), s).contains("expected"));
     // More experts than the files hold.
-    let mut s = shape(WeightFormat::Int8, 1);
+    let mut s = shape(Method::AmxInt8, 1);
     s.experts = 5;
     assert!(err(&root.join("int8-tp1-kt"), s).contains("expert 4"));
     // Layer that is not there.
-    let mut s = shape(WeightFormat::Int8, 1);
+    let mut s = shape(Method::AmxInt8, 1);
     s.layer = 7;
     assert!(err(&root.join("int8-tp1-merged"), s).contains("layer 7"));
     // A truncated and a missing .kt file.
@@ -289,16 +289,16 @@ fn damaged_or_mismatched_files_are_refused_with_reasons() {
     let numa = tmp.join("_layer_1/_numa_0");
     let victim = numa.join("INT8_up_2_32768Byte_quant_.kt");
     std::fs::write(&victim, vec![0u8; 1000]).unwrap();
-    assert!(err(&tmp, shape(WeightFormat::Int8, 1)).contains("truncated"));
+    assert!(err(&tmp, shape(Method::AmxInt8, 1)).contains("truncated"));
     std::fs::remove_file(&victim).unwrap();
-    let e = err(&tmp, shape(WeightFormat::Int8, 1));
+    let e = err(&tmp, shape(Method::AmxInt8, 1));
     assert!(
         e.contains("expert 2 up quant") && e.contains("missing"),
         "{e}"
     );
     std::fs::remove_dir_all(&tmp).unwrap();
     // Not a converted folder at all.
-    assert!(err(&root.join("hf"), shape(WeightFormat::Int8, 1)).contains("no converted weights"));
+    assert!(err(&root.join("hf"), shape(Method::AmxInt8, 1)).contains("no converted weights"));
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! Block layouts (byte offsets inside one block, all little-endian) and the small helpers that
-//! pack and unpack their sub-block scales. Shared by the quantisers, dequantisers, scalar dot
+//! pack and unpack their sub-block scales. Shared by the quantizers, dequantizers, scalar dot
 //! products and SIMD kernels so that every path reads a block the same way.
 use half::{bf16, f16};
 

@@ -1,10 +1,10 @@
-//! Scalar dequantisers: one block of bytes → its values as f32. Sizes are checked by the
+//! Scalar dequantizers: one block of bytes → its values as f32. Sizes are checked by the
 //! callers in `mod.rs`.
 use super::blocks::*;
 use super::{ActivationFormat, GgmlType};
 use crate::Result;
 
-/// Dequantise a whole row (`data.len()` and `out.len()` already match `ty`).
+/// Dequantize a whole row (`data.len()` and `out.len()` already match `ty`).
 pub(super) fn row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     use GgmlType::*;
     let per_block: fn(&[u8], &mut [f32]) = match ty {
@@ -23,7 +23,7 @@ pub(super) fn row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
         Q6_K => q6_k,
         IQ4_NL => iq4_nl,
         IQ4_XS => iq4_xs,
-        other => return Err(super::unsupported(other, "dequantiser")),
+        other => return Err(super::unsupported(other, "dequantizer")),
     };
     for (b, y) in data
         .chunks_exact(ty.type_size())
@@ -34,7 +34,7 @@ pub(super) fn row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Values of a quantised activation row (sizes already checked).
+/// Values of a quantized activation row (sizes already checked).
 pub(super) fn activation(format: ActivationFormat, data: &[u8], k: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; k];
     match format {

@@ -1,7 +1,7 @@
-//! Scalar dot products of one weight row with one quantised activation row: the twins every SIMD
+//! Scalar dot products of one weight row with one quantized activation row: the twins every SIMD
 //! kernel must equal bit for bit.
 //!
-//! Shape of every quantised twin: exact integer sums inside a block (or super-block), then one
+//! Shape of every quantized twin: exact integer sums inside a block (or super-block), then one
 //! f32 term per block from the `*_term` functions below, added to an f32 accumulator in block
 //! order. The SIMD kernels vectorise only the integer part and call the same term functions in
 //! the same order, which is what makes them exact. Sizes are checked by `DotKernel`.

@@ -1,5 +1,5 @@
-//! ggml tensor types: the type table, scalar dequantisers and quantisers, activation
-//! quantisation and dot products of one quantised weight row with one quantised activation row.
+//! ggml tensor types: the type table, scalar dequantizers and quantizers, activation
+//! quantization and dot products of one quantized weight row with one quantized activation row.
 //!
 //! Everything here is written from the published block layouts (see [`blocks`]); it is the
 //! arithmetic the LLAMAFILE method needs for GGUF experts.
@@ -23,7 +23,7 @@
 //!   of 16 `q`). The value of largest magnitude `m` (sign kept) maps to −127:
 //!   `q = round_half_even(x · (−127/m))` on the exact product, `d = 1/(−127/m)`.
 //!
-//! Quantised activations always lie in [−127, 127] (the SIMD kernels rely on it). A block with a
+//! Quantized activations always lie in [−127, 127] (the SIMD kernels rely on it). A block with a
 //! NaN or infinity gets a NaN scale, so a non-finite input poisons its own dot products only.
 //!
 //! [`DotKernel`] picks the kernel at run time: AVX-512 VNNI or AVX2 for Q4_0, Q5_0, Q8_0,
@@ -157,7 +157,7 @@ pub const ALL_TYPES: [GgmlType; 32] = [
     GgmlType::MXFP4,
 ];
 
-/// Weight types with a dequantiser, a quantiser and a dot product here.
+/// Weight types with a dequantizer, a quantizer and a dot product here.
 pub const SUPPORTED_TYPES: [GgmlType; 15] = [
     GgmlType::F32,
     GgmlType::F16,
@@ -343,12 +343,12 @@ impl GgmlType {
         })
     }
 
-    /// Whether this crate can dequantise, quantise and dot-multiply this type.
+    /// Whether this crate can dequantize, quantize and dot-multiply this type.
     pub fn is_supported(self) -> bool {
         SUPPORTED_TYPES.contains(&self)
     }
 
-    /// The format activations must be quantised to for [`vec_dot`] with this weight type.
+    /// The format activations must be quantized to for [`vec_dot`] with this weight type.
     pub fn activation_format(self) -> Result<ActivationFormat> {
         use GgmlType::*;
         Ok(match self {
@@ -444,13 +444,13 @@ impl ActivationFormat {
     }
 }
 
-/// Dequantise one row of `out.len()` values stored as `ty` in `data`.
+/// Dequantize one row of `out.len()` values stored as `ty` in `data`.
 pub fn dequantize_row(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     check_row(ty, data.len(), out.len())?;
     dequant::row(ty, data, out)
 }
 
-/// Dequantise `n` values stored as `ty`.
+/// Dequantize `n` values stored as `ty`.
 pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
     // Sizes first: `n` comes from the caller and must not size an allocation unchecked.
     check_row(ty, data.len(), n)?;
@@ -459,15 +459,15 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// Quantise one row `x` to `ty` into `out` (exactly `ty.row_bytes(x.len())` bytes). The
-/// quantisers are plain round-to-nearest without a search: deterministic and valid, though less
-/// accurate than llama.cpp's for the K and IQ types. Quantised types reject non-finite input.
+/// Quantize one row `x` to `ty` into `out` (exactly `ty.row_bytes(x.len())` bytes). The
+/// quantizers are plain round-to-nearest without a search: deterministic and valid, though less
+/// accurate than llama.cpp's for the K and IQ types. Quantized types reject non-finite input.
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
     check_row(ty, out.len(), x.len())?;
     quantize::weight_row(ty, x, out)
 }
 
-/// Quantise `x` to `ty`.
+/// Quantize `x` to `ty`.
 pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
     let mut out = vec![0u8; ty.row_bytes(x.len())?];
     quantize_row(ty, x, &mut out)?;
@@ -476,7 +476,7 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
 
 fn check_row(ty: GgmlType, bytes: usize, n: usize) -> Result<()> {
     if !ty.is_supported() {
-        return Err(unsupported(ty, "quantiser/dequantiser"));
+        return Err(unsupported(ty, "quantizer/dequantizer"));
     }
     let need = ty.row_bytes(n)?;
     kt_ensure!(
@@ -488,7 +488,7 @@ fn check_row(ty: GgmlType, bytes: usize, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Quantise activations `x` into `out` (exactly `format.row_bytes(x.len())` bytes).
+/// Quantize activations `x` into `out` (exactly `format.row_bytes(x.len())` bytes).
 pub fn quantize_activation_into(format: ActivationFormat, x: &[f32], out: &mut [u8]) -> Result<()> {
     let need = format.row_bytes(x.len())?;
     kt_ensure!(
@@ -503,14 +503,14 @@ pub fn quantize_activation_into(format: ActivationFormat, x: &[f32], out: &mut [
     Ok(())
 }
 
-/// Quantise activations `x` to `format`.
+/// Quantize activations `x` to `format`.
 pub fn quantize_activation(format: ActivationFormat, x: &[f32]) -> Result<Vec<u8>> {
     let mut out = vec![0u8; format.row_bytes(x.len())?];
     quantize_activation_into(format, x, &mut out)?;
     Ok(out)
 }
 
-/// The values a quantised activation row stands for (`d · q` per value).
+/// The values a quantized activation row stands for (`d · q` per value).
 pub fn dequantize_activation(format: ActivationFormat, data: &[u8], k: usize) -> Result<Vec<f32>> {
     let need = format.row_bytes(k)?;
     kt_ensure!(
@@ -523,7 +523,7 @@ pub fn dequantize_activation(format: ActivationFormat, data: &[u8], k: usize) ->
     Ok(dequant::activation(format, data, k))
 }
 
-/// Dot product of one `ty` weight row of `k` values with one activation row quantised to
+/// Dot product of one `ty` weight row of `k` values with one activation row quantized to
 /// `ty.activation_format()`, computed by the scalar reference code (the twin every SIMD kernel
 /// must equal bit for bit). For speed use [`DotKernel`].
 pub fn vec_dot(ty: GgmlType, k: usize, weight_row: &[u8], activation: &[u8]) -> Result<f32> {

@@ -1,7 +1,7 @@
-//! Scalar quantisers: weights (plain round-to-nearest, no search) and activations (the Q8
+//! Scalar quantizers: weights (plain round-to-nearest, no search) and activations (the Q8
 //! formats the dot products read). Sizes are checked by the callers in `mod.rs`.
 //!
-//! Weight scales are rounded to their storage precision *before* the values are quantised
+//! Weight scales are rounded to their storage precision *before* the values are quantized
 //! against them, so each value is the nearest representable one for the scale actually stored.
 use super::blocks::*;
 use super::dequant::q2_bits;
@@ -9,7 +9,7 @@ use super::{ActivationFormat, GgmlType};
 use crate::{kt_bail, Result};
 use half::{bf16, f16};
 
-/// Quantise a weight row (sizes already checked, `ty` supported).
+/// Quantize a weight row (sizes already checked, `ty` supported).
 pub(super) fn weight_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
     use GgmlType::*;
     let per_block: fn(&[f32], &mut [u8]) = match ty {
@@ -28,13 +28,13 @@ pub(super) fn weight_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> 
         Q6_K => q6_k,
         IQ4_NL => iq4_nl,
         IQ4_XS => iq4_xs,
-        other => return Err(super::unsupported(other, "quantiser")),
+        other => return Err(super::unsupported(other, "quantizer")),
     };
     if ty.block_size() > 1 {
         if let Some(i) = x.iter().position(|v| !v.is_finite()) {
             kt_bail!(
                 Invalid,
-                "cannot quantise to {}: value {i} is {} (only finite values have a {} code)",
+                "cannot quantize to {}: value {i} is {} (only finite values have a {} code)",
                 ty.name(),
                 x[i],
                 ty.name()
@@ -45,7 +45,7 @@ pub(super) fn weight_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> 
         if let Some(i) = x.iter().position(|v| v.abs() > f16::MAX.to_f32()) {
             kt_bail!(
                 Invalid,
-                "cannot quantise to {}: value {i} is {}, beyond the fp16 range ({}) of its block \
+                "cannot quantize to {}: value {i} is {}, beyond the fp16 range ({}) of its block \
                  scales",
                 ty.name(),
                 x[i],
@@ -75,7 +75,7 @@ fn signed_absmax(x: &[f32]) -> f32 {
     x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
 }
 
-/// 1/d, or 0 for d = 0 (a block of zeros quantises to the zero code).
+/// 1/d, or 0 for d = 0 (a block of zeros quantizes to the zero code).
 fn inverse(d: f32) -> f32 {
     if d == 0.0 {
         0.0
@@ -91,7 +91,7 @@ fn code(v: f32, lo: i32, hi: i32) -> i32 {
 }
 
 /// `v` rounded half to even like `f32::round_ties_even`, with plain arithmetic (on baseline
-/// x86-64 that is a libm call, which dominated activation quantisation). Exact for
+/// x86-64 that is a libm call, which dominated activation quantization). Exact for
 /// |v| < 2^22; larger values come back unchanged, and every caller clamps to a range far
 /// below that, where both saturate alike. NaN stays NaN.
 #[inline(always)]
@@ -382,7 +382,7 @@ fn iq4_xs(x: &[f32], b: &mut [u8]) {
     pack_iq4_xs_scales(&packed_codes, b);
 }
 
-/// Quantise an activation row (sizes already checked).
+/// Quantize an activation row (sizes already checked).
 pub(super) fn activation_row(format: ActivationFormat, x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {

@@ -3,7 +3,7 @@ use super::*;
 use crate::rng::Rng;
 use half::f16;
 
-/// Byte offsets of the fp16 scale fields of each supported quantised type.
+/// Byte offsets of the fp16 scale fields of each supported quantized type.
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     use GgmlType::*;
     match ty {
@@ -129,7 +129,7 @@ fn scale_packing_round_trips() {
 }
 
 #[test]
-fn hand_built_blocks_dequantise_to_known_values() {
+fn hand_built_blocks_dequantize_to_known_values() {
     // Q4_0: d = 0.5, byte j = (j % 16) | (15 - j % 16) << 4.
     let mut b = vec![0u8; Q4_0_BYTES];
     b[..2].copy_from_slice(&f16::from_f32(0.5).to_bits().to_le_bytes());
@@ -161,8 +161,8 @@ fn hand_built_blocks_dequantise_to_known_values() {
 }
 
 #[test]
-fn quantise_dequantise_error_is_bounded() {
-    // Relative RMS error on normal data (plain round-to-nearest quantisers).
+fn quantize_dequantize_error_is_bounded() {
+    // Relative RMS error on normal data (plain round-to-nearest quantizers).
     let bounds: &[(GgmlType, f64)] = &[
         (GgmlType::F32, 0.0),
         (GgmlType::F16, 1e-3),
@@ -205,7 +205,7 @@ fn quantise_dequantise_error_is_bounded() {
 }
 
 #[test]
-fn quantisers_reject_non_finite_values_and_bad_sizes() {
+fn quantizers_reject_non_finite_values_and_bad_sizes() {
     let mut x = vec![0.5f32; 256];
     x[17] = f32::NAN;
     for ty in SUPPORTED_TYPES {
@@ -232,7 +232,7 @@ fn quantisers_reject_non_finite_values_and_bad_sizes() {
 }
 
 #[test]
-fn activation_quantisers_follow_the_documented_rules() {
+fn activation_quantizers_follow_the_documented_rules() {
     let mut rng = Rng::new(11);
     let x = rng.normals(512, 3.0);
     // Q8_K: the value of largest magnitude becomes −127, bsums are the sums of 16 codes.
@@ -307,7 +307,7 @@ fn activation_quantisers_follow_the_documented_rules() {
     assert!(quantize_activation(ActivationFormat::Q8_K, &[1.0; 255]).is_err());
 }
 
-/// The reference the dot products must match: weights and activations dequantised, summed in
+/// The reference the dot products must match: weights and activations dequantized, summed in
 /// f64. Returns (reference, scale for the tolerance).
 fn reference_dot(ty: GgmlType, k: usize, w: &[u8], a: &[u8]) -> (f64, f64) {
     let format = ty.activation_format().unwrap();
@@ -339,7 +339,7 @@ fn reference_dot(ty: GgmlType, k: usize, w: &[u8], a: &[u8]) -> (f64, f64) {
 }
 
 #[test]
-fn scalar_dot_products_match_the_dequantised_dot() {
+fn scalar_dot_products_match_the_dequantized_dot() {
     let mut rng = Rng::new(21);
     for ty in SUPPORTED_TYPES {
         let format = ty.activation_format().unwrap();
@@ -401,7 +401,7 @@ fn dot_products_check_their_arguments() {
 }
 
 /// Every SIMD kernel equals its scalar twin bit for bit (same integers, same f32 terms in the
-/// same order), on quantised rows and on random block bytes.
+/// same order), on quantized rows and on random block bytes.
 #[test]
 fn simd_kernels_equal_their_scalar_twins() {
     let sel = isa::global().unwrap();
@@ -455,7 +455,7 @@ fn simd_kernels_equal_their_scalar_twins() {
     }
 }
 
-/// `n` weight rows of `k` values of `ty`: random blocks (every bit pattern) and quantised
+/// `n` weight rows of `k` values of `ty`: random blocks (every bit pattern) and quantized
 /// values, alternately.
 fn weight_rows(ty: GgmlType, k: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
     (0..n)
@@ -547,7 +547,7 @@ fn x8_layouts_give_the_single_row_results() {
         let format = ty.activation_format().unwrap();
         let k = 3 * 256;
         let rb = ty.row_bytes(k).unwrap();
-        // Two groups of eight rows: random blocks and quantised values.
+        // Two groups of eight rows: random blocks and quantized values.
         let w = weight_rows(ty, k, 16, &mut rng);
         let gb = x8::group_bytes(ty, k);
         let mut groups = vec![0u8; 2 * gb];
@@ -632,7 +632,7 @@ fn best_kernels_exist_for_every_supported_type() {
 }
 
 /// One MoE layer the LLAMAFILE way, from the original's description in the shared fixtures'
-/// README (§7): activations quantised to the weight type's format, g/u/h/d kept in f32, SiLU
+/// README (§7): activations quantized to the weight type's format, g/u/h/d kept in f32, SiLU
 /// `g / (1 + exp(−g))`, `acc += w · d` in slot order, one final bf16 rounding.
 fn llamafile_layer(
     model: &crate::gguf::GgufModel,
@@ -673,7 +673,7 @@ fn llamafile_layer(
 }
 
 /// The original kt-kernel 0.7.2's LLAMAFILE outputs on its GGUF fixtures (shared/fixtures/gguf),
-/// recomputed with these kernels and the activation quantisers documented in `ggml`.
+/// recomputed with these kernels and the activation quantizers documented in `ggml`.
 #[test]
 fn reproduces_the_original_llamafile_outputs() {
     let root =

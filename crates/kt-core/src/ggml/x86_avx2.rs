@@ -3,7 +3,7 @@
 //! formed the same way and added in the same order.
 //!
 //! Signed × signed int8 products use `maddubs` on |w| and a·sign(w); that is exact because
-//! quantised activations lie in [−127, 127] and |w| ≤ 128, so no pair of products saturates
+//! quantized activations lie in [−127, 127] and |w| ≤ 128, so no pair of products saturates
 //! int16 (2 · 128 · 127 < 32768).
 use super::blocks::*;
 use super::dot::{k_min_term, k_term};

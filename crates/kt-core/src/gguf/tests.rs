@@ -744,7 +744,7 @@ fn repo_path(rel: &str) -> PathBuf {
 
 /// The file `tests/test_ggml_formats.py` writes with gguf-py's GGUFWriter (committed so the
 /// Rust suite needs no Python): every metadata type, alignment 64, stacked Q8_0 and Q4_K expert
-/// tensors, and F32 tensors holding gguf-py's own dequantisation of them.
+/// tensors, and F32 tensors holding gguf-py's own dequantization of them.
 #[test]
 fn reads_a_file_written_by_gguf_py() {
     let path = repo_path("tests/data/gguf-py-experts.gguf");

@@ -3,7 +3,7 @@
 //! tile `t`, line `w` of half `h` (64 bytes at `t*2048 + h*1024 + w*64`) holds rows `16h..16h+16`
 //! × inputs `64t + 4w .. +4`. That is the `vpdpbusd` operand shape, so no repacking is needed.
 //!
-//! Activations arrive quantised per token row and biased to unsigned (`a + 128`), which
+//! Activations arrive quantized per token row and biased to unsigned (`a + 128`), which
 //! `vpdpbusd` needs; `out = Σ a_u8·w − 128·Σ w` (the row sums are precomputed at load) is the
 //! exact signed dot product. Every variant returns the same i32 values as the scalar twin.
 //!
@@ -42,7 +42,7 @@ pub fn activation_row(biased: &[u8]) -> Vec<u8> {
 
 /// `out[r*32 + j] = Σ_kk (a_rows[r][kk] − 128) · W[j][kk]` for one 32-row group.
 ///
-/// Values are those the quantiser produces: weights in [−127, 127], activations in [1, 255]
+/// Values are those the quantizer produces: weights in [−127, 127], activations in [1, 255]
 /// (signed [−127, 127] biased by 128); within that range every variant is exact.
 ///
 /// # Safety
@@ -191,7 +191,7 @@ mod x86 {
     //! VNNI instruction (`vpdpbusd`, on biased unsigned activations, fixed up by the row sums
     //! at the end) or the sign trick without VNNI (`vpmaddubsw` on |a| and sign-moved weights,
     //! then `vpmaddwd` with ones; with |a|, |w| ≤ 127 every i16 pair sum ≤ 32258 is exact, and
-    //! −128 never occurs because the quantisers do not produce it). The 256-bit AMXINT4 loop
+    //! −128 never occurs because the quantizers do not produce it). The 256-bit AMXINT4 loop
     //! needs no sign op: AVX2 multiplies the unsigned nibbles `v + 8` with the signed
     //! activations, AVX-VNNI the sign-extended nibbles with the biased ones
     //! (`Op256::dot_nibbles`); each removes its offset at the end. Each op is a few
@@ -881,7 +881,7 @@ mod tests {
     ];
 
     /// `f` equals the format's scalar twin exactly, and the twin equals plain row-major
-    /// arithmetic, on random data over the quantisers' whole range and at its extremes.
+    /// arithmetic, on random data over the quantizers' whole range and at its extremes.
     fn check(fmt: &Format, f: Int8DotFn, rows_max: usize, name: &str) {
         // With software prefetching on (it must not change a result).
         crate::kernels::prefetch::set(crate::kernels::prefetch::CANDIDATE);

@@ -487,17 +487,17 @@ fn bad_configs_and_inputs_are_rejected_with_reasons() {
 
 #[test]
 fn int8_layers_agree_across_levels_and_stay_accurate() {
-    quantised_layers_agree_across_levels(WeightFormat::Int8, 192, 3, 0.027);
+    quantized_layers_agree_across_levels(Method::AmxInt8, 192, 3, 0.027);
 }
 
 #[test]
 fn int4_layers_agree_across_levels_and_stay_accurate() {
     // The original measures 0.27 for AMXINT4 on random data.
-    quantised_layers_agree_across_levels(WeightFormat::Int4, 256, 2, 0.27);
+    quantized_layers_agree_across_levels(Method::AmxInt4, 256, 2, 0.27);
 }
 
-fn quantised_layers_agree_across_levels(
-    format: WeightFormat,
+fn quantized_layers_agree_across_levels(
+    format: Method,
     i: usize,
     max_parts: usize,
     bound: f64,
@@ -523,7 +523,7 @@ fn quantised_layers_agree_across_levels(
         }
         for kern in kernel_sets {
             let mut layer =
-                MoeLayer::with_format(config(e, k, h, i, 40), parts, kern, format).unwrap();
+                MoeLayer::with_method(config(e, k, h, i, 40), parts, kern, format).unwrap();
             layer.load(&pool, &wts.source(), None).unwrap();
             for rowwise in [true, false] {
                 layer.set_rowwise_down_limit(if rowwise { usize::MAX } else { 0 });
@@ -548,18 +548,18 @@ fn quantised_layers_agree_across_levels(
             &wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0),
         );
         assert!(err < bound, "{format:?} parts={parts}: rel err {err}");
-        assert!(err > 1e-4, "quantisation should show: {err}");
+        assert!(err > 1e-4, "quantization should show: {err}");
     }
 }
 
 #[test]
 fn int8_format_needs_multiples_of_64() {
     let kern = KernelSet::scalar_twin();
-    let err = MoeLayer::with_format(config(4, 2, 96, 128, 4), 1, kern, WeightFormat::Int8)
+    let err = MoeLayer::with_method(config(4, 2, 96, 128, 4), 1, kern, Method::AmxInt8)
         .err()
         .unwrap();
     assert!(err.to_string().contains("multiples of 64"), "{err}");
-    let err = MoeLayer::with_format(config(4, 2, 128, 128, 4), 3, kern, WeightFormat::Int8)
+    let err = MoeLayer::with_method(config(4, 2, 128, 128, 4), 3, kern, Method::AmxInt8)
         .err()
         .unwrap();
     assert!(err.to_string().contains("threadpool_count=3"), "{err}");
@@ -576,7 +576,7 @@ fn results_do_not_depend_on_earlier_forwards() {
     let (ids1, w1) = routing_inputs(&mut rng, 1, e, k);
     let big: Vec<f32> = rng.normals(40 * h, 1.0).iter().map(|v| v * 1e4).collect();
     let (ids40, w40) = routing_inputs(&mut rng, 40, e, k);
-    for format in [WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Int4] {
+    for format in [Method::Bf16, Method::AmxInt8, Method::AmxInt4] {
         let run = |pool: &crate::pool::Pool, layer: &mut MoeLayer, x: &[f32], ids, w| {
             let mut out = vec![0f32; x.len()];
             layer
@@ -586,7 +586,7 @@ fn results_do_not_depend_on_earlier_forwards() {
         };
         let loaded = |pool: &crate::pool::Pool| {
             let kern = KernelSet::best().unwrap();
-            let mut layer = MoeLayer::with_format(config(e, k, h, i, 40), 1, kern, format).unwrap();
+            let mut layer = MoeLayer::with_method(config(e, k, h, i, 40), 1, kern, format).unwrap();
             layer.load(pool, &wts.source(), None).unwrap();
             layer
         };

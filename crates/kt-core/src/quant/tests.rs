@@ -1,4 +1,4 @@
-//! The quantiser and byte order against files written by the original kt-kernel 0.7.2.
+//! The quantizer and byte order against files written by the original kt-kernel 0.7.2.
 use super::*;
 use crate::rng::Rng;
 use std::path::PathBuf;
@@ -105,11 +105,11 @@ fn wide_matrices_use_the_originals_row_and_column_blocks_in_files() {
 }
 
 #[test]
-fn matrix_quantiser_equals_the_row_rules_and_the_layout() {
+fn matrix_quantizer_equals_the_row_rules_and_the_layout() {
     let mut rng = Rng::new(21);
     for int4 in [false, true] {
         let (n, k) = (64, 384);
-        // fp32 weights: the quantiser sees them rounded to bf16 first.
+        // fp32 weights: the quantizer sees them rounded to bf16 first.
         let w = rng.normals(n * k, 0.05);
         let view = crate::pack::MatrixView::from_bytes(
             bytemuck_f32(&w),
@@ -121,7 +121,7 @@ fn matrix_quantiser_equals_the_row_rules_and_the_layout() {
         let mut out = vec![0u8; matrix_bytes(int4, n, k)];
         let (mut scales, mut sums) = (vec![0f32; n], vec![0i32; n]);
         // SAFETY: `w` is alive.
-        unsafe { quantise_matrix(&view, int4, &mut out, &mut scales, Some(&mut sums)) }.unwrap();
+        unsafe { quantize_matrix(&view, int4, &mut out, &mut scales, Some(&mut sums)) }.unwrap();
         let mut q = vec![0i8; n * k];
         for r in 0..n {
             let row: Vec<f32> = w[r * k..(r + 1) * k]
@@ -159,7 +159,7 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
 }
 
 #[test]
-fn quantisers_follow_the_rules() {
+fn quantizers_follow_the_rules() {
     let row = [0.5f32, -1.0, 0.25, 1.0 / 127.0];
     let mut q = [0i8; 4];
     let d = quantize_row_int8(&row, &mut q);
@@ -201,8 +201,8 @@ fn bf16_matrix(hf: &std::path::Path, name: &str) -> (Vec<f32>, usize, usize) {
     (vals, shape[0], shape[1])
 }
 
-/// Quantise `[n][k]` columns `c0..c0+kc` row by row like the converter does for one NUMA part.
-fn quantise(
+/// Quantize `[n][k]` columns `c0..c0+kc` row by row like the converter does for one NUMA part.
+fn quantize(
     w: &[f32],
     k: usize,
     rows: std::ops::Range<usize>,
@@ -245,14 +245,14 @@ fn converted_files_of_the_original_are_reproduced_byte_for_byte() {
                     &format!("model.layers.1.mlp.experts.{e}.{proj}_proj.weight"),
                 );
                 for part in 0..tp {
-                    // gate/up: a block of rows; down: a block of columns, re-quantised per part.
+                    // gate/up: a block of rows; down: a block of columns, re-quantized per part.
                     let (rows, cols) = if proj == "down" {
                         (0..n, part * k / tp..(part + 1) * k / tp)
                     } else {
                         (part * n / tp..(part + 1) * n / tp, 0..k)
                     };
                     let (pn, pk) = (rows.len(), cols.len());
-                    let (q, scales) = quantise(&w, k, rows, cols, int4);
+                    let (q, scales) = quantize(&w, k, rows, cols, int4);
                     let bytes = if int4 {
                         pack_amx_int4(&q, pn, pk)
                     } else {
@@ -262,7 +262,7 @@ fn converted_files_of_the_original_are_reproduced_byte_for_byte() {
                     let key = format!("blk.1.ffn_{proj}_exps.{e}.numa.{part}");
                     let (want, dtype, _) = tensor_bytes(&merged, &format!("{key}.weight"));
                     assert_eq!(dtype, "I8");
-                    assert!(bytes == want, "{set} {key}: quantised bytes differ");
+                    assert!(bytes == want, "{set} {key}: quantized bytes differ");
                     let (want_scale, _, _) = tensor_bytes(&merged, &format!("{key}.scale"));
                     let got_scale: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
                     assert!(got_scale == want_scale, "{set} {key}: scales differ");
@@ -278,7 +278,7 @@ fn converted_files_of_the_original_are_reproduced_byte_for_byte() {
 }
 
 #[test]
-fn quantised_values_never_reach_minus_128() {
+fn quantized_values_never_reach_minus_128() {
     // The AVX2 int8 kernel's sign trick relies on |q| ≤ 127.
     let mut rng = Rng::new(8);
     for _ in 0..200 {

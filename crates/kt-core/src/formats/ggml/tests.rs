@@ -1,4 +1,6 @@
 use super::*;
+use crate::moe::{MoeConfig, MoeLayer};
+use crate::method::Method;
 use crate::ggml::{dequantize, quantize};
 use crate::gguf::GgufModel;
 use crate::isa;
@@ -53,7 +55,7 @@ fn write_gguf(path: &Path, tensors: &[(String, Vec<usize>, GgmlType, Vec<u8>)]) 
     std::fs::write(path, out).unwrap();
 }
 
-/// One layer's experts: the quantised bytes and what they decode to.
+/// One layer's experts: the quantized bytes and what they decode to.
 struct Experts {
     e: usize,
     h: usize,
@@ -203,7 +205,7 @@ fn run(layer: &MoeLayer, pool: &Pool, x: &[f32], ids: &[i64], w: &[f32]) -> Vec<
 }
 
 /// Every supported weight type, alone and mixed, on one and two NUMA parts, decode and prefill:
-/// within the error of the activation quantisation of the float64 result on the decoded
+/// within the error of the activation quantization of the float64 result on the decoded
 /// weights, and bit-identical to the same layer on the scalar twin kernels.
 #[test]
 fn every_type_matches_the_decoded_reference_and_the_scalar_twin() {
@@ -234,7 +236,7 @@ fn every_type_matches_the_decoded_reference_and_the_scalar_twin() {
         let mut rng = Rng::new(100 + n as u64);
         let experts = Experts::random(&mut rng, e, h, i, types);
         let model = experts.write(&dir.0, 1);
-        // Float weights see f32 activations; quantised ones 8-bit blocks (about 0.7 % RMS
+        // Float weights see f32 activations; quantized ones 8-bit blocks (about 0.7 % RMS
         // rounding each for x and the SwiGLU rows, ~1–1.5 % after the layer).
         let float = |t: GgmlType| matches!(t, F32 | F16 | BF16);
         let tol = if float(types.gate_up) && float(types.down) {
@@ -243,20 +245,20 @@ fn every_type_matches_the_decoded_reference_and_the_scalar_twin() {
             0.03
         };
         for pool in &pools {
-            let mut best = MoeLayer::with_format(
+            let mut best = MoeLayer::with_method(
                 config(e, k, h, i),
                 pool.parts(),
                 best_kernels(),
-                WeightFormat::Gguf,
+                Method::Llamafile,
             )
             .unwrap();
             best.load_gguf(pool, &model, 1, None).unwrap();
             assert_eq!(best.ggml_types(), Some(types));
-            let mut twin = MoeLayer::with_format(
+            let mut twin = MoeLayer::with_method(
                 config(e, k, h, i),
                 pool.parts(),
                 KernelSet::scalar_twin(),
-                WeightFormat::Gguf,
+                Method::Llamafile,
             )
             .unwrap();
             twin.load_gguf(pool, &model, 1, None).unwrap();
@@ -294,7 +296,7 @@ fn both_down_schemes_agree() {
     let model = experts.write(&dir.0, 1);
     let pool = pool(1, 2);
     let mut layer =
-        MoeLayer::with_format(config(e, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
+        MoeLayer::with_method(config(e, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap();
     layer.load_gguf(&pool, &model, 1, None).unwrap();
     let (x, ids, w) = inputs(&mut rng, 9, e, k, h);
     let a = run(&layer, &pool, &x, &ids, &w);
@@ -327,7 +329,7 @@ fn splits_follow_the_down_type() {
         let experts = Experts::random(&mut rng, e, h, i, types);
         let model = experts.write(&dir.0, 1);
         let mut layer =
-            MoeLayer::with_format(config(e, k, h, i), 2, best_kernels(), WeightFormat::Gguf)
+            MoeLayer::with_method(config(e, k, h, i), 2, best_kernels(), Method::Llamafile)
                 .unwrap();
         match want {
             Some(ranges) => {
@@ -364,7 +366,7 @@ fn maps_and_gpu_masks() {
     let pool = pool(1, 2);
     let map = [5i64, 0, 3, 2];
     let mut layer =
-        MoeLayer::with_format(config(e, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
+        MoeLayer::with_method(config(e, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap();
     // Six experts in the file, four in the layer: without a map slot p is file expert p
     // (as the original, which ignores the map); with one, the map decides.
     let (x, ids, w) = inputs(&mut rng, 6, e, k, h);
@@ -377,7 +379,7 @@ fn maps_and_gpu_masks() {
     assert!(rel_l2(&got, &want) < 0.03);
     // A layer wider than the file fails, naming both counts.
     let mut wide =
-        MoeLayer::with_format(config(8, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
+        MoeLayer::with_method(config(8, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap();
     let err = wide.load_gguf(&pool, &model, 1, None).unwrap_err();
     assert!(
         err.to_string().contains("6 experts but num_experts=8"),
@@ -436,7 +438,7 @@ fn bad_files_are_refused_with_reasons() {
         },
     );
     let layer = || {
-        MoeLayer::with_format(config(e, k, h, i), 1, best_kernels(), WeightFormat::Gguf).unwrap()
+        MoeLayer::with_method(config(e, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap()
     };
     let try_load = |tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)>, name: &str| {
         let path = dir.0.join(format!("{name}.gguf"));
@@ -473,7 +475,7 @@ fn bad_files_are_refused_with_reasons() {
     // Wrong hidden size for the layer.
     let model = good.write(&dir.0, 1);
     let mut other =
-        MoeLayer::with_format(config(e, k, 512, i), 1, best_kernels(), WeightFormat::Gguf).unwrap();
+        MoeLayer::with_method(config(e, k, 512, i), 1, best_kernels(), Method::Llamafile).unwrap();
     let err = other.load_gguf(&pool, &model, 1, None).unwrap_err();
     assert!(
         matches!(&err, Error::Invalid(m) if m.contains("ffn_gate_exps") && m.contains("hidden_size=512")),
@@ -525,7 +527,7 @@ fn reproduces_the_original_llamafile_fixtures() {
         let model = GgufModel::open(root.join(set)).unwrap();
         let mut cfg = config(4, 2, 256, 256);
         cfg.max_tokens = 32;
-        let mut layer = MoeLayer::with_format(cfg, 1, best_kernels(), WeightFormat::Gguf).unwrap();
+        let mut layer = MoeLayer::with_method(cfg, 1, best_kernels(), Method::Llamafile).unwrap();
         layer.load_gguf(&pool, &model, 1, None).unwrap();
         let io = std::fs::read(root.join(format!("io-{set}.safetensors"))).unwrap();
         let io = safetensors::SafeTensors::deserialize(&io).unwrap();

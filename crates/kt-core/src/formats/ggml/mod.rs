@@ -1,5 +1,5 @@
 //! GGUF experts (method LLAMAFILE): the file's ggml blocks, copied once into each NUMA part and
-//! multiplied with [`DotKernel`]s against activations quantised to each type's format.
+//! multiplied with [`DotKernel`]s against activations quantized to each type's format.
 //!
 //! Memory of one part (its intermediate slice `r0..r1`, `ip = r1 − r0` rows):
 //! - `gate_up`: per expert, per 32-row panel `p` of the slice: the 32 gate rows, then the 32 up
@@ -11,15 +11,22 @@
 //! 0` and a block per part); otherwise the smallest unit the down type allows (its block and
 //! its activation block, at least one 32-row panel), so e.g. Q8_0 layers with `I = 1408` run.
 //!
-//! Activations: each token's `x` is quantised once per part to the gate/up type's activation
+//! Activations: each token's `x` is quantized once per part to the gate/up type's activation
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
-use super::{MoeConfig, MoeLayer, PartWeights, SyncPtr, WeightFormat, MAX_ROWS, PANEL};
+use super::{ExpertFormat, LayerFiles, PanelAcc, RowBlock, Stage};
 use crate::ggml::{x8, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
-use crate::pack::AlignedBuf;
+use crate::isa::Level;
+use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::method::Method;
+use crate::moe::{MoeConfig, Proj};
+use crate::pack::{AlignedBuf, MatrixView, PANEL};
 use crate::pool::{Pool, Team};
+use crate::sync_ptr::SyncPtr;
 use crate::{kt_bail, kt_ensure, Error, Result};
+use std::any::Any;
+use std::ops::Range;
 use std::sync::Mutex;
 
 /// Values per K super-block: the original's split unit.
@@ -36,7 +43,7 @@ pub struct GgmlTypes {
 
 /// How a loaded GGUF layer computes (fixed by the file's types at load).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct GgmlPlan {
+struct GgmlPlan {
     pub types: GgmlTypes,
     /// Dot kernel of the gate/up rows (k = H).
     pub gate_up: DotKernel,
@@ -49,13 +56,13 @@ pub(super) struct GgmlPlan {
     pub row_bytes: usize,
     /// Bytes of one token's x in the gate/up activation format.
     pub x_bytes: usize,
-    /// Bytes of one token's quantised x row in the workspace: `x_bytes`, then the row's
+    /// Bytes of one token's quantized x row in the workspace: `x_bytes`, then the row's
     /// [`DotKernel::x8_sums`] for the gate/up kernel (made once per token, read by every panel).
     pub x_stride: usize,
 }
 
 /// One part's GGUF experts (layout in the module docs).
-pub(super) struct GgmlPart {
+struct GgmlPart {
     /// The part's intermediate rows (`ip`).
     pub rows: usize,
     pub gate_up: AlignedBuf<u8>,
@@ -64,27 +71,27 @@ pub(super) struct GgmlPart {
     pub down_row_bytes: usize,
     /// Bytes of one SwiGLU row (`ip` values) in the down activation format.
     pub act_bytes: usize,
-    /// Bytes of one quantised SwiGLU row in the workspace: `act_bytes`, then its x8 sums.
+    /// Bytes of one quantized SwiGLU row in the workspace: `act_bytes`, then its x8 sums.
     pub act_stride: usize,
 }
 
 impl GgmlPlan {
-    /// Quantise `x` (one row) to the gate/up activation format, followed by its x8 sums.
+    /// Quantize `x` (one row) to the gate/up activation format, followed by its x8 sums.
     ///
     /// # Panics
     /// If `out` is not [`GgmlPlan::x_stride`] long (the workspace plans it).
-    pub fn quantise_x(&self, x: &[f32], out: &mut [u8]) {
-        quantise_row(&self.gate_up, self.x_bytes, x, out);
+    pub fn quantize_x(&self, x: &[f32], out: &mut [u8]) {
+        quantize_row(&self.gate_up, self.x_bytes, x, out);
     }
 
-    /// Quantise one SwiGLU row to the down activation format, followed by its x8 sums
+    /// Quantize one SwiGLU row to the down activation format, followed by its x8 sums
     /// (`out` is [`GgmlPart::act_stride`] long).
-    pub fn quantise_act(&self, part: &GgmlPart, act: &[f32], out: &mut [u8]) {
-        quantise_row(&self.down, part.act_bytes, act, out);
+    pub fn quantize_act(&self, part: &GgmlPart, act: &[f32], out: &mut [u8]) {
+        quantize_row(&self.down, part.act_bytes, act, out);
     }
 
     /// `g`, `u` (32 values per x row, row i at `32·i`): panel `p` of expert `e` against the
-    /// quantised x rows `xs` (one row streams the panel; several share each weight row).
+    /// quantized x rows `xs` (one row streams the panel; several share each weight row).
     pub fn gate_up_panel(
         &self,
         part: &GgmlPart,
@@ -114,7 +121,7 @@ impl GgmlPlan {
     }
 
     /// `o` (32 values per act row, row i at `32·i`): down rows `32p..32p+32` of expert `e`
-    /// against the quantised act rows `acts`.
+    /// against the quantized act rows `acts`.
     pub fn down_panel(&self, part: &GgmlPart, e: usize, p: usize, acts: &[&[u8]], o: &mut [f32]) {
         let rb = part.down_row_bytes;
         let at = (e * self.hidden + p * PANEL) * rb;
@@ -132,8 +139,8 @@ impl GgmlPlan {
     }
 }
 
-/// Quantise `x` for `kernel` into `out`: `bytes` of activation blocks, then the row's x8 sums.
-fn quantise_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
+/// Quantize `x` for `kernel` into `out`: `bytes` of activation blocks, then the row's x8 sums.
+fn quantize_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
     let (blocks, sums) = out.split_at_mut(bytes);
     if let Err(e) = crate::ggml::quantize_activation_into(kernel.activation_format(), x, blocks) {
         panic!("activation scratch does not fit the plan: {e}");
@@ -142,11 +149,11 @@ fn quantise_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
 }
 
 /// Bytes of a workspace row of `bytes` activation bytes plus `kernel`'s x8 sums for `k` inputs.
-pub(super) fn row_stride(kernel: &DotKernel, bytes: usize, k: usize) -> usize {
+fn row_stride(kernel: &DotKernel, bytes: usize, k: usize) -> usize {
     bytes + kernel.x8_sums_per_row(k) * std::mem::size_of::<[i32; 4]>()
 }
 
-/// Workspace rows (see [`quantise_row`]) as their activation blocks (`bytes` each) and sums.
+/// Workspace rows (see [`quantize_row`]) as their activation blocks (`bytes` each) and sums.
 fn split_rows<'a>(
     rows: &[&'a [u8]],
     bytes: usize,
@@ -191,7 +198,7 @@ fn check_sums(at: *const u8, len: usize) {
 
 /// Split unit of the intermediate dimension for `parts` parts with down type `down` (see the
 /// module docs); fails if `I` cannot be cut into whole blocks of the down type per part.
-pub(super) fn split_unit(
+fn split_unit(
     config: &MoeConfig,
     parts: usize,
     down: GgmlType,
@@ -287,9 +294,173 @@ fn layer_tensors<'m>(
     Ok(t)
 }
 
-impl MoeLayer {
+/// The GGUF experts of one layer: nothing until [`GgmlExperts::load_gguf`] reads a file, which
+/// decides the types, the kernels and the split of `I`.
+pub struct GgmlExperts {
+    level: Level,
+    layer_idx: usize,
+    ranges: Vec<Range<usize>>,
+    plan: Option<GgmlPlan>,
+    parts: Vec<GgmlPart>,
+}
+
+impl GgmlExperts {
+    /// An empty layer; the file read by [`GgmlExperts::load_gguf`] fills it.
+    pub fn new(config: &MoeConfig, parts: usize, kernels: KernelSet) -> Result<GgmlExperts> {
+        // Planned in panels until the file's down type decides the split.
+        let ranges = super::split_in_units(config, parts, PANEL, Method::Llamafile)?;
+        Ok(GgmlExperts {
+            level: kernels.level(),
+            layer_idx: config.layer_idx,
+            ranges,
+            plan: None,
+            parts: Vec::new(),
+        })
+    }
+
+    /// The ggml types of a loaded layer.
+    pub fn types(&self) -> Option<GgmlTypes> {
+        self.plan.map(|p| p.types)
+    }
+
+    fn plan(&self) -> &GgmlPlan {
+        self.plan
+            .as_ref()
+            .expect("the forward runs only on a loaded GGUF layer")
+    }
+
+    /// Quantized rows of `stride` bytes as slices (their addresses come from the workspace).
+    fn row_slices<'a>(rows: &RowBlock<'a>, stride: usize) -> [&'a [u8]; MAX_ROWS] {
+        let mut xs = [&[][..]; MAX_ROWS];
+        for (x, &ptr) in xs.iter_mut().zip(rows.prepared) {
+            // SAFETY: each prepared row is `stride` bytes of the workspace (x_stride /
+            // act_stride), alive and unwritten for the panel call.
+            *x = unsafe { std::slice::from_raw_parts(ptr, stride) };
+        }
+        xs
+    }
+}
+
+impl ExpertFormat for GgmlExperts {
+    fn method(&self) -> Method {
+        Method::Llamafile
+    }
+
+    fn kernel_name(&self) -> String {
+        self.plan.map_or_else(
+            || "ggml (types chosen at load)".into(),
+            |p| {
+                format!(
+                    "{} {} + {} {}",
+                    p.types.gate_up,
+                    p.gate_up.name(),
+                    p.types.down,
+                    p.down.name()
+                )
+            },
+        )
+    }
+
+    fn part_ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    fn x_stride(&self, _part: usize) -> usize {
+        self.plan.map_or(0, |p| p.x_stride)
+    }
+
+    fn act_stride(&self, part: usize) -> usize {
+        self.parts.get(part).map_or(0, |g| g.act_stride)
+    }
+
+    fn prepares_x(&self, _max_rows: usize) -> bool {
+        true
+    }
+
+    fn prepares_act(&self, _max_rows: usize) -> bool {
+        true
+    }
+
+    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+        self.plan().quantize_x(x, out);
+        1.0
+    }
+
+    fn prepare_act(&self, part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+        self.plan().quantize_act(&self.parts[part], act, out);
+        1.0
+    }
+
+    fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
+        MAX_ROWS
+    }
+
+    fn gate_up_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let plan = self.plan();
+        let xs = Self::row_slices(rows, plan.x_stride);
+        plan.gate_up_panel(&self.parts[part], slot, p, &xs[..rows.len()], g, u);
+    }
+
+    fn down_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let gp = &self.parts[part];
+        let acts = Self::row_slices(rows, gp.act_stride);
+        self.plan().down_panel(gp, slot, p, &acts[..rows.len()], o);
+    }
+
+    fn packs_from_source(&self) -> bool {
+        false
+    }
+
+    unsafe fn pack(&self, _part: usize, _slot: usize, _proj: Proj, _view: &MatrixView) -> Result<()> {
+        kt_bail!(
+            Invalid,
+            "layer {} stores GGUF blocks; load it from a GGUF file (load_gguf)",
+            self.layer_idx
+        )
+    }
+
+    fn load_files(
+        &mut self,
+        pool: &Pool,
+        config: &MoeConfig,
+        files: &LayerFiles,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        match files {
+            LayerFiles::Gguf(model, layer) => self.load_gguf(pool, config, model, *layer, map),
+            LayerFiles::Converted(_) => kt_bail!(
+                Invalid,
+                "layer {} stores GGUF blocks; converted AMX files need method AMXINT8/AMXINT4",
+                config.layer_idx
+            ),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl GgmlExperts {
     /// Copy layer `layer`'s experts from a GGUF model (`blk.{layer}.ffn_{gate,up,down}_exps.weight`,
-    /// dims `[k, n, experts]`) into this [`WeightFormat::Gguf`] layer. The file decides the ggml
+    /// dims `[k, n, experts]`) into this layer. The file decides the ggml
     /// types (gate and up must share one; down may differ) and with them the split of `I`
     /// (module docs); each part's bytes are copied and first touched by its own threads.
     /// Physical slot `p` receives file expert `map[p]`; without a map slot `p` takes file expert
@@ -298,26 +469,21 @@ impl MoeLayer {
     pub fn load_gguf(
         &mut self,
         pool: &Pool,
+        config: &MoeConfig,
         model: &GgufModel,
         layer: usize,
         map: Option<&[i64]>,
     ) -> Result<()> {
-        let c = self.config.clone();
+        let c = config;
         let l = c.layer_idx;
-        kt_ensure!(
-            self.format == WeightFormat::Gguf,
-            Invalid,
-            "layer {l} stores {:?} weights; GGUF files need a layer built with the Gguf format",
-            self.format
-        );
-        let parts = self.parts.len();
+        let parts = self.ranges.len();
         kt_ensure!(
             pool.parts() == parts,
             Invalid,
             "layer {l} was built for {parts} NUMA parts but the pool has {}",
             pool.parts()
         );
-        let tensors = layer_tensors(model, layer, &c)?;
+        let tensors = layer_tensors(model, layer, c)?;
         let [gate, up, down] = &tensors;
         let experts = gate.experts();
         if map.is_none() {
@@ -331,12 +497,12 @@ impl MoeLayer {
                 c.num_experts
             );
         }
-        let logical = self.logical_experts(map, experts)?;
+        let logical = c.logical_experts(map, experts)?;
         let types = GgmlTypes {
             gate_up: gate.ggml_type(),
             down: down.ggml_type(),
         };
-        let level = self.kernels.level();
+        let level = self.level;
         let plan = GgmlPlan {
             types,
             gate_up: DotKernel::for_level(types.gate_up, level)?,
@@ -351,49 +517,38 @@ impl MoeLayer {
             x_stride: row_stride(&plan.gate_up, plan.x_bytes, c.hidden),
             ..plan
         };
-        let unit = split_unit(&c, parts, types.down, down.name())?;
+        let unit = split_unit(c, parts, types.down, down.name())?;
         let ranges = c.part_ranges_in_units(parts, unit);
         let (h, e_count) = (c.hidden, c.num_experts);
         let mut new_parts = Vec::with_capacity(parts);
-        for inter in ranges {
+        for inter in &ranges {
             let ip = inter.len();
             let down_row_bytes = plan.down.memory_row_bytes(ip)?;
             let act_bytes = types.down.activation_format()?.row_bytes(ip)?;
             let gate_up_bytes = e_count * 2 * ip * plan.row_bytes;
-            new_parts.push(PartWeights {
-                inter,
-                gate_up: AlignedBuf::zeroed(0)?,
-                down: AlignedBuf::zeroed(0)?,
-                q: None,
-                g: Some(GgmlPart {
-                    rows: ip,
-                    gate_up: AlignedBuf::zeroed(gate_up_bytes)?,
-                    down: AlignedBuf::zeroed(e_count * h * down_row_bytes)?,
-                    down_row_bytes,
-                    act_bytes,
-                    act_stride: row_stride(&plan.down, act_bytes, ip),
-                }),
+            new_parts.push(GgmlPart {
+                rows: ip,
+                gate_up: AlignedBuf::zeroed(gate_up_bytes)?,
+                down: AlignedBuf::zeroed(e_count * h * down_row_bytes)?,
+                down_row_bytes,
+                act_bytes,
+                act_stride: row_stride(&plan.down, act_bytes, ip),
             });
         }
         // Destination addresses per part (the buffers do not move; tasks write disjoint ranges).
         let dst: Vec<[SyncPtr<u8>; 2]> = new_parts
             .iter_mut()
-            .map(|p| {
-                let g = p.g.as_mut().expect("GGUF parts carry ggml buffers");
+            .map(|g| {
                 [
-                    SyncPtr(g.gate_up.as_mut_ptr()),
-                    SyncPtr(g.down.as_mut_ptr()),
+                    SyncPtr::new(g.gate_up.as_mut_ptr()),
+                    SyncPtr::new(g.down.as_mut_ptr()),
                 ]
             })
             .collect();
-        let geometry: Vec<(std::ops::Range<usize>, usize)> = new_parts
+        let geometry: Vec<(Range<usize>, usize)> = ranges
             .iter()
-            .map(|p| {
-                (
-                    p.inter.clone(),
-                    p.g.as_ref().map_or(0, |g| g.down_row_bytes),
-                )
-            })
+            .zip(&new_parts)
+            .map(|(r, g)| (r.clone(), g.down_row_bytes))
             .collect();
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
         let (rb, file_rb) = (plan.row_bytes, gate.row_bytes());
@@ -471,27 +626,9 @@ impl MoeLayer {
             return Err(err);
         }
         self.parts = new_parts;
-        self.ggml = Some(plan);
-        self.loaded = true;
+        self.ranges = ranges;
+        self.plan = Some(plan);
         Ok(())
-    }
-
-    /// The ggml types of a loaded GGUF layer.
-    pub fn ggml_types(&self) -> Option<GgmlTypes> {
-        self.ggml.map(|p| p.types)
-    }
-
-    /// The dot kernels of a loaded GGUF layer, e.g. `"Q4_K avx512-vnni + Q6_K avx512-vnni"`.
-    pub fn ggml_kernel_name(&self) -> Option<String> {
-        self.ggml.map(|p| {
-            format!(
-                "{} {} + {} {}",
-                p.types.gate_up,
-                p.gate_up.name(),
-                p.types.down,
-                p.down.name()
-            )
-        })
     }
 }
 

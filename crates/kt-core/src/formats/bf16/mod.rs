@@ -1,0 +1,240 @@
+//! Method BF16: experts packed as bf16 panels ([`crate::pack`]), multiplied in fp32.
+//!
+//! Memory of one part (intermediate slice of `ip` rows): `gate_up` holds, per expert and per
+//! 32-row panel `p`, gate panel `p` then up panel `p`, so a gate/up task streams one contiguous
+//! run; `down` holds each expert's `H / 32` panels over the slice's `ip` inputs.
+//!
+//! Kernels, per expert and forward: the exact fp32 FMA kernel on fp32 activations, or, for
+//! experts with enough rows to be compute-bound, a bf16 dot product (AMX tiles or
+//! `vdpbf16ps`) on activations staged as bf16 pairs.
+use super::{ExpertFormat, PanelAcc, RowBlock, Stage};
+use crate::kernels::{Bf16Path, KernelSet};
+use crate::method::Method;
+use crate::moe::{MoeConfig, Proj};
+use crate::pack::{pack_panel, panel_len, AlignedBuf, MatrixView, PANEL};
+use crate::sync_ptr::SyncPtr;
+use crate::Result;
+use std::any::Any;
+use std::ops::Range;
+
+struct Part {
+    gate_up: AlignedBuf<u16>,
+    down: AlignedBuf<u16>,
+    /// Addresses of the two buffers for [`ExpertFormat::pack`] (the buffers never move).
+    gate_up_dst: SyncPtr<u16>,
+    down_dst: SyncPtr<u16>,
+}
+
+/// The BF16 experts of one layer.
+pub struct Bf16Experts {
+    kernels: KernelSet,
+    hidden: usize,
+    ranges: Vec<Range<usize>>,
+    parts: Vec<Part>,
+}
+
+impl Bf16Experts {
+    /// Room for `config.num_experts` experts in `parts` parts (whole 32-row panels each).
+    pub fn new(config: &MoeConfig, parts: usize, kernels: KernelSet) -> Result<Bf16Experts> {
+        let ranges = super::split_in_units(config, parts, PANEL, Method::Bf16)?;
+        let parts = ranges
+            .iter()
+            .map(|inter| {
+                let n = config.num_experts * config.hidden * inter.len();
+                let mut gate_up = AlignedBuf::zeroed(2 * n)?;
+                let mut down = AlignedBuf::zeroed(n)?;
+                Ok(Part {
+                    gate_up_dst: SyncPtr::new(gate_up.as_mut_ptr()),
+                    down_dst: SyncPtr::new(down.as_mut_ptr()),
+                    gate_up,
+                    down,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Bf16Experts {
+            kernels,
+            hidden: config.hidden,
+            ranges,
+            parts,
+        })
+    }
+
+    /// Whether these kernels can stage bf16 activations at all.
+    fn stages(&self) -> bool {
+        self.kernels.bf16().is_some() || self.kernels.amx().is_some()
+    }
+
+    /// The bf16 kernel for an expert with `rows` rows on a projection with `k` inputs: AMX
+    /// tiles, else the vector bf16 dot, for experts with enough rows to be compute-bound; None
+    /// means the exact fp32 path.
+    fn bf16_for(&self, rows: usize, k: usize) -> Option<Bf16Path> {
+        let bf16 = self.kernels.bf16().copied();
+        self.kernels
+            .amx()
+            .filter(|a| a.applies(rows))
+            .and_then(|a| a.bf16_path(k))
+            .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
+    }
+
+    /// One panel product through the path chosen for this block's expert.
+    fn panel(&self, rows: &RowBlock, k: usize, panel: &[u16], out: &mut [f32]) {
+        debug_assert_eq!(panel.len(), panel_len(k));
+        debug_assert!(out.len() >= rows.len() * PANEL);
+        match self.bf16_for(rows.expert_rows, k) {
+            Some(b) => {
+                let mut staged = [std::ptr::null::<u32>(); crate::kernels::MAX_ROWS];
+                for (s, &p) in staged.iter_mut().zip(rows.prepared) {
+                    *s = p.cast();
+                }
+                // SAFETY: the forward stages every row this expert reads (prepares_x /
+                // prepares_act said yes for its row count): k/2 pairs per row; the panel has
+                // 32·k values and `out` 32 per row; the kernel's ISA was checked when the
+                // KernelSet was built.
+                unsafe { (b.dot)(&staged[..rows.len()], k, panel.as_ptr(), out.as_mut_ptr()) }
+            }
+            // SAFETY: fp32 rows of k values, a panel of 32·k values, 32 outputs per row.
+            None => unsafe {
+                self.kernels
+                    .panel_dot_raw(rows.f32_rows, k, panel.as_ptr(), out.as_mut_ptr())
+            },
+        }
+    }
+
+    /// `[u8]` scratch as the `u32` pairs the staging kernel writes.
+    fn as_pairs(out: &mut [u8]) -> &mut [u32] {
+        assert!(
+            out.as_ptr().align_offset(4) == 0 && out.len().is_multiple_of(4),
+            "misaligned bf16 staging row"
+        );
+        // SAFETY: aligned and a whole number of u32 (checked); any bits are valid u32.
+        unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len() / 4) }
+    }
+}
+
+impl ExpertFormat for Bf16Experts {
+    fn method(&self) -> Method {
+        Method::Bf16
+    }
+
+    fn kernel_name(&self) -> String {
+        let vector = self.kernels.name();
+        match self.kernels.amx_name() {
+            Some(amx) => format!("{amx}+{vector}"),
+            None => vector.to_string(),
+        }
+    }
+
+    fn part_ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    fn x_stride(&self, _part: usize) -> usize {
+        if self.stages() {
+            2 * self.hidden
+        } else {
+            0
+        }
+    }
+
+    fn act_stride(&self, part: usize) -> usize {
+        if self.stages() {
+            2 * self.ranges[part].len()
+        } else {
+            0
+        }
+    }
+
+    fn prepares_x(&self, max_rows: usize) -> bool {
+        self.bf16_for(max_rows, self.hidden).is_some()
+    }
+
+    fn prepares_act(&self, max_rows: usize) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| self.bf16_for(max_rows, r.len()).is_some())
+    }
+
+    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+        self.kernels.stage_bf16(x, Self::as_pairs(out));
+        1.0
+    }
+
+    fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+        self.kernels.stage_bf16(act, Self::as_pairs(out));
+        1.0
+    }
+
+    fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize {
+        let k = match stage {
+            Stage::GateUp => self.hidden,
+            Stage::Down => self.ranges[part].len(),
+        };
+        self.bf16_for(expert_rows, k)
+            .map_or(self.kernels.rows_per_block(), |b| b.rows_per_block)
+    }
+
+    fn gate_up_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let (h, ip) = (self.hidden, self.ranges[part].len());
+        let len = panel_len(h);
+        let off = slot * 2 * ip * h + 2 * p * len;
+        let gu = &self.parts[part].gate_up.as_slice()[off..off + 2 * len];
+        self.panel(rows, h, &gu[..len], g);
+        self.panel(rows, h, &gu[len..], u);
+    }
+
+    fn down_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let (h, ip) = (self.hidden, self.ranges[part].len());
+        let off = slot * h * ip + p * panel_len(ip);
+        let panel = &self.parts[part].down.as_slice()[off..off + panel_len(ip)];
+        self.panel(rows, ip, panel, o);
+    }
+
+    fn packs_from_source(&self) -> bool {
+        true
+    }
+
+    unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {
+        let (h, ip) = (self.hidden, self.ranges[part].len());
+        let (base, n, k) = match proj {
+            Proj::Gate | Proj::Up => (self.parts[part].gate_up_dst, ip, h),
+            Proj::Down => (self.parts[part].down_dst, h, ip),
+        };
+        for p in 0..n / PANEL {
+            // gate panel p at slot 2p, up panel p at 2p+1 of the expert's gate_up run.
+            let off = match proj {
+                Proj::Gate => slot * 2 * n * k + 2 * p * panel_len(k),
+                Proj::Up => slot * 2 * n * k + (2 * p + 1) * panel_len(k),
+                Proj::Down => slot * n * k + p * panel_len(k),
+            };
+            // SAFETY: each (part, slot, proj, p) owns a disjoint panel inside its buffer
+            // (2·E·n·k values for gate_up, E·n·k for down; the caller checked the shapes and
+            // promises no other writer of this (part, slot, proj)).
+            unsafe {
+                let panel = std::slice::from_raw_parts_mut(base.get().add(off), panel_len(k));
+                pack_panel(view, p, panel);
+            }
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

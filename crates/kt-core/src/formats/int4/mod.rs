@@ -1,0 +1,16 @@
+//! Method AMXINT4: per-row symmetric int4 (`16·v`, two weights a byte) in the original's
+//! AMXINT4 nibble layout ([`crate::quant`]). Storage, loading and the forward are AMXINT8's
+//! ([`super::int8::IntExperts`]); this width differs in its matrix bytes, its split unit (whole
+//! 128-input tiles) and its kernels.
+use super::int8::IntLayout;
+use crate::kernels::KernelSet;
+use crate::method::Method;
+
+/// AMXINT4.
+pub const INT4: IntLayout = IntLayout {
+    method: Method::AmxInt4,
+    bits: 4,
+    unit: 128,
+    vector_kernel: KernelSet::int4_fn,
+    amx_kernel: |a| a.int4,
+};

@@ -1,0 +1,451 @@
+//! Method AMXINT8 (and the storage AMXINT4 shares): per-row symmetric integer weights in the
+//! original's tiled byte layout ([`crate::quant`]), with per-row scales and row sums.
+//!
+//! Memory of one part: for each of gate, up and down, every expert's matrix (the part's `ip`
+//! rows of gate/up, or `H` rows over the part's `ip` columns of down) in the tiled layout, one
+//! f32 scale and one i32 row sum per row. Activations are quantized per row to biased int8
+//! ([`crate::kernels::int8`]); a panel is 32 weight rows, computed as integers and scaled by
+//! `w_scale · a_scale`.
+//!
+//! The two widths differ in a handful of facts, gathered in an [`IntLayout`]: the bytes of a
+//! matrix, the split unit, and which kernel of a [`KernelSet`] reads them.
+use super::{ExpertFormat, LayerFiles, PanelAcc, RowBlock, Stage};
+use crate::kernels::int8::{Int8DotFn, ACT_COPIES};
+use crate::kernels::{AmxPath, KernelSet};
+use crate::method::Method;
+use crate::moe::{MoeConfig, Proj};
+use crate::pack::{AlignedBuf, MatrixView, PANEL};
+use crate::pool::{Pool, Team};
+use crate::sync_ptr::SyncPtr;
+use crate::{kt_ensure, Error, Result};
+use std::any::Any;
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// What distinguishes one integer width from another.
+#[derive(Clone, Copy)]
+pub struct IntLayout {
+    /// The method stored this way.
+    pub method: Method,
+    /// Bits per weight (8 or 4).
+    pub bits: usize,
+    /// Split unit of the intermediate dimension and divisor of H (whole tiles of inputs).
+    pub unit: usize,
+    /// The vector kernel of a kernel set.
+    pub vector_kernel: fn(&KernelSet) -> Int8DotFn,
+    /// The tile kernel of an AMX path.
+    pub amx_kernel: fn(&AmxPath) -> Int8DotFn,
+}
+
+impl IntLayout {
+    /// Bytes of a quantized `n × k` matrix.
+    pub fn matrix_bytes(&self, n: usize, k: usize) -> usize {
+        n * k * self.bits / 8
+    }
+
+    /// Whether weights are nibbles (the quantizer's and file readers' switch).
+    pub fn is_int4(&self) -> bool {
+        self.bits == 4
+    }
+}
+
+/// AMXINT8.
+pub const INT8: IntLayout = IntLayout {
+    method: Method::AmxInt8,
+    bits: 8,
+    unit: 64,
+    vector_kernel: KernelSet::int8_fn,
+    amx_kernel: |a| a.int8,
+};
+
+/// One matrix (gate, up or down) of every expert of a part.
+struct Matrices {
+    mats: AlignedBuf<u8>,
+    scales: AlignedBuf<f32>,
+    sums: AlignedBuf<i32>,
+    /// The buffers' addresses, for writers that own disjoint experts (the buffers never move).
+    mat_dst: SyncPtr<u8>,
+    scale_dst: SyncPtr<f32>,
+    sum_dst: SyncPtr<i32>,
+}
+
+impl Matrices {
+    fn new(bytes: usize, rows: usize) -> Result<Matrices> {
+        let (mut mats, mut scales, mut sums) = (
+            AlignedBuf::zeroed(bytes)?,
+            AlignedBuf::zeroed(rows)?,
+            AlignedBuf::zeroed(rows)?,
+        );
+        Ok(Matrices {
+            mat_dst: SyncPtr::new(mats.as_mut_ptr()),
+            scale_dst: SyncPtr::new(scales.as_mut_ptr()),
+            sum_dst: SyncPtr::new(sums.as_mut_ptr()),
+            mats,
+            scales,
+            sums,
+        })
+    }
+
+    /// Expert `slot`'s bytes, scales and row sums (`n` rows of `bytes` bytes in all).
+    ///
+    /// # Safety
+    /// No one else reads or writes expert `slot` of this matrix while the slices live, and
+    /// `slot` is inside the buffers.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn expert_mut(
+        &self,
+        slot: usize,
+        n: usize,
+        bytes: usize,
+    ) -> (&mut [u8], &mut [f32], &mut [i32]) {
+        debug_assert!((slot + 1) * bytes <= self.mats.len() && (slot + 1) * n <= self.sums.len());
+        // SAFETY: in bounds (the buffers hold every expert); exclusive per the contract.
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.mat_dst.get().add(slot * bytes), bytes),
+                std::slice::from_raw_parts_mut(self.scale_dst.get().add(slot * n), n),
+                std::slice::from_raw_parts_mut(self.sum_dst.get().add(slot * n), n),
+            )
+        }
+    }
+}
+
+/// The integer experts of one layer (AMXINT8 or AMXINT4).
+pub struct IntExperts {
+    layout: IntLayout,
+    kernels: KernelSet,
+    hidden: usize,
+    experts: usize,
+    ranges: Vec<Range<usize>>,
+    /// Per part: gate, up, down.
+    parts: Vec<[Matrices; 3]>,
+}
+
+impl IntExperts {
+    /// Room for `config.num_experts` experts in `parts` parts (whole `layout.unit` slices).
+    pub fn new(
+        config: &MoeConfig,
+        parts: usize,
+        kernels: KernelSet,
+        layout: IntLayout,
+    ) -> Result<IntExperts> {
+        let ranges = super::split_in_units(config, parts, layout.unit, layout.method)?;
+        let (e, h) = (config.num_experts, config.hidden);
+        let parts = ranges
+            .iter()
+            .map(|inter| {
+                let ip = inter.len();
+                let bytes = layout.matrix_bytes(e * h * ip, 1);
+                Ok([
+                    Matrices::new(bytes, e * ip)?,
+                    Matrices::new(bytes, e * ip)?,
+                    Matrices::new(bytes, e * h)?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(IntExperts {
+            layout,
+            kernels,
+            hidden: h,
+            experts: e,
+            ranges,
+            parts,
+        })
+    }
+
+    /// `(n, k)` of projection `proj` in `part`.
+    fn dims(&self, part: usize, proj: Proj) -> (usize, usize) {
+        let ip = self.ranges[part].len();
+        match proj {
+            Proj::Gate | Proj::Up => (ip, self.hidden),
+            Proj::Down => (self.hidden, ip),
+        }
+    }
+
+    /// The integer kernel and its row block for an expert with `rows` rows.
+    fn kernel_for(&self, rows: usize) -> (Int8DotFn, usize) {
+        match self.kernels.amx().filter(|a| a.applies(rows)) {
+            Some(a) => ((self.layout.amx_kernel)(a), crate::kernels::amx::ROWS),
+            None => (
+                (self.layout.vector_kernel)(&self.kernels),
+                self.kernels.int8_rows(),
+            ),
+        }
+    }
+
+    /// `out` (32 per row) = rows `qrow..qrow+32` of matrix `m` (k inputs) against `rows`.
+    fn panel(
+        &self,
+        m: &Matrices,
+        qrow: usize,
+        k: usize,
+        rows: &RowBlock,
+        acc: &mut PanelAcc,
+        out: &mut [f32],
+    ) {
+        let (kernel, _) = self.kernel_for(rows.expert_rows);
+        let start = self.layout.matrix_bytes(qrow, k);
+        let group = &m.mats.as_slice()[start..start + self.layout.matrix_bytes(PANEL, k)];
+        let sums = &m.sums.as_slice()[qrow..qrow + PANEL];
+        assert!(rows.len() <= crate::kernels::MAX_ROWS && out.len() >= rows.len() * PANEL);
+        // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the prepared
+        // rows are activation rows of ACT_COPIES·k bytes (x_stride / act_stride); `acc` holds
+        // MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was built.
+        unsafe {
+            kernel(
+                rows.prepared,
+                k,
+                group.as_ptr(),
+                sums.as_ptr(),
+                acc.acc.as_mut_ptr(),
+            )
+        };
+        let w_scale = &m.scales.as_slice()[qrow..qrow + PANEL];
+        for (i, &a_scale) in rows.scales.iter().enumerate() {
+            scale_panel_row(&acc.acc, w_scale, a_scale, i, out);
+        }
+    }
+
+    /// One part of one slot's quantized projection: the matrix bytes in the in-memory layout
+    /// (the original's file layout after [`crate::quant::to_file_layout`]) and the row scales.
+    pub fn quantized_part(&self, slot: usize, proj: Proj, part: usize) -> Result<(&[u8], &[f32])> {
+        let m = self
+            .parts
+            .get(part)
+            .ok_or_else(|| Error::Invalid(format!("no quantized part {part} in this layer")))?;
+        kt_ensure!(
+            slot < self.experts,
+            Invalid,
+            "expert slot {slot} out of range"
+        );
+        let (n, k) = self.dims(part, proj);
+        let m = &m[proj.index()];
+        let start = self.layout.matrix_bytes(slot * n, k);
+        let bytes = &m.mats.as_slice()[start..start + self.layout.matrix_bytes(n, k)];
+        let scales = &m.scales.as_slice()[slot * n..(slot + 1) * n];
+        Ok((bytes, scales))
+    }
+
+    /// Read the original's converted files into every slot (see [`crate::converted`]).
+    fn load_converted(
+        &self,
+        pool: &Pool,
+        config: &MoeConfig,
+        files: &crate::converted::ConvertedLayer,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let l = config.layer_idx;
+        let shape = *files.shape();
+        kt_ensure!(
+            shape.method == self.layout.method,
+            Invalid,
+            "layer {l} stores {} weights; the files hold {}",
+            self.layout.method,
+            shape.method
+        );
+        let parts = self.ranges.len();
+        kt_ensure!(
+            shape.parts == parts
+                && pool.parts() == parts
+                && shape.hidden == config.hidden
+                && shape.intermediate == config.intermediate,
+            Invalid,
+            "layer {l}: files for H={} I={} in {} parts, layer H={} I={} in {} parts (pool {})",
+            shape.hidden,
+            shape.intermediate,
+            shape.parts,
+            config.hidden,
+            config.intermediate,
+            parts,
+            pool.parts()
+        );
+        let even = config.intermediate / parts;
+        kt_ensure!(
+            self.ranges.iter().all(|r| r.len() == even),
+            Invalid,
+            "layer {l}: the original splits I={} evenly into {} parts; this layer's parts are {:?}",
+            config.intermediate,
+            parts,
+            self.ranges
+        );
+        let logical = config.logical_experts(map, shape.experts)?;
+        let int4 = self.layout.is_int4();
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        pool.run_parts(&|part, team: &Team| {
+            team.parallel_for(config.num_experts * 3, &|task| {
+                let (slot, which) = (task / 3, task % 3);
+                let proj = crate::converted::PROJS[which].0;
+                let (n, k) = shape.part_dims(proj);
+                let bytes = self.layout.matrix_bytes(n, k);
+                // SAFETY: this task owns expert `slot` of matrix `which` in this part; the
+                // buffers hold E experts of n rows (sizes checked when the files opened).
+                let (mat, scales, sums) =
+                    unsafe { self.parts[part][which].expert_mut(slot, n, bytes) };
+                let group_bytes = self.layout.matrix_bytes(PANEL, k);
+                // Row sums of each piece as it arrives, while its bytes are in cache.
+                let mut sum_piece = |mat: &[u8], bytes: Range<usize>| {
+                    for g in bytes.start / group_bytes..bytes.end / group_bytes {
+                        let group = &mat[g * group_bytes..(g + 1) * group_bytes];
+                        sums[g * PANEL..(g + 1) * PANEL].copy_from_slice(
+                            &crate::kernels::int8::row_sums_fast(group, k, int4),
+                        );
+                    }
+                };
+                let result = files.read_into(logical[slot], proj, part, mat, scales, &mut sum_piece);
+                if let Err(err) = result {
+                    first_error.lock().unwrap().get_or_insert(err);
+                }
+            });
+        })?;
+        match first_error.into_inner().unwrap() {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+}
+
+impl ExpertFormat for IntExperts {
+    fn method(&self) -> Method {
+        self.layout.method
+    }
+
+    fn kernel_name(&self) -> String {
+        let vector = self.kernels.int8_name();
+        match self.kernels.amx_name() {
+            Some(amx) => format!("{amx}+{vector}"),
+            None => vector.to_string(),
+        }
+    }
+
+    fn part_ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    fn x_stride(&self, _part: usize) -> usize {
+        ACT_COPIES * self.hidden
+    }
+
+    fn act_stride(&self, part: usize) -> usize {
+        ACT_COPIES * self.ranges[part].len()
+    }
+
+    fn prepares_x(&self, _max_rows: usize) -> bool {
+        true
+    }
+
+    fn prepares_act(&self, _max_rows: usize) -> bool {
+        true
+    }
+
+    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+        quantize_activation(x, out)
+    }
+
+    fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+        quantize_activation(act, out)
+    }
+
+    fn block_rows(&self, _part: usize, expert_rows: usize, _stage: Stage) -> usize {
+        self.kernel_for(expert_rows).1
+    }
+
+    fn gate_up_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let (ip, h) = (self.ranges[part].len(), self.hidden);
+        let qrow = slot * ip + p * PANEL;
+        let [gate, up, _] = &self.parts[part];
+        self.panel(gate, qrow, h, rows, scratch, g);
+        self.panel(up, qrow, h, rows, scratch, u);
+    }
+
+    fn down_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let ip = self.ranges[part].len();
+        let qrow = slot * self.hidden + p * PANEL;
+        self.panel(&self.parts[part][2], qrow, ip, rows, scratch, o);
+    }
+
+    fn packs_from_source(&self) -> bool {
+        true
+    }
+
+    unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {
+        let (n, k) = self.dims(part, proj);
+        let bytes = self.layout.matrix_bytes(n, k);
+        // SAFETY: the caller promises this call alone writes (part, slot, proj).
+        let (mat, scales, sums) =
+            unsafe { self.parts[part][proj.index()].expert_mut(slot, n, bytes) };
+        // SAFETY: the source keeps `view`'s memory alive while the layer loads.
+        unsafe { crate::quant::quantize_matrix(view, self.layout.is_int4(), mat, scales, Some(sums)) }
+    }
+
+    fn load_files(
+        &mut self,
+        pool: &Pool,
+        config: &MoeConfig,
+        files: &LayerFiles,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        match files {
+            LayerFiles::Converted(files) => self.load_converted(pool, config, files, map),
+            LayerFiles::Gguf(..) => crate::kt_bail!(
+                Invalid,
+                "layer {}: {} weights are not read from GGUF files",
+                config.layer_idx,
+                self.layout.method
+            ),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Quantize an fp32 row to an int8 kernels' activation row (biased `q + 128`, then the copies
+/// of [`crate::kernels::int8::fill_activation_copies`]; `out` holds `ACT_COPIES · row.len()`);
+/// returns the row's scale.
+fn quantize_activation(row: &[f32], out: &mut [u8]) -> f32 {
+    let biased = &mut out[..row.len()];
+    // SAFETY: i8 and u8 have the same layout; the slice covers exactly `biased`.
+    let signed =
+        unsafe { std::slice::from_raw_parts_mut(biased.as_mut_ptr() as *mut i8, biased.len()) };
+    let d = crate::quant::quantize_row_int8(row, signed);
+    for b in biased.iter_mut() {
+        *b ^= 0x80;
+    }
+    crate::kernels::int8::fill_activation_copies(out);
+    // A NaN would quantize to 0 silently; a NaN scale keeps it visible in this row's output.
+    if row.iter().any(|v| v.is_nan()) {
+        f32::NAN
+    } else {
+        d
+    }
+}
+
+/// Row `i` of a panel's integer results to floats: `dst = (acc · w_scale) · a_scale` (the
+/// same two roundings as the scalar reference), on whole arrays so it vectorises.
+#[inline(always)]
+fn scale_panel_row(acc: &[i32], w_scale: &[f32], a_scale: f32, i: usize, dst: &mut [f32]) {
+    let acc: &[i32; PANEL] = acc[i * PANEL..(i + 1) * PANEL].try_into().unwrap();
+    let w_scale: &[f32; PANEL] = w_scale.try_into().unwrap();
+    let dst: &mut [f32; PANEL] = (&mut dst[i * PANEL..(i + 1) * PANEL]).try_into().unwrap();
+    for j in 0..PANEL {
+        dst[j] = (acc[j] as f32 * w_scale[j]) * a_scale;
+    }
+}

@@ -1,0 +1,228 @@
+//! Weight formats: how one method stores its experts and multiplies them.
+//!
+//! The MoE layer ([`crate::moe`]) knows no format by name. It owns the routing, the scratch
+//! and the order of the phases; everything that depends on the bytes of the weights sits behind
+//! [`ExpertFormat`]:
+//!
+//! 1. **layout and load**: the format allocates its experts for the layer's NUMA parts (one
+//!    intermediate slice each) and packs or quantizes each `(part, expert, projection)` from an
+//!    [`crate::moe::ExpertSource`] ([`ExpertFormat::pack`]), or reads files written for it
+//!    ([`ExpertFormat::load_files`]);
+//! 2. **prepare x**: each token's fp32 row may be turned into the format's activation bytes
+//!    (bf16 pairs, biased int8 copies, ggml Q8 blocks) once per part;
+//! 3. **gate/up panel**: 32 intermediate rows of gate and up against a block of token rows;
+//! 4. **prepare act**: each SwiGLU row, like x;
+//! 5. **down panel**: 32 output columns of down against a block of rows.
+//!
+//! Each format picks its kernels once, when the layer is built, from the [`KernelSet`] of one
+//! ISA level. Adding a format is a folder here, a [`Method`] variant and a line in [`build`].
+use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::method::Method;
+use crate::moe::{MoeConfig, Proj};
+use crate::pack::PANEL;
+use crate::pool::Pool;
+use crate::{kt_bail, Result};
+use std::any::Any;
+use std::ops::Range;
+
+pub mod bf16;
+pub mod ggml;
+pub mod int4;
+pub mod int8;
+
+/// Files a format may read its experts from (besides a [`crate::moe::ExpertSource`]).
+pub enum LayerFiles<'a> {
+    /// The original's converted AMXINT8/AMXINT4 files of one layer.
+    Converted(&'a crate::converted::ConvertedLayer),
+    /// A GGUF model and the layer index whose `blk.{L}.ffn_*_exps` tensors to read.
+    Gguf(&'a crate::gguf::GgufModel, usize),
+}
+
+/// Which matrix a block of rows is multiplied with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// gate and up (`k = H`).
+    GateUp,
+    /// down (`k` = the part's intermediate slice).
+    Down,
+}
+
+/// Up to [`MAX_ROWS`] activation rows of one expert, as the forward hands them to a panel.
+pub struct RowBlock<'a> {
+    /// Rows this expert has in the forward (formats choose their kernel path from it).
+    pub expert_rows: usize,
+    /// fp32 rows (`k` values each).
+    pub f32_rows: &'a [*const f32],
+    /// The same rows as prepared by the format (its bytes; dangling when it prepares none).
+    pub prepared: &'a [*const u8],
+    /// What the format's prepare returned for each row (e.g. its int8 scale).
+    pub scales: &'a [f32],
+}
+
+impl RowBlock<'_> {
+    /// Rows in the block.
+    pub fn len(&self) -> usize {
+        self.f32_rows.len()
+    }
+
+    /// True for an empty block.
+    pub fn is_empty(&self) -> bool {
+        self.f32_rows.is_empty()
+    }
+}
+
+/// Per-thread buffers a panel call may use (integer accumulators of every row of a block).
+pub struct PanelAcc {
+    /// `MAX_ROWS × 32` integer results.
+    pub acc: [i32; MAX_ROWS * PANEL],
+}
+
+/// One method's experts of one layer: storage in every NUMA part and the kernels that read it.
+///
+/// Concurrency: the forward calls the `&self` methods from many threads at once, each with its
+/// own output slices. [`ExpertFormat::pack`] writes through `&self` into storage that each
+/// `(part, slot, proj)` owns alone, hence `unsafe`.
+pub trait ExpertFormat: Send + Sync + Any {
+    /// The method this format computes.
+    fn method(&self) -> Method;
+
+    /// Name of the kernels in use, as `MoeLayer.kernel` reports it.
+    fn kernel_name(&self) -> String;
+
+    /// Intermediate slice of every NUMA part.
+    fn part_ranges(&self) -> &[Range<usize>];
+
+    /// Bytes of one prepared x row of `part` (0: the format reads the fp32 rows only).
+    fn x_stride(&self, part: usize) -> usize;
+
+    /// Bytes of one prepared SwiGLU row of `part` (0: fp32 only).
+    fn act_stride(&self, part: usize) -> usize;
+
+    /// Whether x rows are prepared in a forward whose largest expert has `max_rows` rows.
+    fn prepares_x(&self, max_rows: usize) -> bool;
+
+    /// Whether SwiGLU rows are prepared in such a forward.
+    fn prepares_act(&self, max_rows: usize) -> bool;
+
+    /// Prepare one token's x (`H` values) into `out` ([`ExpertFormat::x_stride`] bytes);
+    /// returns the row's scale (formats without one return 1).
+    fn prepare_x(&self, part: usize, x: &[f32], out: &mut [u8]) -> f32;
+
+    /// Prepare one SwiGLU row (the part's `ip` values) into `out`; returns its scale.
+    fn prepare_act(&self, part: usize, act: &[f32], out: &mut [u8]) -> f32;
+
+    /// Rows per kernel call for an expert with `expert_rows` rows at `stage`.
+    fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize;
+
+    /// `g`, `u` (32 values per row, row i at `32·i`): intermediate rows `32p..32p+32` of the
+    /// part's slice of expert `slot`, against `rows` (`k = H`).
+    fn gate_up_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    );
+
+    /// `o` (32 values per row): output columns `32p..32p+32` of expert `slot`'s down slice
+    /// against the SwiGLU rows `rows`.
+    fn down_panel(
+        &self,
+        part: usize,
+        slot: usize,
+        p: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    );
+
+    /// Whether experts come from an [`crate::moe::ExpertSource`] ([`ExpertFormat::pack`]).
+    fn packs_from_source(&self) -> bool;
+
+    /// Pack (or quantize) `view`, the part's slice of physical `slot`'s projection `proj`.
+    ///
+    /// # Safety
+    /// No other call writes the same `(part, slot, proj)` at the same time, and no forward
+    /// runs during loading (the layer holds `&mut` while it calls this from its pool).
+    unsafe fn pack(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        view: &crate::pack::MatrixView,
+    ) -> Result<()>;
+
+    /// Load every physical slot from files (`logical[slot]` is the file's expert). Formats
+    /// that cannot read `files` refuse them.
+    fn load_files(
+        &mut self,
+        pool: &Pool,
+        config: &MoeConfig,
+        files: &LayerFiles,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let _ = (pool, files, map);
+        kt_bail!(
+            Invalid,
+            "layer {}: {} weights are not read from these files",
+            config.layer_idx,
+            self.method()
+        )
+    }
+
+    /// The format as [`Any`], for callers that need its own API (e.g. the converter reading
+    /// quantized bytes back).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Whether [`build`] knows `method`.
+pub fn is_registered(method: Method) -> bool {
+    matches!(
+        method,
+        Method::Bf16 | Method::AmxInt8 | Method::AmxInt4 | Method::Llamafile
+    )
+}
+
+/// The registry: the format of `method` for a layer of `config` split into `parts` NUMA parts,
+/// with kernels from `kernels`.
+pub fn build(
+    method: Method,
+    config: &MoeConfig,
+    parts: usize,
+    kernels: KernelSet,
+) -> Result<Box<dyn ExpertFormat>> {
+    Ok(match method {
+        Method::Bf16 => Box::new(bf16::Bf16Experts::new(config, parts, kernels)?),
+        Method::AmxInt8 => Box::new(int8::IntExperts::new(config, parts, kernels, int8::INT8)?),
+        Method::AmxInt4 => Box::new(int8::IntExperts::new(config, parts, kernels, int4::INT4)?),
+        Method::Llamafile => Box::new(ggml::GgmlExperts::new(config, parts, kernels)?),
+        other => {
+            other.ensure_implemented()?;
+            unreachable!("{other} is registered above")
+        }
+    })
+}
+
+/// Check that `config` splits into `parts` slices of whole `unit`s (and `H` is a multiple of
+/// `unit`), then return the slices.
+pub fn split_in_units(
+    config: &MoeConfig,
+    parts: usize,
+    unit: usize,
+    method: Method,
+) -> Result<Vec<Range<usize>>> {
+    let l = config.layer_idx;
+    crate::kt_ensure!(
+        config.hidden.is_multiple_of(unit) && config.intermediate.is_multiple_of(unit),
+        Invalid,
+        "layer {l}: {method} weights need hidden_size ({}) and moe_intermediate_size ({}) to be \
+         multiples of {unit}",
+        config.hidden,
+        config.intermediate
+    );
+    config.check_blocks(parts, unit)?;
+    Ok(config.part_ranges_in_units(parts, unit))
+}

@@ -1,0 +1,672 @@
+//! One forward call, phase by phase, as the data flows: route the chunk's tokens, gather and
+//! prepare x, gate/up panels and SwiGLU, prepare the SwiGLU rows, down panels with the router
+//! weight, reduce over experts, and merge the NUMA parts' partial outputs.
+//!
+//! Every phase is a `parallel_for` of one part's team over tasks that write disjoint ranges of
+//! the workspace (rows, panels or column blocks); the format ([`crate::formats`]) supplies the
+//! arithmetic of each panel.
+use super::workspace::PartPtrs;
+use super::{MoeLayer, Workspace};
+use crate::dtype::{row_from_f32, row_to_f32, FloatType};
+use crate::formats::{PanelAcc, RowBlock, Stage};
+use crate::kernels::MAX_ROWS;
+use crate::pack::PANEL;
+use crate::pool::{Pool, Team};
+use crate::routing::{Ids, Routing};
+use crate::sync_ptr::SyncPtr;
+use crate::{kt_ensure, Result};
+use std::ops::Range;
+
+/// Tokens processed per internal chunk: bounds the scratch memory whatever
+/// `chunked_prefill_size` is, while keeping enough rows per expert for the blocked GEMM.
+pub const CHUNK_TOKENS: usize = 1024;
+
+/// Forwards with at most this many (row × hidden) down outputs use the row-wise down scheme.
+pub(super) const ROWWISE_DOWN_MAX: usize = 1 << 20;
+
+/// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
+const DOWN_GROUP_PANELS: usize = 4;
+
+/// Inputs and outputs of one forward call, as raw memory (the Python binding's form).
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardArgs {
+    /// Tokens in this call (≤ `max_tokens`).
+    pub qlen: usize,
+    /// `[qlen][H]` activations.
+    pub hidden: *const u8,
+    /// Their element type.
+    pub hidden_type: FloatType,
+    /// `[qlen][top_k]` expert ids (physical slots).
+    pub ids: *const u8,
+    /// Whether ids are int64 (else int32).
+    pub ids_i64: bool,
+    /// `[qlen][top_k]` fp32 router weights.
+    pub weights: *const f32,
+    /// `[qlen][H]` output.
+    pub out: *mut u8,
+    /// Output element type.
+    pub out_type: FloatType,
+    /// Optional `[qlen][H]` addend (the previous layer's deferred experts).
+    pub residual: *const u8,
+    /// Element type of `residual`.
+    pub residual_type: FloatType,
+    /// Optional `[num_experts]` bytes, non-zero = expert runs on the GPU (read now, live).
+    pub gpu_mask: *const u8,
+}
+
+// SAFETY: plain addresses; `forward_raw`'s contract makes them valid for the call, and tasks
+// only write disjoint rows of `out`.
+unsafe impl Send for ForwardArgs {}
+// SAFETY: as above.
+unsafe impl Sync for ForwardArgs {}
+
+impl MoeLayer {
+    /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights
+    /// [qlen][top_k]`, `out [qlen][H]`.
+    pub fn forward_f32(
+        &self,
+        pool: &Pool,
+        ws: &mut Workspace,
+        x: &[f32],
+        ids: &[i64],
+        weights: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.config;
+        let qlen = x.len() / c.hidden;
+        kt_ensure!(
+            x.len() == qlen * c.hidden && out.len() == x.len(),
+            Invalid,
+            "hidden states and output must both be [qlen, {}]",
+            c.hidden
+        );
+        kt_ensure!(
+            ids.len() == qlen * c.top_k && weights.len() == ids.len(),
+            Invalid,
+            "ids and weights must be [{qlen}, {}]",
+            c.top_k
+        );
+        let args = ForwardArgs {
+            qlen,
+            hidden: x.as_ptr() as *const u8,
+            hidden_type: FloatType::F32,
+            ids: ids.as_ptr() as *const u8,
+            ids_i64: true,
+            weights: weights.as_ptr(),
+            out: out.as_mut_ptr() as *mut u8,
+            out_type: FloatType::F32,
+            residual: std::ptr::null(),
+            residual_type: FloatType::F32,
+            gpu_mask: std::ptr::null(),
+        };
+        // SAFETY: every pointer comes from a slice whose length was checked above.
+        unsafe { self.forward_raw(pool, ws, &args) }
+    }
+
+    /// Forward over raw memory.
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be valid for the extent its comment gives, for the whole
+    /// call, and `out` must not overlap the inputs. Null `residual`/`gpu_mask` mean "none".
+    pub unsafe fn forward_raw(
+        &self,
+        pool: &Pool,
+        ws: &mut Workspace,
+        args: &ForwardArgs,
+    ) -> Result<()> {
+        let c = &self.config;
+        let l = c.layer_idx;
+        kt_ensure!(
+            self.loaded,
+            Runtime,
+            "layer {l}: forward called before the weights were loaded"
+        );
+        self.check_pool(pool)?;
+        kt_ensure!(
+            args.qlen <= c.max_tokens,
+            Invalid,
+            "layer {l}: {} tokens exceed chunked_prefill_size={}",
+            args.qlen,
+            c.max_tokens
+        );
+        if args.qlen == 0 {
+            return Ok(());
+        }
+        ws.reserve(self)?;
+        let (h, k) = (c.hidden, c.top_k);
+        // SAFETY: the caller guarantees num_experts readable bytes when non-null.
+        let mask = (!args.gpu_mask.is_null())
+            .then(|| unsafe { std::slice::from_raw_parts(args.gpu_mask, c.num_experts) });
+        let mut t0 = 0;
+        while t0 < args.qlen {
+            let t1 = (t0 + CHUNK_TOKENS).min(args.qlen);
+            let n = t1 - t0;
+            // SAFETY: [t0, t1) is inside the caller's qlen rows.
+            let (ids, weights) = unsafe {
+                let ids = if args.ids_i64 {
+                    Ids::I64(std::slice::from_raw_parts(
+                        (args.ids as *const i64).add(t0 * k),
+                        n * k,
+                    ))
+                } else {
+                    Ids::I32(std::slice::from_raw_parts(
+                        (args.ids as *const i32).add(t0 * k),
+                        n * k,
+                    ))
+                };
+                (
+                    ids,
+                    std::slice::from_raw_parts(args.weights.add(t0 * k), n * k),
+                )
+            };
+            ws.routing.build(ids, weights, n, k, c.num_experts, mask);
+            let offset = |p: *const u8, t: FloatType| {
+                // SAFETY: row t0 is within the caller's buffer.
+                if p.is_null() {
+                    p
+                } else {
+                    unsafe { p.add(t0 * h * t.size()) }
+                }
+            };
+            let chunk = ForwardArgs {
+                qlen: n,
+                hidden: offset(args.hidden, args.hidden_type),
+                out: offset(args.out, args.out_type) as *mut u8,
+                residual: offset(args.residual, args.residual_type),
+                ..*args
+            };
+            // SAFETY: forwarded contract, restricted to this chunk; the workspace was reserved
+            // for this layer and its routing is this chunk's.
+            unsafe { self.forward_chunk(pool, ws, &chunk)? };
+            t0 = t1;
+        }
+        Ok(())
+    }
+
+    /// One chunk (≤ CHUNK_TOKENS tokens) whose routing is already in `ws.routing`.
+    ///
+    /// # Safety
+    /// `args` is valid as [`MoeLayer::forward_raw`] requires, `args.qlen ≤ CHUNK_TOKENS`,
+    /// `ws` was reserved for this layer and `ws.routing` routes these `args.qlen` tokens.
+    unsafe fn forward_chunk(&self, pool: &Pool, ws: &Workspace, args: &ForwardArgs) -> Result<()> {
+        let routing = &ws.routing;
+        let max_rows = routing.offsets.windows(2).map(|w| w[1] - w[0]).max();
+        let max_rows = max_rows.unwrap_or(0);
+        let chunk = Chunk {
+            layer: self,
+            routing,
+            args,
+            prepare_x: self.experts.prepares_x(max_rows),
+            prepare_act: self.experts.prepares_act(max_rows),
+            hidden_in: SyncPtr::new(args.hidden as *mut u8),
+            residual: SyncPtr::new(args.residual as *mut u8),
+            out: SyncPtr::new(args.out),
+        };
+        let parts = &ws.ptrs[..self.experts.part_ranges().len()];
+        let single = parts.len() == 1;
+        pool.run_parts(&|part, team: &Team| {
+            let f = PartForward {
+                c: &chunk,
+                part,
+                team,
+                s: parts[part],
+                ip: self.experts.part_ranges()[part].len(),
+            };
+            // SAFETY: the chunk's contract (forward_chunk's) covers every pointer the phases
+            // use; each phase's tasks write disjoint ranges, and phases are separated by the
+            // team's barriers.
+            unsafe {
+                f.gather_x();
+                f.gate_up_swiglu();
+                if chunk.prepare_act {
+                    f.prepare_act();
+                }
+                f.down_reduce();
+                if single {
+                    f.finish();
+                }
+            }
+        })?;
+        if !single {
+            // Sum the parts' partials (reading every node's memory once), add the residual.
+            let merge = |t: usize| {
+                // SAFETY: token t's rows of every partial, of residual and of out exist.
+                unsafe { chunk.finish_row(parts, t) };
+            };
+            let qlen = args.qlen;
+            if qlen * self.config.hidden <= 1 << 16 {
+                (0..qlen).for_each(merge);
+            } else {
+                pool.parallel_for_all(qlen, &merge)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What every part of one chunk shares.
+struct Chunk<'a> {
+    layer: &'a MoeLayer,
+    routing: &'a Routing,
+    args: &'a ForwardArgs,
+    /// Whether the format prepares x / the SwiGLU rows in this chunk.
+    prepare_x: bool,
+    prepare_act: bool,
+    hidden_in: SyncPtr<u8>,
+    residual: SyncPtr<u8>,
+    out: SyncPtr<u8>,
+}
+
+/// One part's view of the chunk: its team, its scratch, its intermediate slice `ip`.
+struct PartForward<'a> {
+    c: &'a Chunk<'a>,
+    part: usize,
+    team: &'a Team,
+    s: PartPtrs,
+    ip: usize,
+}
+
+/// Gathered pointers of one block of rows (see [`RowBlock`]).
+struct Gathered {
+    f32_rows: [*const f32; MAX_ROWS],
+    prepared: [*const u8; MAX_ROWS],
+    scales: [f32; MAX_ROWS],
+}
+
+impl Gathered {
+    fn new() -> Gathered {
+        Gathered {
+            f32_rows: [std::ptr::null(); MAX_ROWS],
+            prepared: [std::ptr::null(); MAX_ROWS],
+            scales: [0.0; MAX_ROWS],
+        }
+    }
+
+    fn block(&self, expert_rows: usize, n: usize) -> RowBlock<'_> {
+        RowBlock {
+            expert_rows,
+            f32_rows: &self.f32_rows[..n],
+            prepared: &self.prepared[..n],
+            scales: &self.scales[..n],
+        }
+    }
+}
+
+impl PartForward<'_> {
+    /// 1. Each token's input row to fp32 (a NUMA-local copy per part), prepared by the
+    ///    format when it asks.
+    ///
+    /// # Safety
+    /// The chunk's contract ([`MoeLayer::forward_chunk`]).
+    unsafe fn gather_x(&self) {
+        let (c, s) = (self.c, self.s);
+        let experts = &*c.layer.experts;
+        let h = c.layer.config.hidden;
+        let xs = experts.x_stride(self.part);
+        let ht = c.args.hidden_type;
+        self.team.parallel_for(c.args.qlen, &|t| {
+            // SAFETY: row t of the input and of this part's x buffers (tokens × H, tokens ×
+            // x_stride, tokens scales) belongs to this task.
+            unsafe {
+                let x = std::slice::from_raw_parts_mut(s.x.get().add(t * h), h);
+                row_to_f32(c.hidden_in.get().add(t * h * ht.size()), ht, x);
+                if c.prepare_x && xs > 0 {
+                    let out = std::slice::from_raw_parts_mut(s.x_prep.get().add(t * xs), xs);
+                    *s.x_scale.get().add(t) = experts.prepare_x(self.part, x, out);
+                }
+            }
+        });
+    }
+
+    /// 2. gate and up for each (expert, 32-row panel of this part's slice), then SwiGLU into
+    ///    the expert's rows of `act`.
+    ///
+    /// # Safety
+    /// The chunk's contract.
+    unsafe fn gate_up_swiglu(&self) {
+        let (c, s, ip) = (self.c, self.s, self.ip);
+        let (layer, routing) = (c.layer, c.routing);
+        let cfg = &layer.config;
+        let h = cfg.hidden;
+        let xs = layer.experts.x_stride(self.part);
+        let panels = ip / PANEL;
+        self.team
+            .parallel_for(routing.experts.len() * panels, &|task| {
+                let (ei, p) = (task / panels, task % panels);
+                let slot = routing.experts[ei] as usize;
+                let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+                let block = layer
+                    .experts
+                    .block_rows(self.part, rows.len(), Stage::GateUp);
+                let mut scratch = PanelScratch::take();
+                let PanelScratch { acc, g, u, a } = &mut *scratch;
+                let mut at = Gathered::new();
+                let mut r0 = rows.start;
+                while r0 < rows.end {
+                    let nr = block.min(rows.end - r0);
+                    for i in 0..nr {
+                        let t = routing.row_token[r0 + i] as usize;
+                        // SAFETY: token t < qlen: a row of x, of x_prep (wrapping: null when
+                        // the format prepares none) and a scale.
+                        unsafe {
+                            at.f32_rows[i] = s.x.get().add(t * h);
+                            at.prepared[i] = s.x_prep.get().wrapping_add(t * xs);
+                            at.scales[i] = if c.prepare_x { *s.x_scale.get().add(t) } else { 1.0 };
+                        }
+                    }
+                    let rb = at.block(rows.len(), nr);
+                    layer.experts.gate_up_panel(self.part, slot, p, &rb, acc, g, u);
+                    let m = nr * PANEL;
+                    layer.kernels.swiglu(
+                        &g[..m],
+                        &u[..m],
+                        &mut a[..m],
+                        cfg.swiglu_limit,
+                        cfg.swiglu_alpha,
+                    );
+                    for i in 0..nr {
+                        // SAFETY: row r0+i of act (rows × ip), columns of panel p: this task's.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                a[i * PANEL..].as_ptr(),
+                                s.act.get().add((r0 + i) * ip + p * PANEL),
+                                PANEL,
+                            );
+                        }
+                    }
+                    r0 += nr;
+                }
+                PanelScratch::give_back(scratch);
+            });
+    }
+
+    /// 3. Each SwiGLU row prepared by the format (a phase of its own: a row's scale spans
+    ///    every panel).
+    ///
+    /// # Safety
+    /// The chunk's contract.
+    unsafe fn prepare_act(&self) {
+        let (s, ip) = (self.s, self.ip);
+        let experts = &*self.c.layer.experts;
+        let stride = experts.act_stride(self.part);
+        if stride == 0 {
+            return;
+        }
+        self.team.parallel_for(self.c.routing.rows(), &|row| {
+            // SAFETY: row `row` of act, act_prep and act_scale belongs to this task.
+            unsafe {
+                let src = std::slice::from_raw_parts(s.act.get().add(row * ip), ip);
+                let dst = std::slice::from_raw_parts_mut(s.act_prep.get().add(row * stride), stride);
+                *s.act_scale.get().add(row) = experts.prepare_act(self.part, src, dst);
+            }
+        });
+    }
+
+    /// Expert `ei`'s rows against a range of down panels; each (row, panel, 32 values) goes
+    /// to `sink`, after `before_block` saw the block's rows.
+    ///
+    /// # Safety
+    /// The chunk's contract; the act rows are complete (phases 2 and 3 ran).
+    unsafe fn down_panels(
+        &self,
+        ei: usize,
+        panels: Range<usize>,
+        before_block: &dyn Fn(Range<usize>, usize),
+        sink: &mut dyn FnMut(usize, usize, &[f32]),
+    ) {
+        let (c, s, ip) = (self.c, self.s, self.ip);
+        let (experts, routing) = (&*c.layer.experts, c.routing);
+        let stride = experts.act_stride(self.part);
+        let slot = routing.experts[ei] as usize;
+        let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+        let block = experts.block_rows(self.part, rows.len(), Stage::Down);
+        let mut scratch = PanelScratch::take();
+        let PanelScratch { acc, g: o, .. } = &mut *scratch;
+        let mut at = Gathered::new();
+        for p in panels {
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let nr = block.min(rows.end - r0);
+                before_block(r0..r0 + nr, p);
+                for i in 0..nr {
+                    let r = r0 + i;
+                    // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
+                    unsafe {
+                        at.f32_rows[i] = s.act.get().add(r * ip);
+                        at.prepared[i] = s.act_prep.get().wrapping_add(r * stride);
+                        at.scales[i] = if c.prepare_act { *s.act_scale.get().add(r) } else { 1.0 };
+                    }
+                }
+                experts.down_panel(self.part, slot, p, &at.block(rows.len(), nr), acc, o);
+                for i in 0..nr {
+                    sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
+                }
+                r0 += nr;
+            }
+        }
+        PanelScratch::give_back(scratch);
+    }
+
+    /// 4. down, times the router weight, summed over experts into the part's partial output.
+    ///
+    /// # Safety
+    /// The chunk's contract; the act rows are complete.
+    unsafe fn down_reduce(&self) {
+        let c = self.c;
+        let (h, total_rows) = (c.layer.config.hidden, c.routing.rows());
+        // SAFETY: forwarded.
+        unsafe {
+            if total_rows * h <= c.layer.rowwise_down_max {
+                self.down_rowwise();
+            } else {
+                self.down_column_blocks();
+            }
+        }
+    }
+
+    /// Zero columns `cols` of every token's partial row.
+    ///
+    /// # Safety
+    /// The calling task owns these columns.
+    unsafe fn zero_columns(&self, cols: Range<usize>) {
+        let h = self.c.layer.config.hidden;
+        for t in 0..self.c.args.qlen {
+            // SAFETY: columns `cols` of token t's partial row (tokens × H), the task's.
+            unsafe {
+                std::ptr::write_bytes(self.s.partial.get().add(t * h + cols.start), 0, cols.len())
+            };
+        }
+    }
+
+    /// Few rows (decode): tasks are (expert, run of panels), so each streams one contiguous
+    /// piece of an expert's down matrix; weighted rows go to `down_rows`, then a
+    /// column-parallel pass sums them per token.
+    ///
+    /// # Safety
+    /// As [`PartForward::down_reduce`].
+    unsafe fn down_rowwise(&self) {
+        let (c, s) = (self.c, self.s);
+        let routing = c.routing;
+        let h = c.layer.config.hidden;
+        let out_panels = h / PANEL;
+        let group = DOWN_GROUP_PANELS.min(out_panels);
+        let per_expert = out_panels.div_ceil(group);
+        self.team
+            .parallel_for(routing.experts.len() * per_expert, &|task| {
+                let (ei, g) = (task / per_expert, task % per_expert);
+                let panels = g * group..((g + 1) * group).min(out_panels);
+                let mut sink = |row: usize, p: usize, vals: &[f32]| {
+                    let w = routing.row_weight[row];
+                    // SAFETY: (row, panel p) of down_rows is written by this task only.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(s.down_rows.get().add(row * h + p * PANEL), PANEL)
+                    };
+                    for (d, v) in dst.iter_mut().zip(vals) {
+                        *d = w * v;
+                    }
+                };
+                // SAFETY: forwarded.
+                unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink) };
+            });
+        self.team.parallel_for(per_expert, &|g| {
+            let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
+            // SAFETY: this task owns columns `cols` of every partial row.
+            unsafe { self.zero_columns(cols.clone()) };
+            for row in 0..routing.rows() {
+                let t = routing.row_token[row] as usize;
+                // SAFETY: columns `cols` of token t's partial row belong to this task; rows of
+                // down_rows were completed by the phase above.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(
+                        s.partial.get().add(t * h + cols.start),
+                        cols.len(),
+                    );
+                    let src = std::slice::from_raw_parts(
+                        s.down_rows.get().add(row * h + cols.start),
+                        cols.len(),
+                    );
+                    for (d, v) in dst.iter_mut().zip(src) {
+                        *d += v;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Many rows (prefill): tasks own column blocks of the output, so the weighted sum over
+    /// experts accumulates without races; experts go outer so each expert's act rows stay in
+    /// cache across the block's panels.
+    ///
+    /// # Safety
+    /// As [`PartForward::down_reduce`].
+    unsafe fn down_column_blocks(&self) {
+        let (c, s) = (self.c, self.s);
+        let routing = c.routing;
+        let h = c.layer.config.hidden;
+        let out_panels = h / PANEL;
+        let per_task = out_panels.div_ceil(self.team.threads() * 4).max(1);
+        let n_tasks = out_panels.div_ceil(per_task);
+        self.team.parallel_for(n_tasks, &|task| {
+            let panels = task * per_task..((task + 1) * per_task).min(out_panels);
+            // SAFETY: this task owns the block's columns of every partial row.
+            unsafe { self.zero_columns(panels.start * PANEL..panels.end * PANEL) };
+            // The sink adds to partial rows scattered by token: fetch a block's lines while
+            // its kernel runs, or every add stalls on a cache miss.
+            let fetch_partials = |rows: Range<usize>, p: usize| {
+                for row in rows {
+                    let t = routing.row_token[row] as usize;
+                    crate::kernels::prefetch::lines(
+                        s.partial.get().wrapping_add(t * h + p * PANEL) as *const u8,
+                        PANEL * std::mem::size_of::<f32>(),
+                    );
+                }
+            };
+            let mut sink = |row: usize, p: usize, vals: &[f32]| {
+                let t = routing.row_token[row] as usize;
+                let w = routing.row_weight[row];
+                // SAFETY: columns of panel p in token t's partial row: this task's.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(s.partial.get().add(t * h + p * PANEL), PANEL)
+                };
+                for (d, v) in dst.iter_mut().zip(vals) {
+                    *d += w * v;
+                }
+            };
+            for ei in 0..routing.experts.len() {
+                // SAFETY: forwarded.
+                unsafe { self.down_panels(ei, panels.clone(), &fetch_partials, &mut sink) };
+            }
+        });
+    }
+
+    /// 5. With one part, finish here: add the residual, convert to the output type.
+    ///
+    /// # Safety
+    /// The chunk's contract; the partial output is complete.
+    unsafe fn finish(&self) {
+        let parts = [self.s];
+        self.team.parallel_for(self.c.args.qlen, &|t| {
+            // SAFETY: token t's rows of partial, residual and out belong to this task.
+            unsafe { self.c.finish_row(&parts, t) };
+        });
+    }
+}
+
+impl Chunk<'_> {
+    /// out[t] = Σ over parts of partial[t] + residual[t], converted to the output type.
+    ///
+    /// # Safety
+    /// Each part's partial buffer has row `t` of `H` floats; `out`/`residual` rows `t` exist,
+    /// and no one else writes row `t` of `out` meanwhile.
+    unsafe fn finish_row(&self, parts: &[PartPtrs], t: usize) {
+        const STRIP: usize = 256;
+        let (args, h) = (self.args, self.layer.config.hidden);
+        let mut acc = [0f32; STRIP];
+        let mut res = [0f32; STRIP];
+        let mut c0 = 0;
+        while c0 < h {
+            let n = STRIP.min(h - c0);
+            // SAFETY: per the contract, all reads/writes are inside row t.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    parts[0].partial.get().add(t * h + c0),
+                    acc.as_mut_ptr(),
+                    n,
+                );
+                for p in &parts[1..] {
+                    let r = p.partial.get().add(t * h + c0);
+                    for (a, i) in acc[..n].iter_mut().zip(0..n) {
+                        *a += *r.add(i);
+                    }
+                }
+                if !self.residual.is_null() {
+                    let rt = args.residual_type;
+                    let src = self.residual.get().add((t * h + c0) * rt.size());
+                    row_to_f32(src, rt, &mut res[..n]);
+                    for (a, r) in acc[..n].iter_mut().zip(&res[..n]) {
+                        *a += r;
+                    }
+                }
+                let dst = self.out.get().add((t * h + c0) * args.out_type.size());
+                row_from_f32(&acc[..n], dst, args.out_type);
+            }
+            c0 += n;
+        }
+    }
+}
+
+/// One thread's panel buffers (integer products, gate, up, activation of up to [`MAX_ROWS`]
+/// rows). The kernels overwrite the rows they are given, so the buffers are zeroed once per
+/// thread rather than once per task: a decode task streams about 64 KiB of weights, and
+/// clearing 16 KiB of stack arrays each time cost several percent of it.
+struct PanelScratch {
+    acc: PanelAcc,
+    g: [f32; MAX_ROWS * PANEL],
+    u: [f32; MAX_ROWS * PANEL],
+    a: [f32; MAX_ROWS * PANEL],
+}
+
+thread_local! {
+    static PANEL_SCRATCH: std::cell::Cell<Option<Box<PanelScratch>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+impl PanelScratch {
+    /// This thread's buffers (new ones if they are out, e.g. a task inside a task).
+    fn take() -> Box<PanelScratch> {
+        PANEL_SCRATCH.take().unwrap_or_else(|| {
+            Box::new(PanelScratch {
+                acc: PanelAcc {
+                    acc: [0; MAX_ROWS * PANEL],
+                },
+                g: [0.0; MAX_ROWS * PANEL],
+                u: [0.0; MAX_ROWS * PANEL],
+                a: [0.0; MAX_ROWS * PANEL],
+            })
+        })
+    }
+
+    fn give_back(scratch: Box<PanelScratch>) {
+        PANEL_SCRATCH.set(Some(scratch));
+    }
+}
