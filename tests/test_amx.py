@@ -71,7 +71,7 @@ def test_amx_reported_and_refused_clearly_without_it():
     core = kt_kernel._kt_core
     eng = core.Engine([2], [0])
     with pytest.raises(NotImplementedError, match="amx level"):
-        core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", format="int8")
+        core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", method="AMXINT8")
 
 
 def test_bad_threshold_is_a_clear_error(tmp_path):

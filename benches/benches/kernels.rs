@@ -4,7 +4,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kt_benches::{pool, routing, synthetic_layer_as};
 use kt_core::isa::Level;
 use kt_core::kernels::{runnable_levels, KernelSet};
-use kt_core::moe::{Method, Workspace};
+use kt_core::method::Method;
+use kt_core::moe::Workspace;
 use kt_core::rng::Rng;
 
 fn panel_kernels(c: &mut Criterion) {

@@ -1,7 +1,8 @@
 //! Diagnostic: decode latency of one layer per weight format, alternating two layers so the
 //! weights come from DRAM. `cargo run --release -p kt-benches --example decode`
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{Method, Workspace};
+use kt_core::method::Method;
+use kt_core::moe::Workspace;
 use kt_core::rng::Rng;
 use std::time::Instant;
 
@@ -53,9 +54,7 @@ fn main() {
             Method::Bf16 => 8 * 3 * h * i * 2,
             Method::AmxInt8 => 8 * 3 * h * i,
             Method::AmxInt4 => 8 * 3 * h * i / 2,
-            Method::Llamafile => {
-                unreachable!("GGUF layers load from files (kt bench --method LLAMAFILE)")
-            }
+            other => unreachable!("{other} layers load from files (kt bench --method {other})"),
         };
         println!(
             "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",

@@ -2,7 +2,8 @@
 //! once set-up is done so `perf record -D` can skip it.
 //! `cargo run --release -p kt-benches --example prefill -- int8 512`
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{Method, Workspace};
+use kt_core::method::Method;
+use kt_core::moe::Workspace;
 use kt_core::rng::Rng;
 use std::time::Instant;
 

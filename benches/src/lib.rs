@@ -1,7 +1,8 @@
 //! Shared set-up for the kt-core benchmarks: a synthetic BF16 MoE layer.
 use kt_core::dtype::FloatType;
 use kt_core::kernels::KernelSet;
-use kt_core::moe::{MoeConfig, MoeLayer, TensorSource, Method};
+use kt_core::method::Method;
+use kt_core::moe::{MoeConfig, MoeLayer, TensorSource};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::rng::Rng;
 

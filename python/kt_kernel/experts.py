@@ -6,26 +6,12 @@ from typing import Any
 
 import torch
 
+from . import _kt_core
 from .experts_base import _REQUIRED, BaseMoEWrapper
 
-INFERENCE_METHODS = frozenset(
-    {
-        "AMXINT4",
-        "AMXINT8",
-        "RAWINT4",
-        "FP8",
-        "BF16",
-        "FP8_PERCHANNEL",
-        "GPTQ_INT4",
-        "SYCL_GPTQ_INT4",
-        "MXFP4",
-        "NVFP4",
-        "MXFP8",
-        "LLAMAFILE",
-        "MOE_INT4",
-        "MOE_INT8",
-    }
-)
+# Every method string of the original, and those this build computes; the rest are recognised
+# and refused with NotImplementedError. Both lists come from the native core's registry.
+INFERENCE_METHODS = frozenset(_kt_core.METHODS)
 SFT_METHODS = frozenset(
     {
         "AMXBF16_SFT",
@@ -46,8 +32,7 @@ SFT_METHODS = frozenset(
         "AMXINT4_1KGroup_SFT_SkipLoRA",
     }
 )
-# Methods this build computes; the rest are recognised and refused with NotImplementedError.
-IMPLEMENTED_METHODS = frozenset({"BF16", "AMXINT8", "AMXINT4", "LLAMAFILE"})
+IMPLEMENTED_METHODS = frozenset(_kt_core.IMPLEMENTED_METHODS)
 
 
 class KTMoEWrapper:

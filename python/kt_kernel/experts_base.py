@@ -217,16 +217,11 @@ class BaseMoEWrapper:
                 return cls._cpu_infer
             if threads is None:
                 threads = max(count, int(_kt_core.cpu_info()["physical_cores"]))
-            if threads < count:
-                raise ValueError(
-                    f"cpuinfer_threads={threads} is less than threadpool_count={count}"
-                )
             cfg = WorkerPoolConfig()
             cfg.subpool_count = count
-            cfg.subpool_numa_map = numa_nodes if numa_nodes is not None else list(range(count))
-            cfg.subpool_thread_count = [
-                threads // count + (1 if i < threads % count else 0) for i in range(count)
-            ]
+            cfg.subpool_thread_count, cfg.subpool_numa_map = _kt_core.pool_split(
+                threads, count, numa_nodes
+            )
             cls._cpu_infer = CPUInfer(cfg)
             cls._cpu_infer_pid = os.getpid()
             return cls._cpu_infer

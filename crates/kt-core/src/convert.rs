@@ -182,6 +182,84 @@ pub struct ConvertProgress {
     pub cancel: AtomicBool,
 }
 
+/// The method a `--quant-method` argument names (`int8`/`amxint8`, `int4`/`amxint4`, any case).
+pub fn quant_method(arg: &str) -> Result<Method> {
+    match arg.to_ascii_lowercase().as_str() {
+        "int8" | "amxint8" => Ok(Method::AmxInt8),
+        "int4" | "amxint4" => Ok(Method::AmxInt4),
+        other => Err(Error::Unsupported(format!(
+            "--quant-method {other}: only int8 and int4 (the AMXINT8/AMXINT4 files) are written"
+        ))),
+    }
+}
+
+/// A conversion running on a thread of its own with a pool of `threads` workers: callers poll
+/// it ([`ConversionJob::wait`] with a timeout), show its progress and may cancel it.
+pub struct ConversionJob {
+    progress: std::sync::Arc<ConvertProgress>,
+    job: std::sync::Mutex<Option<std::thread::JoinHandle<Result<ConvertReport>>>>,
+}
+
+impl ConversionJob {
+    /// Start converting as `opts` says on `threads` workers (0 = every physical core).
+    pub fn start(opts: ConvertOptions, threads: usize) -> Result<ConversionJob> {
+        let threads = if threads == 0 {
+            crate::topology::Topology::global()
+                .total_physical_cores()
+                .max(1)
+        } else {
+            threads
+        };
+        let progress = std::sync::Arc::new(ConvertProgress::default());
+        let p = progress.clone();
+        let job = std::thread::Builder::new()
+            .name("kt-convert".into())
+            .spawn(move || {
+                let pool = Pool::new(crate::pool::PoolConfig::split(threads, 1, None)?)?;
+                convert(&pool, &opts, &p)
+            })
+            .map_err(|e| Error::Runtime(format!("cannot start the converter: {e}")))?;
+        Ok(ConversionJob {
+            progress,
+            job: std::sync::Mutex::new(Some(job)),
+        })
+    }
+
+    /// Progress so far.
+    pub fn progress(&self) -> &ConvertProgress {
+        &self.progress
+    }
+
+    /// Ask the conversion to stop at the next matrix (nothing partial stays under a final name).
+    pub fn cancel(&self) {
+        self.progress.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// Wait until `deadline` (None: until done). `Some(result)` the first time the job is seen
+    /// ended; `None` while it runs, or once its result was taken by an earlier call.
+    pub fn wait(&self, deadline: Option<std::time::Instant>) -> Option<Result<ConvertReport>> {
+        loop {
+            let mut job = self.job.lock().unwrap();
+            if job.as_ref().is_none_or(|h| h.is_finished()) {
+                return job.take().map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Runtime("the converter panicked".into())))
+                });
+            }
+            drop(job);
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Whether the job has ended and its result was taken.
+    pub fn is_done(&self) -> bool {
+        self.job.lock().unwrap().is_none()
+    }
+}
+
 /// What a conversion did.
 #[derive(Debug, Clone)]
 pub struct ConvertReport {

@@ -302,6 +302,14 @@ pub fn select(features: Features, requested: Option<&str>) -> Result<Selection> 
     })
 }
 
+/// Whether this process may run `level`'s instructions: the CPU and OS allow them and
+/// `KT_KERNEL_CPU_VARIANT` does not cap below them. For kernels chosen per call (activation
+/// quantizers, load-time helpers) instead of once per layer; false if the selection failed
+/// (that error surfaces where the layer is built).
+pub fn allows(level: Level) -> bool {
+    global().is_ok_and(|s| s.chosen >= level)
+}
+
 /// The process-wide selection, made on first use from the CPU and `KT_KERNEL_CPU_VARIANT`.
 pub fn global() -> Result<&'static Selection> {
     static SELECTION: OnceLock<Result<Selection>> = OnceLock::new();

@@ -237,8 +237,9 @@ unsafe fn quantize_group(
     sums: Option<&mut [i32]>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the features were just detected; the rest is the caller's contract.
+    if crate::isa::allows(crate::isa::Level::Avx2) {
+        // SAFETY: the process's ISA level includes AVX2 and FMA; the rest is the caller's
+        // contract.
         return unsafe { quantize_group_avx2(view, r0, int4, row, q, scales, sums) };
     }
     // SAFETY: the caller's contract.

@@ -1,19 +1,16 @@
 //! `kt_kernel._kt_core`: PyO3 bindings of kt-core. Argument conversion, GIL release and error
 //! mapping only; tensors arrive as addresses already checked by `kt_kernel` (shape, dtype,
 //! device, contiguity).
-use kt_core::convert::{ConvertOptions, ConvertProgress, ConvertReport, InputType};
-use kt_core::converted::{ConvertedLayer, LayerShape};
+use kt_core::convert::{ConversionJob, ConvertOptions, ConvertReport, InputType};
 use kt_core::dtype::FloatType;
 use kt_core::engine::{Engine as CoreEngine, Task};
 use kt_core::ggml::{self, GgmlType};
-use kt_core::gguf::GgufModel;
 use kt_core::isa;
-use kt_core::kernels::{amx_min_rows_from_env, KernelSet, BF16_MIN_ROWS};
-use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource, Method};
+use kt_core::kernels::KernelSet;
+use kt_core::method::Method;
+use kt_core::moe::{ForwardArgs, MoeConfig, MoeLayer as CoreLayer, TensorSource};
 use kt_core::pool::{Pool, PoolConfig};
 use kt_core::topology::Topology;
-use kt_core::weights::{Checkpoint, HfLayerSource};
-use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::path::PathBuf;
@@ -122,8 +119,7 @@ fn ggml_dequantize<'py>(
 }
 
 /// Quantize little-endian values (`data`, of `dtype` float32, bfloat16 or float16) to ggml type
-/// `type_name`; returns the block bytes. Blocks are independent, so `threads` (0 = all cores)
-/// share the work, each converting its values a chunk at a time. ValueError for a size that is
+/// `type_name`; returns the block bytes, made on `threads` threads (0 = all cores). ValueError for a size that is
 /// not whole blocks or a non-finite value; TypeError for another dtype; NotImplementedError for
 /// a type without a quantizer here.
 #[pyfunction]
@@ -137,54 +133,23 @@ fn ggml_quantize<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let ty = GgmlType::parse(type_name).py()?;
     let src_type = FloatType::parse(dtype).py()?;
-    let width = src_type.size();
-    if !data.len().is_multiple_of(width) {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "data holds {} bytes, not whole {dtype} values",
-            data.len()
-        )));
-    }
-    let n = data.len() / width;
     let out = py
-        .detach(|| -> kt_core::Result<Vec<u8>> {
-            let mut out = vec![0u8; ty.row_bytes(n)?];
-            let (bs, ts) = (ty.block_size(), ty.type_size());
-            let blocks = n / bs;
-            let threads = match threads {
-                0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
-                t => t.min(kt_core::pool::MAX_THREADS),
-            }
-            .clamp(1, blocks.max(1));
-            let per = blocks.div_ceil(threads).max(1);
-            // Converted a chunk of blocks at a time: no full-size f32 copy.
-            let chunk = (65536 / bs).max(1);
-            std::thread::scope(|s| {
-                let jobs: Vec<_> = data
-                    .chunks(per * bs * width)
-                    .zip(out.chunks_mut(per * ts))
-                    .map(|(src, dst)| {
-                        s.spawn(move || -> kt_core::Result<()> {
-                            let mut values = vec![0f32; chunk * bs];
-                            for (src, dst) in src
-                                .chunks(chunk * bs * width)
-                                .zip(dst.chunks_mut(chunk * ts))
-                            {
-                                let x = &mut values[..src.len() / width];
-                                // SAFETY: `src` holds exactly x.len() values of src_type.
-                                unsafe { kt_core::dtype::row_to_f32(src.as_ptr(), src_type, x) };
-                                ggml::quantize_row(ty, x, dst)?;
-                            }
-                            Ok(())
-                        })
-                    })
-                    .collect();
-                jobs.into_iter()
-                    .try_for_each(|j| j.join().expect("quantizer thread panicked"))
-            })?;
-            Ok(out)
-        })
+        .detach(|| ggml::quantize_bytes(ty, data, src_type, threads))
         .py()?;
     Ok(PyBytes::new(py, &out))
+}
+
+/// `(threads per sub-pool, NUMA node per sub-pool)` for `total_threads` over `subpool_count`
+/// sub-pools, as the original splits them.
+#[pyfunction]
+#[pyo3(signature = (total_threads, subpool_count, numa_nodes=None))]
+fn pool_split(
+    total_threads: usize,
+    subpool_count: usize,
+    numa_nodes: Option<Vec<u32>>,
+) -> PyResult<(Vec<usize>, Vec<u32>)> {
+    let cfg = PoolConfig::split(total_threads, subpool_count, numa_nodes.as_deref()).py()?;
+    Ok((cfg.threads, cfg.numa_nodes))
 }
 
 /// The task engine and its worker pool (the original's `CPUInfer`).
@@ -316,7 +281,7 @@ impl MoeLayer {
     #[new]
     #[pyo3(signature = (engine, layer_idx, num_experts, top_k, hidden_size, intermediate_size,
                         max_tokens, swiglu_limit=0.0, swiglu_alpha=0.0, kernel=None,
-                        format="bf16"))]
+                        method="BF16"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         engine: &Engine,
@@ -329,20 +294,9 @@ impl MoeLayer {
         swiglu_limit: f32,
         swiglu_alpha: f32,
         kernel: Option<&str>,
-        format: &str,
+        method: &str,
     ) -> PyResult<Self> {
-        let format = match format {
-            "bf16" => Method::Bf16,
-            "int8" => Method::AmxInt8,
-            "int4" => Method::AmxInt4,
-            // ggml blocks from a GGUF file; the file decides the types at load_from_gguf.
-            "gguf" => Method::Llamafile,
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "format={other:?}: expected 'bf16', 'int8', 'int4' or 'gguf'"
-                )))
-            }
-        };
+        let method = Method::parse(method).py()?;
         let config = MoeConfig {
             layer_idx,
             num_experts,
@@ -353,24 +307,9 @@ impl MoeLayer {
             swiglu_limit,
             swiglu_alpha,
         };
-        let level = isa::global().py()?.chosen;
-        let kernels = match kernel {
-            None | Some("auto") => KernelSet::best(),
-            Some("fma") => KernelSet::for_level(level),
-            Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
-            Some("scalar") => Ok(KernelSet::scalar_twin()),
-            Some("amx") => KernelSet::best().and_then(|k| k.with_amx(amx_min_rows_from_env()?)),
-            Some("amx-emulated") => {
-                KernelSet::best().and_then(|k| Ok(k.with_emulated_amx(amx_min_rows_from_env()?)))
-            }
-            Some(other) => Err(kt_core::Error::Invalid(format!(
-                "kernel={other:?}: expected 'auto', 'fma', 'bf16dot', 'scalar', 'amx' or \
-                 'amx-emulated'"
-            ))),
-        }
-        .py()?;
+        let kernels = KernelSet::from_choice(kernel).py()?;
         let layer =
-            CoreLayer::with_method(config, engine.inner.pool().parts(), kernels, format).py()?;
+            CoreLayer::with_method(config, engine.inner.pool().parts(), kernels, method).py()?;
         // Plan the forward scratch now (shared by all layers of the engine), not on first use.
         engine.inner.with_workspace(|w| w.reserve(&layer)).py()?;
         Ok(MoeLayer {
@@ -382,20 +321,7 @@ impl MoeLayer {
     /// Kernel name in use.
     #[getter]
     fn kernel(&self) -> String {
-        let l = self.layer.read().unwrap();
-        let vector = match l.format() {
-            Method::Bf16 => l.kernels().name(),
-            Method::AmxInt8 | Method::AmxInt4 => l.kernels().int8_name(),
-            Method::Llamafile => {
-                return l
-                    .ggml_kernel_name()
-                    .unwrap_or_else(|| "ggml (types chosen at load)".into())
-            }
-        };
-        match l.kernels().amx_name() {
-            Some(amx) => format!("{amx}+{vector}"),
-            None => vector.to_string(),
-        }
+        self.layer.read().unwrap().kernel_name()
     }
 
     /// Bytes of packed weights.
@@ -470,34 +396,10 @@ impl MoeLayer {
             py,
             &self.engine,
             Box::new(move |ctx| {
-                let (experts_needed, hidden, inter) = {
-                    let l = layer.read().unwrap();
-                    (
-                        l.config().num_experts,
-                        l.config().hidden,
-                        l.config().intermediate,
-                    )
-                };
-                // Only the shards holding this layer (by the index, when there is one).
-                let tag = format!("layers.{layer_idx}.");
-                let ckpt = Checkpoint::open_subset(&path, &|n| n.contains(&tag))?;
-                // With a map, the checkpoint may hold a different number of logical experts.
-                let experts = match &map {
-                    Some(m) => m
-                        .iter()
-                        .copied()
-                        .max()
-                        .map_or(0, |v| v.max(0) as usize + 1)
-                        .max(1),
-                    None => experts_needed,
-                };
-                let source = HfLayerSource::new(ckpt, layer_idx, experts, hidden, inter)?;
-                let result = layer
+                layer
                     .write()
                     .unwrap()
-                    .load(ctx.pool, &source, map.as_deref());
-                drop(source); // unmap before returning: peak memory ≈ one copy of the layer
-                result
+                    .load_checkpoint(ctx.pool, &path, layer_idx, map.as_deref())
             }),
         )
     }
@@ -519,30 +421,12 @@ impl MoeLayer {
             py,
             &self.engine,
             Box::new(move |ctx| {
-                let shape = {
-                    let l = layer.read().unwrap();
-                    let c = l.config();
-                    LayerShape {
-                        layer: layer_idx,
-                        // With a map, the files must hold every expert it names.
-                        experts: match &map {
-                            Some(m) => m.iter().copied().max().map_or(1, |v| v.max(0) as usize + 1),
-                            None => c.num_experts,
-                        },
-                        hidden: c.hidden,
-                        intermediate: c.intermediate,
-                        parts: l.part_ranges().len(),
-                        format: l.format(),
-                    }
-                };
-                let files = ConvertedLayer::open(&path, shape)?;
-                let result =
-                    layer
-                        .write()
-                        .unwrap()
-                        .load_converted(ctx.pool, &files, map.as_deref());
-                drop(files);
-                result
+                layer.write().unwrap().load_converted_path(
+                    ctx.pool,
+                    &path,
+                    layer_idx,
+                    map.as_deref(),
+                )
             }),
         )
     }
@@ -565,10 +449,8 @@ impl MoeLayer {
             py,
             &self.engine,
             Box::new(move |ctx| {
-                let model = GgufModel::open(&path)?;
                 let mut l = layer.write().unwrap();
-                l.load_gguf(ctx.pool, &model, layer_idx, map.as_deref())?;
-                drop(model);
+                l.load_gguf_path(ctx.pool, &path, layer_idx, map.as_deref())?;
                 // Plan the forward scratch for the file's activation formats now.
                 ctx.workspace.reserve(&l)
             }),
@@ -677,18 +559,7 @@ impl MoeLayer {
             residual_type: FloatType::parse(residual_dtype).py()?,
             gpu_mask: mask_ptr as *const u8,
         };
-        for (name, p) in [
-            ("hidden", hidden_ptr),
-            ("ids", ids_ptr),
-            ("weights", weights_ptr),
-            ("out", out_ptr),
-        ] {
-            if p == 0 && qlen > 0 {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "{name} pointer is null"
-                )));
-            }
-        }
+        args.check_addresses().py()?;
         let layer = self.layer.clone();
         Ok(Box::new(move |ctx| {
             let l = layer.read().unwrap();
@@ -704,12 +575,12 @@ struct SendSource(TensorSource);
 // SAFETY: see load_from_tensors: the memory stays alive and unchanged while the task runs.
 unsafe impl Send for SendSource {}
 
-/// A weight conversion running on its own threads (see `kt_core::convert`): `wait` polls it
-/// without holding the GIL, so the caller can show progress and cancel on Ctrl-C.
+/// A weight conversion running on its own threads (see `kt_core::convert::ConversionJob`):
+/// `wait` polls it without holding the GIL, so the caller can show progress and cancel on
+/// Ctrl-C.
 #[pyclass(module = "kt_kernel._kt_core", frozen)]
 struct Conversion {
-    progress: Arc<ConvertProgress>,
-    job: Mutex<Option<std::thread::JoinHandle<kt_core::Result<ConvertReport>>>>,
+    job: ConversionJob,
     report: Mutex<Option<ConvertReport>>,
 }
 
@@ -730,42 +601,17 @@ impl Conversion {
         merge: bool,
         resume_layer: usize,
     ) -> PyResult<Self> {
-        let format = match method.to_ascii_lowercase().as_str() {
-            "int8" | "amxint8" => Method::AmxInt8,
-            "int4" | "amxint4" => Method::AmxInt4,
-            other => {
-                return Err(PyNotImplementedError::new_err(format!(
-                    "--quant-method {other}: only int8 and int4 (the AMXINT8/AMXINT4 files) are \
-                     written"
-                )))
-            }
-        };
         let opts = ConvertOptions {
             input,
             output,
-            format,
+            method: kt_core::convert::quant_method(method).py()?,
             input_type: input_type.map(InputType::parse).transpose().py()?,
             parts: threadpool_count,
             merge,
             resume_layer,
         };
-        let threads = if threads == 0 {
-            Topology::global().total_physical_cores().max(1)
-        } else {
-            threads
-        };
-        let progress = Arc::new(ConvertProgress::default());
-        let p = progress.clone();
-        let job = std::thread::Builder::new()
-            .name("kt-convert".into())
-            .spawn(move || {
-                let pool = Pool::new(PoolConfig::split(threads, 1, None)?)?;
-                kt_core::convert::convert(&pool, &opts, &p)
-            })
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the converter: {e}")))?;
         Ok(Conversion {
-            progress,
-            job: Mutex::new(Some(job)),
+            job: ConversionJob::start(opts, threads).py()?,
             report: Mutex::new(None),
         })
     }
@@ -776,40 +622,24 @@ impl Conversion {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let deadline = timeout
             .map(|t| std::time::Instant::now() + std::time::Duration::from_secs_f64(t.max(0.0)));
-        // Some(result) once the job has ended (taken now), None while it runs.
-        let ended = py.detach(|| loop {
-            let mut job = self.job.lock().unwrap();
-            if job.as_ref().is_none_or(|h| h.is_finished()) {
-                return job.take().map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(kt_core::Error::Runtime("the converter panicked".into()))
-                    })
-                });
-            }
-            drop(job);
-            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return None;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        });
-        match ended {
+        match py.detach(|| self.job.wait(deadline)) {
             Some(result) => {
                 *self.report.lock().unwrap() = Some(result.py()?);
                 Ok(true)
             }
             // Still running, or it ended at an earlier call.
-            None => Ok(self.job.lock().unwrap().is_none()),
+            None => Ok(self.job.is_done()),
         }
     }
 
     /// Ask the conversion to stop at the next matrix (nothing partial stays under a final name).
     fn cancel(&self) {
-        self.progress.cancel.store(true, Ordering::Relaxed);
+        self.job.cancel();
     }
 
     /// Progress so far: layers and input bytes, total and done, and the current layer.
     fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let p = &self.progress;
+        let p = self.job.progress();
         let d = PyDict::new(py);
         d.set_item("layers_total", p.layers_total.load(Ordering::Relaxed))?;
         d.set_item("layers_done", p.layers_done.load(Ordering::Relaxed))?;
@@ -839,6 +669,10 @@ impl Conversion {
 fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_THREADS", kt_core::pool::MAX_THREADS)?;
+    let names = |ms: &[Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>();
+    m.add("METHODS", names(&Method::ALL))?;
+    m.add("IMPLEMENTED_METHODS", names(&Method::implemented()))?;
+    m.add_function(wrap_pyfunction!(pool_split, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

@@ -16,8 +16,6 @@ class NativeMoEWrapper(BaseMoEWrapper):
     """BF16 experts: loaded from a Hugging Face safetensors checkpoint (``load_weights``) or
     from tensors (``load_weights_from_tensors``), packed once into the kernels' layout."""
 
-    _format = "bf16"
-
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.moe = _kt_core.MoeLayer(
@@ -31,7 +29,7 @@ class NativeMoEWrapper(BaseMoEWrapper):
             self.swiglu_limit,
             self.swiglu_alpha,
             os.environ.get("KT_BF16_KERNEL") or None,  # set but empty: as if unset
-            self._format,
+            self.method,
         )
 
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
@@ -94,10 +92,6 @@ class AMXMoEWrapper(NativeMoEWrapper):
     Weights come from files the original's converter wrote, from a Hugging Face checkpoint
     (quantized while loading, to the same bytes) or from tensors."""
 
-    @property
-    def _format(self) -> str:
-        return "int4" if self.method == "AMXINT4" else "int8"
-
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:
         """Load this layer from ``weight_path``: converted files (merged ``blk.*`` safetensors
         or ``_layer_*/_numa_*/*.kt``, written for the same ``threadpool_count``) are copied as
@@ -132,7 +126,7 @@ class LlamafileMoEWrapper(BaseMoEWrapper):
             self.swiglu_limit,
             self.swiglu_alpha,
             None,
-            "gguf",
+            self.method,
         )
 
     def load_weights(self, physical_to_logical_map_cpu=None) -> None:

@@ -24,13 +24,7 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn opts(
-    input: &Path,
-    output: &Path,
-    format: Method,
-    parts: usize,
-    merge: bool,
-) -> ConvertOptions {
+fn opts(input: &Path, output: &Path, format: Method, parts: usize, merge: bool) -> ConvertOptions {
     ConvertOptions {
         input: input.to_path_buf(),
         output: output.to_path_buf(),

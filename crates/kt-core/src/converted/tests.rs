@@ -40,8 +40,7 @@ fn layer(format: Method, parts: usize) -> MoeLayer {
     MoeLayer::with_method(cfg, parts, KernelSet::best().unwrap(), format).unwrap()
 }
 
-const SETS: [(Method, &str); 2] =
-    [(Method::AmxInt8, "int8"), (Method::AmxInt4, "int4")];
+const SETS: [(Method, &str); 2] = [(Method::AmxInt8, "int8"), (Method::AmxInt4, "int4")];
 
 #[test]
 fn original_files_load_equal_to_our_quantizer_and_write_back_byte_identical() {

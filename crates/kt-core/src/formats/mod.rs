@@ -71,6 +71,18 @@ impl RowBlock<'_> {
     }
 }
 
+/// Which panel a call computes: 32 rows of the part's gate/up slice, or 32 output columns of
+/// down, of the expert in physical `slot`.
+#[derive(Debug, Clone, Copy)]
+pub struct PanelAt {
+    /// NUMA part.
+    pub part: usize,
+    /// Physical expert slot.
+    pub slot: usize,
+    /// Panel index (rows `32p..32p+32` of the slice, or output columns `32p..`).
+    pub panel: usize,
+}
+
 /// Per-thread buffers a panel call may use (integer accumulators of every row of a block).
 pub struct PanelAcc {
     /// `MAX_ROWS × 32` integer results.
@@ -115,29 +127,19 @@ pub trait ExpertFormat: Send + Sync + Any {
     fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize;
 
     /// `g`, `u` (32 values per row, row i at `32·i`): intermediate rows `32p..32p+32` of the
-    /// part's slice of expert `slot`, against `rows` (`k = H`).
+    /// part's slice of expert `at.slot`, against `rows` (`k = H`).
     fn gate_up_panel(
         &self,
-        part: usize,
-        slot: usize,
-        p: usize,
+        at: PanelAt,
         rows: &RowBlock,
         scratch: &mut PanelAcc,
         g: &mut [f32],
         u: &mut [f32],
     );
 
-    /// `o` (32 values per row): output columns `32p..32p+32` of expert `slot`'s down slice
+    /// `o` (32 values per row): output columns `32p..32p+32` of expert `at.slot`'s down slice
     /// against the SwiGLU rows `rows`.
-    fn down_panel(
-        &self,
-        part: usize,
-        slot: usize,
-        p: usize,
-        rows: &RowBlock,
-        scratch: &mut PanelAcc,
-        o: &mut [f32],
-    );
+    fn down_panel(&self, at: PanelAt, rows: &RowBlock, scratch: &mut PanelAcc, o: &mut [f32]);
 
     /// Whether experts come from an [`crate::moe::ExpertSource`] ([`ExpertFormat::pack`]).
     fn packs_from_source(&self) -> bool;

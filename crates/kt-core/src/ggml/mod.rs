@@ -474,6 +474,62 @@ pub fn quantize(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Quantize little-endian values of `src_type` (`data`) to `ty` on `threads` threads (0 = all
+/// cores). Blocks are independent, so each thread converts its share a chunk at a time (no
+/// full-size f32 copy).
+pub fn quantize_bytes(
+    ty: GgmlType,
+    data: &[u8],
+    src_type: crate::dtype::FloatType,
+    threads: usize,
+) -> Result<Vec<u8>> {
+    let width = src_type.size();
+    kt_ensure!(
+        data.len().is_multiple_of(width),
+        Invalid,
+        "data holds {} bytes, not whole {} values",
+        data.len(),
+        src_type.name()
+    );
+    let n = data.len() / width;
+    let mut out = vec![0u8; ty.row_bytes(n)?];
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let blocks = n / bs;
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |t| t.get()),
+        t => t.min(crate::pool::MAX_THREADS),
+    }
+    .clamp(1, blocks.max(1));
+    let per = blocks.div_ceil(threads).max(1);
+    let chunk = (65536 / bs).max(1);
+    std::thread::scope(|s| {
+        let jobs: Vec<_> = data
+            .chunks(per * bs * width)
+            .zip(out.chunks_mut(per * ts))
+            .map(|(src, dst)| {
+                s.spawn(move || -> Result<()> {
+                    let mut values = vec![0f32; chunk * bs];
+                    for (src, dst) in src
+                        .chunks(chunk * bs * width)
+                        .zip(dst.chunks_mut(chunk * ts))
+                    {
+                        let x = &mut values[..src.len() / width];
+                        // SAFETY: `src` holds exactly x.len() values of src_type.
+                        unsafe { crate::dtype::row_to_f32(src.as_ptr(), src_type, x) };
+                        quantize_row(ty, x, dst)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        jobs.into_iter().try_for_each(|j| {
+            j.join()
+                .unwrap_or_else(|_| Err(Error::Runtime("a quantizer thread panicked".into())))
+        })
+    })?;
+    Ok(out)
+}
+
 fn check_row(ty: GgmlType, bytes: usize, n: usize) -> Result<()> {
     if !ty.is_supported() {
         return Err(unsupported(ty, "quantizer/dequantizer"));
@@ -613,17 +669,17 @@ impl DotKernel {
         let mut kernel = Self::scalar(ty)?;
         #[cfg(target_arch = "x86_64")]
         {
-            if level >= Level::Avx512Vnni && x86_avx512::available() {
+            if level >= Level::Avx512Vnni {
                 if let Some(raw) = x86_avx512::dot_fn(ty) {
                     kernel.name = "avx512-vnni";
                     kernel.raw = raw;
                     // Prefill: the AVX2 multi-row kernels (AVX-512 CPUs have AVX2).
-                    kernel.rows = x86_avx2_rows::rows_fn(ty).filter(|_| x86_avx2::available());
-                    kernel.x8 = x86_avx2_x8::x8_fn(ty).filter(|_| x86_avx2::available());
+                    kernel.rows = x86_avx2_rows::rows_fn(ty);
+                    kernel.x8 = x86_avx2_x8::x8_fn(ty);
                     return Ok(kernel);
                 }
             }
-            if level >= Level::Avx2 && x86_avx2::available() {
+            if level >= Level::Avx2 {
                 if let Some(raw) = x86_avx2::dot_fn(ty) {
                     kernel.name = "avx2";
                     kernel.raw = raw;

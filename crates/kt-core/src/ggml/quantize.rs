@@ -385,8 +385,8 @@ fn iq4_xs(x: &[f32], b: &mut [u8]) {
 /// Quantize an activation row (sizes already checked).
 pub(super) fn activation_row(format: ActivationFormat, x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 was just detected.
+    if crate::isa::allows(crate::isa::Level::Avx2) {
+        // SAFETY: the process's ISA level includes AVX2.
         return unsafe { activation_row_avx2(format, x, out) };
     }
     activation_row_body(format, x, out)

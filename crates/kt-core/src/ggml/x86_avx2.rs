@@ -10,13 +10,6 @@ use super::dot::{k_min_term, k_term};
 use super::{GgmlType, RawDotFn};
 use std::arch::x86_64::*;
 
-/// Whether this CPU runs these kernels.
-pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-}
-
 /// The AVX2 kernel for `ty`, if there is one.
 pub(super) fn dot_fn(ty: GgmlType) -> Option<RawDotFn> {
     Some(match ty {

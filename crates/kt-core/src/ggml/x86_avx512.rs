@@ -14,16 +14,6 @@ use super::x86_avx2::{
 use super::{GgmlType, RawDotFn};
 use std::arch::x86_64::*;
 
-/// Whether this CPU runs these kernels.
-pub(super) fn available() -> bool {
-    super::x86_avx2::available()
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512dq")
-        && is_x86_feature_detected!("avx512vnni")
-}
-
 /// The AVX-512 VNNI kernel for `ty`, if there is one.
 pub(super) fn dot_fn(ty: GgmlType) -> Option<RawDotFn> {
     Some(match ty {

@@ -79,8 +79,8 @@ pub fn row_sums_fast(group: &[u8], k: usize, int4: bool) -> [i32; 32] {
         "not a whole 32-row group"
     );
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 detected; the group holds `bytes` bytes of whole 2048-byte tiles.
+    if crate::isa::allows(crate::isa::Level::Avx2) {
+        // SAFETY: the process's ISA level includes AVX2; the group holds `bytes` bytes of whole 2048-byte tiles.
         return unsafe { x86::row_sums_avx2(&group[..bytes], int4) };
     }
     row_sums_scalar(group, k, int4)

@@ -278,6 +278,27 @@ impl KernelSet {
         set.with_best_amx()
     }
 
+    /// The kernels a caller names: `None`/`"auto"` ([`KernelSet::best`]), `"fma"` (fp32 FMA at
+    /// the chosen level), `"bf16dot"`, `"scalar"` (the twin), `"amx"` (hardware tiles, or an
+    /// error), `"amx-emulated"` (the tile programs on the software emulator).
+    pub fn from_choice(choice: Option<&str>) -> Result<KernelSet> {
+        let level = isa::global()?.chosen;
+        match choice {
+            None | Some("auto") => KernelSet::best(),
+            Some("fma") => KernelSet::for_level(level),
+            Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
+            Some("scalar") => Ok(KernelSet::scalar_twin()),
+            Some("amx") => KernelSet::best()?.with_amx(amx_min_rows_from_env()?),
+            Some("amx-emulated") => {
+                Ok(KernelSet::best()?.with_emulated_amx(amx_min_rows_from_env()?))
+            }
+            Some(other) => Err(Error::Invalid(format!(
+                "kernel={other:?}: expected 'auto', 'fma', 'bf16dot', 'scalar', 'amx' or \
+                 'amx-emulated'"
+            ))),
+        }
+    }
+
     /// Add the AMX path the process allows: emulated if `KT_KERNEL_AMX_EMULATE=1`, the hardware
     /// kernels at the amx level, none otherwise; threshold from `KT_KERNEL_AMX_MIN_ROWS`.
     fn with_best_amx(self) -> Result<KernelSet> {

@@ -8,7 +8,7 @@
 use super::workspace::PartPtrs;
 use super::{MoeLayer, Workspace};
 use crate::dtype::{row_from_f32, row_to_f32, FloatType};
-use crate::formats::{PanelAcc, RowBlock, Stage};
+use crate::formats::{PanelAcc, PanelAt, RowBlock, Stage};
 use crate::kernels::MAX_ROWS;
 use crate::pack::PANEL;
 use crate::pool::{Pool, Team};
@@ -59,6 +59,25 @@ pub struct ForwardArgs {
 unsafe impl Send for ForwardArgs {}
 // SAFETY: as above.
 unsafe impl Sync for ForwardArgs {}
+
+impl ForwardArgs {
+    /// Refuse null addresses where a forward of `qlen > 0` tokens needs memory (the residual
+    /// and the mask may be null: "none").
+    pub fn check_addresses(&self) -> Result<()> {
+        if self.qlen == 0 {
+            return Ok(());
+        }
+        for (name, null) in [
+            ("hidden", self.hidden.is_null()),
+            ("ids", self.ids.is_null()),
+            ("weights", self.weights.is_null()),
+            ("out", self.out.is_null()),
+        ] {
+            kt_ensure!(!null, Invalid, "{name} pointer is null");
+        }
+        Ok(())
+    }
+}
 
 impl MoeLayer {
     /// Forward with fp32 slices (for Rust callers and tests): `x [qlen][H]`, `ids/weights
@@ -351,11 +370,20 @@ impl PartForward<'_> {
                         unsafe {
                             at.f32_rows[i] = s.x.get().add(t * h);
                             at.prepared[i] = s.x_prep.get().wrapping_add(t * xs);
-                            at.scales[i] = if c.prepare_x { *s.x_scale.get().add(t) } else { 1.0 };
+                            at.scales[i] = if c.prepare_x {
+                                *s.x_scale.get().add(t)
+                            } else {
+                                1.0
+                            };
                         }
                     }
                     let rb = at.block(rows.len(), nr);
-                    layer.experts.gate_up_panel(self.part, slot, p, &rb, acc, g, u);
+                    let at = PanelAt {
+                        part: self.part,
+                        slot,
+                        panel: p,
+                    };
+                    layer.experts.gate_up_panel(at, &rb, acc, g, u);
                     let m = nr * PANEL;
                     layer.kernels.swiglu(
                         &g[..m],
@@ -396,7 +424,8 @@ impl PartForward<'_> {
             // SAFETY: row `row` of act, act_prep and act_scale belongs to this task.
             unsafe {
                 let src = std::slice::from_raw_parts(s.act.get().add(row * ip), ip);
-                let dst = std::slice::from_raw_parts_mut(s.act_prep.get().add(row * stride), stride);
+                let dst =
+                    std::slice::from_raw_parts_mut(s.act_prep.get().add(row * stride), stride);
                 *s.act_scale.get().add(row) = experts.prepare_act(self.part, src, dst);
             }
         });
@@ -434,10 +463,19 @@ impl PartForward<'_> {
                     unsafe {
                         at.f32_rows[i] = s.act.get().add(r * ip);
                         at.prepared[i] = s.act_prep.get().wrapping_add(r * stride);
-                        at.scales[i] = if c.prepare_act { *s.act_scale.get().add(r) } else { 1.0 };
+                        at.scales[i] = if c.prepare_act {
+                            *s.act_scale.get().add(r)
+                        } else {
+                            1.0
+                        };
                     }
                 }
-                experts.down_panel(self.part, slot, p, &at.block(rows.len(), nr), acc, o);
+                let panel = PanelAt {
+                    part: self.part,
+                    slot,
+                    panel: p,
+                };
+                experts.down_panel(panel, &at.block(rows.len(), nr), acc, o);
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }
@@ -499,7 +537,10 @@ impl PartForward<'_> {
                     let w = routing.row_weight[row];
                     // SAFETY: (row, panel p) of down_rows is written by this task only.
                     let dst = unsafe {
-                        std::slice::from_raw_parts_mut(s.down_rows.get().add(row * h + p * PANEL), PANEL)
+                        std::slice::from_raw_parts_mut(
+                            s.down_rows.get().add(row * h + p * PANEL),
+                            PANEL,
+                        )
                     };
                     for (d, v) in dst.iter_mut().zip(vals) {
                         *d = w * v;

@@ -1,9 +1,13 @@
 //! Loading a layer: checks first, then every part packs its slice on its own threads (so the
 //! pages live on its NUMA node), one task per (physical expert, projection).
 use super::{ExpertSource, MoeLayer, Proj};
+use crate::converted::{ConvertedLayer, LayerShape};
 use crate::formats::LayerFiles;
+use crate::gguf::GgufModel;
 use crate::pool::{Pool, Team};
+use crate::weights::{Checkpoint, HfLayerSource};
 use crate::{kt_ensure, Error, Result};
+use std::path::Path;
 use std::sync::Mutex;
 
 impl MoeLayer {
@@ -85,6 +89,71 @@ impl MoeLayer {
         self.experts.load_files(pool, &self.config, files, map)?;
         self.loaded = true;
         Ok(())
+    }
+
+    /// Read layer `layer_idx`'s experts from a Hugging Face safetensors checkpoint (only the
+    /// shards holding the layer, by the index when there is one). The files are unmapped before
+    /// returning, so peak memory is about one copy of the layer.
+    pub fn load_checkpoint(
+        &mut self,
+        pool: &Pool,
+        path: &Path,
+        layer_idx: usize,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let tag = format!("layers.{layer_idx}.");
+        let ckpt = Checkpoint::open_subset(path, &|n| n.contains(&tag))?;
+        // With a map, the checkpoint may hold a different number of logical experts.
+        let experts = match map {
+            Some(m) => m
+                .iter()
+                .copied()
+                .max()
+                .map_or(0, |v| v.max(0) as usize + 1)
+                .max(1),
+            None => c.num_experts,
+        };
+        let source = HfLayerSource::new(ckpt, layer_idx, experts, c.hidden, c.intermediate)?;
+        self.load(pool, &source, map)
+    }
+
+    /// Read layer `layer_idx`'s experts from files the original's converter wrote (merged
+    /// safetensors or `_layer_L/_numa_N/*.kt`), converted for this layer's part count.
+    pub fn load_converted_path(
+        &mut self,
+        pool: &Pool,
+        path: &Path,
+        layer_idx: usize,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let shape = LayerShape {
+            layer: layer_idx,
+            // With a map, the files must hold every expert it names.
+            experts: match map {
+                Some(m) => m.iter().copied().max().map_or(1, |v| v.max(0) as usize + 1),
+                None => c.num_experts,
+            },
+            hidden: c.hidden,
+            intermediate: c.intermediate,
+            parts: self.experts.part_ranges().len(),
+            method: self.method(),
+        };
+        let files = ConvertedLayer::open(path, shape)?;
+        self.load_converted(pool, &files, map)
+    }
+
+    /// Read layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards.
+    pub fn load_gguf_path(
+        &mut self,
+        pool: &Pool,
+        path: &Path,
+        layer_idx: usize,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let model = GgufModel::open(path)?;
+        self.load_gguf(pool, &model, layer_idx, map)
     }
 
     /// The pool must have one sub-pool per part.

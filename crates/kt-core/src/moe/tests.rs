@@ -496,12 +496,7 @@ fn int4_layers_agree_across_levels_and_stay_accurate() {
     quantized_layers_agree_across_levels(Method::AmxInt4, 256, 2, 0.27);
 }
 
-fn quantized_layers_agree_across_levels(
-    format: Method,
-    i: usize,
-    max_parts: usize,
-    bound: f64,
-) {
+fn quantized_layers_agree_across_levels(format: Method, i: usize, max_parts: usize, bound: f64) {
     let mut rng = Rng::new(31);
     let (e, k, h) = (6, 2, 128);
     let wts = Weights::random(&mut rng, e, h, i);

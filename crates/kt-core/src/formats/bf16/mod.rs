@@ -7,7 +7,7 @@
 //! Kernels, per expert and forward: the exact fp32 FMA kernel on fp32 activations, or, for
 //! experts with enough rows to be compute-bound, a bf16 dot product (AMX tiles or
 //! `vdpbf16ps`) on activations staged as bf16 pairs.
-use super::{ExpertFormat, PanelAcc, RowBlock, Stage};
+use super::{ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::kernels::{Bf16Path, KernelSet};
 use crate::method::Method;
 use crate::moe::{MoeConfig, Proj};
@@ -175,14 +175,17 @@ impl ExpertFormat for Bf16Experts {
 
     fn gate_up_panel(
         &self,
-        part: usize,
-        slot: usize,
-        p: usize,
+        at: PanelAt,
         rows: &RowBlock,
         _scratch: &mut PanelAcc,
         g: &mut [f32],
         u: &mut [f32],
     ) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let (h, ip) = (self.hidden, self.ranges[part].len());
         let len = panel_len(h);
         let off = slot * 2 * ip * h + 2 * p * len;
@@ -191,15 +194,12 @@ impl ExpertFormat for Bf16Experts {
         self.panel(rows, h, &gu[len..], u);
     }
 
-    fn down_panel(
-        &self,
-        part: usize,
-        slot: usize,
-        p: usize,
-        rows: &RowBlock,
-        _scratch: &mut PanelAcc,
-        o: &mut [f32],
-    ) {
+    fn down_panel(&self, at: PanelAt, rows: &RowBlock, _scratch: &mut PanelAcc, o: &mut [f32]) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let (h, ip) = (self.hidden, self.ranges[part].len());
         let off = slot * h * ip + p * panel_len(ip);
         let panel = &self.parts[part].down.as_slice()[off..off + panel_len(ip)];

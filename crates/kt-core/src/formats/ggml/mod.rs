@@ -14,7 +14,7 @@
 //! Activations: each token's `x` is quantized once per part to the gate/up type's activation
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
-use super::{ExpertFormat, LayerFiles, PanelAcc, RowBlock, Stage};
+use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::ggml::{x8, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
 use crate::isa::Level;
@@ -198,12 +198,7 @@ fn check_sums(at: *const u8, len: usize) {
 
 /// Split unit of the intermediate dimension for `parts` parts with down type `down` (see the
 /// module docs); fails if `I` cannot be cut into whole blocks of the down type per part.
-fn split_unit(
-    config: &MoeConfig,
-    parts: usize,
-    down: GgmlType,
-    name: &str,
-) -> Result<usize> {
+fn split_unit(config: &MoeConfig, parts: usize, down: GgmlType, name: &str) -> Result<usize> {
     let i = config.intermediate;
     if i.is_multiple_of(QK_K) && i / QK_K >= parts {
         return Ok(QK_K);
@@ -397,28 +392,28 @@ impl ExpertFormat for GgmlExperts {
 
     fn gate_up_panel(
         &self,
-        part: usize,
-        slot: usize,
-        p: usize,
+        at: PanelAt,
         rows: &RowBlock,
         _scratch: &mut PanelAcc,
         g: &mut [f32],
         u: &mut [f32],
     ) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let plan = self.plan();
         let xs = Self::row_slices(rows, plan.x_stride);
         plan.gate_up_panel(&self.parts[part], slot, p, &xs[..rows.len()], g, u);
     }
 
-    fn down_panel(
-        &self,
-        part: usize,
-        slot: usize,
-        p: usize,
-        rows: &RowBlock,
-        _scratch: &mut PanelAcc,
-        o: &mut [f32],
-    ) {
+    fn down_panel(&self, at: PanelAt, rows: &RowBlock, _scratch: &mut PanelAcc, o: &mut [f32]) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let gp = &self.parts[part];
         let acts = Self::row_slices(rows, gp.act_stride);
         self.plan().down_panel(gp, slot, p, &acts[..rows.len()], o);
@@ -428,7 +423,13 @@ impl ExpertFormat for GgmlExperts {
         false
     }
 
-    unsafe fn pack(&self, _part: usize, _slot: usize, _proj: Proj, _view: &MatrixView) -> Result<()> {
+    unsafe fn pack(
+        &self,
+        _part: usize,
+        _slot: usize,
+        _proj: Proj,
+        _view: &MatrixView,
+    ) -> Result<()> {
         kt_bail!(
             Invalid,
             "layer {} stores GGUF blocks; load it from a GGUF file (load_gguf)",

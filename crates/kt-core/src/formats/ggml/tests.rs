@@ -1,11 +1,11 @@
 use super::*;
-use crate::moe::{MoeConfig, MoeLayer};
-use crate::method::Method;
 use crate::ggml::{dequantize, quantize};
 use crate::gguf::GgufModel;
 use crate::isa;
 use crate::kernels::KernelSet;
+use crate::method::Method;
 use crate::moe::{ForwardArgs, Workspace};
+use crate::moe::{MoeConfig, MoeLayer};
 use crate::pool::PoolConfig;
 use crate::rng::Rng;
 use std::path::{Path, PathBuf};
@@ -437,9 +437,8 @@ fn bad_files_are_refused_with_reasons() {
             down: GgmlType::Q8_0,
         },
     );
-    let layer = || {
-        MoeLayer::with_method(config(e, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap()
-    };
+    let layer =
+        || MoeLayer::with_method(config(e, k, h, i), 1, best_kernels(), Method::Llamafile).unwrap();
     let try_load = |tensors: Vec<(String, Vec<usize>, GgmlType, Vec<u8>)>, name: &str| {
         let path = dir.0.join(format!("{name}.gguf"));
         write_gguf(&path, &tensors);

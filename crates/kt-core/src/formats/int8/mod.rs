@@ -9,7 +9,7 @@
 //!
 //! The two widths differ in a handful of facts, gathered in an [`IntLayout`]: the bytes of a
 //! matrix, the split unit, and which kernel of a [`KernelSet`] reads them.
-use super::{ExpertFormat, LayerFiles, PanelAcc, RowBlock, Stage};
+use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::kernels::int8::{Int8DotFn, ACT_COPIES};
 use crate::kernels::{AmxPath, KernelSet};
 use crate::method::Method;
@@ -286,12 +286,12 @@ impl IntExperts {
                 let mut sum_piece = |mat: &[u8], bytes: Range<usize>| {
                     for g in bytes.start / group_bytes..bytes.end / group_bytes {
                         let group = &mat[g * group_bytes..(g + 1) * group_bytes];
-                        sums[g * PANEL..(g + 1) * PANEL].copy_from_slice(
-                            &crate::kernels::int8::row_sums_fast(group, k, int4),
-                        );
+                        sums[g * PANEL..(g + 1) * PANEL]
+                            .copy_from_slice(&crate::kernels::int8::row_sums_fast(group, k, int4));
                     }
                 };
-                let result = files.read_into(logical[slot], proj, part, mat, scales, &mut sum_piece);
+                let result =
+                    files.read_into(logical[slot], proj, part, mat, scales, &mut sum_piece);
                 if let Err(err) = result {
                     first_error.lock().unwrap().get_or_insert(err);
                 }
@@ -351,14 +351,17 @@ impl ExpertFormat for IntExperts {
 
     fn gate_up_panel(
         &self,
-        part: usize,
-        slot: usize,
-        p: usize,
+        at: PanelAt,
         rows: &RowBlock,
         scratch: &mut PanelAcc,
         g: &mut [f32],
         u: &mut [f32],
     ) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let (ip, h) = (self.ranges[part].len(), self.hidden);
         let qrow = slot * ip + p * PANEL;
         let [gate, up, _] = &self.parts[part];
@@ -366,15 +369,12 @@ impl ExpertFormat for IntExperts {
         self.panel(up, qrow, h, rows, scratch, u);
     }
 
-    fn down_panel(
-        &self,
-        part: usize,
-        slot: usize,
-        p: usize,
-        rows: &RowBlock,
-        scratch: &mut PanelAcc,
-        o: &mut [f32],
-    ) {
+    fn down_panel(&self, at: PanelAt, rows: &RowBlock, scratch: &mut PanelAcc, o: &mut [f32]) {
+        let PanelAt {
+            part,
+            slot,
+            panel: p,
+        } = at;
         let ip = self.ranges[part].len();
         let qrow = slot * self.hidden + p * PANEL;
         self.panel(&self.parts[part][2], qrow, ip, rows, scratch, o);
@@ -391,7 +391,9 @@ impl ExpertFormat for IntExperts {
         let (mat, scales, sums) =
             unsafe { self.parts[part][proj.index()].expert_mut(slot, n, bytes) };
         // SAFETY: the source keeps `view`'s memory alive while the layer loads.
-        unsafe { crate::quant::quantize_matrix(view, self.layout.is_int4(), mat, scales, Some(sums)) }
+        unsafe {
+            crate::quant::quantize_matrix(view, self.layout.is_int4(), mat, scales, Some(sums))
+        }
     }
 
     fn load_files(
