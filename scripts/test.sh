@@ -8,8 +8,10 @@ VENV="${KT_VENV:-$HOME/.cache/kt-kernel/venv}"
 echo "[test] cargo fmt / clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+echo "[test] module layering"
+python3 scripts/check_module_cycles.py
 echo "[test] ruff"
-"$VENV/bin/ruff" check python tests benches
+"$VENV/bin/ruff" check python tests benches scripts
 echo "[test] cargo test"
 cargo test --workspace
 echo "[test] pytest"

@@ -20,8 +20,8 @@ use crate::converted::{
     TensorEntry, PROJS,
 };
 use crate::dtype::FloatType;
+use crate::expert::{ExpertSource, Proj};
 use crate::method::Method;
-use crate::moe::{ExpertSource, Proj};
 use crate::pool::Pool;
 use crate::quant::{
     k_step, matrix_bytes, quantize_matrix, to_file_layout, FILE_K_BLOCK, GROUP_ROWS,

@@ -14,8 +14,8 @@
 //! Loading reads each matrix with positioned reads straight into the layer's memory (one copy
 //! out of the page cache, on every loading thread at once, nothing mapped), after the file
 //! sizes and safetensors headers have been checked against the layer's shape.
+use crate::expert::Proj;
 use crate::method::Method;
-use crate::moe::Proj;
 use crate::shard_index::ShardIndex;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::collections::HashMap;

@@ -224,6 +224,7 @@ mod tests {
         for t in [FloatType::F32, FloatType::F16, FloatType::BF16] {
             let mut raw = vec![0u8; src.len() * t.size()];
             let mut back = [0f32; 4];
+            // SAFETY: `raw` holds 4 values of `t`, `back` 4 floats.
             unsafe {
                 row_from_f32(&src, raw.as_mut_ptr(), t);
                 row_to_f32(raw.as_ptr(), t, &mut back);

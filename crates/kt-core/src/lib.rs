@@ -17,6 +17,7 @@
 //! Threading model: a layer is split along the intermediate dimension into one part per sub-pool;
 //! each part runs on its own pinned workers and the fp32 partial outputs are summed.
 #![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 #![warn(missing_docs)]
 
 pub mod affinity;
@@ -25,6 +26,7 @@ pub mod converted;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod expert;
 pub mod file_stamp;
 pub mod formats;
 pub mod ggml;

@@ -2,8 +2,8 @@
 //!
 //! This is the only spelling of "which weight format" that travels through the crate: Python
 //! hands the string to [`Method::parse`], the layer is built for the [`Method`], and the format
-//! registry ([`crate::formats::build`]) maps it to the code that stores and multiplies its
-//! experts.
+//! registry (`formats::build`, which also says which methods this build computes) maps it to
+//! the code that stores and multiplies its experts.
 use crate::isa::Level;
 use crate::{Error, Result};
 
@@ -94,37 +94,10 @@ impl Method {
             })
     }
 
-    /// Whether this build computes the method (the registry has a format for it).
-    pub fn is_implemented(self) -> bool {
-        crate::formats::is_registered(self)
-    }
-
-    /// The methods this build computes.
-    pub fn implemented() -> Vec<Method> {
-        Method::ALL
-            .into_iter()
-            .filter(|m| m.is_implemented())
-            .collect()
-    }
-
     /// Lowest ISA level the method runs on. Every implemented method has a scalar twin, so it
     /// runs on any x86-64 CPU; faster kernels are picked from the level at layer construction.
     pub fn min_level(self) -> Level {
         Level::Generic
-    }
-
-    /// Fails with `Unsupported` (NotImplementedError in Python) for a method this build
-    /// recognises but does not compute.
-    pub fn ensure_implemented(self) -> Result<()> {
-        if self.is_implemented() {
-            return Ok(());
-        }
-        let names: Vec<_> = Method::implemented().iter().map(|m| m.name()).collect();
-        Err(Error::Unsupported(format!(
-            "method {:?} is recognised but not built into this kt_kernel yet (available: {})",
-            self.name(),
-            names.join(", ")
-        )))
     }
 }
 
@@ -145,13 +118,5 @@ mod tests {
         }
         let e = Method::parse("amxint8").unwrap_err().to_string();
         assert!(e.contains("AMXINT8") && e.contains("valid methods"), "{e}");
-    }
-
-    #[test]
-    fn implemented_methods_are_the_registered_formats() {
-        let names: Vec<_> = Method::implemented().iter().map(|m| m.name()).collect();
-        assert_eq!(names, ["AMXINT4", "AMXINT8", "BF16", "LLAMAFILE"]);
-        let e = Method::Fp8.ensure_implemented().unwrap_err();
-        assert!(matches!(e, Error::Unsupported(_)), "{e}");
     }
 }

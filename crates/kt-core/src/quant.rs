@@ -265,6 +265,10 @@ unsafe fn quantize_group_avx2(
     unsafe { quantize_group_body(view, r0, int4, row, q, scales, sums) }
 }
 
+/// The quantizer of [`quantize_group`], compiled into each ISA wrapper.
+///
+/// # Safety
+/// As [`quantize_group`] (the caller's CPU runs the wrapper it is inlined into).
 #[inline(always)]
 unsafe fn quantize_group_body(
     view: &MatrixView,

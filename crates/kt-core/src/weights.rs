@@ -2,7 +2,7 @@
 //! `model.safetensors.index.json`). Files are memory-mapped; the maps are released when the
 //! source is dropped, right after the layer has packed its own copy.
 use crate::dtype::FloatType;
-use crate::moe::{ExpertSource, Proj};
+use crate::expert::{ExpertSource, Proj};
 use crate::pack::{BlockScale, MatrixView};
 use crate::{kt_bail, kt_ensure, Error, Result};
 use memmap2::Mmap;

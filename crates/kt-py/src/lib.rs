@@ -1,6 +1,7 @@
 //! `kt_kernel._kt_core`: PyO3 bindings of kt-core. Argument conversion, GIL release and error
 //! mapping only; tensors arrive as addresses already checked by `kt_kernel` (shape, dtype,
 //! device, contiguity).
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 use kt_core::convert::{ConversionJob, ConvertOptions, ConvertReport, InputType};
 use kt_core::dtype::FloatType;
 use kt_core::engine::{Engine as CoreEngine, Task};
@@ -63,7 +64,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("kernels", kernels)?;
     d.set_item(
         "prefetch_bytes",
-        kt_core::kernels::prefetch::ensure_chosen().py()?,
+        kt_core::kernels::calibrate::ensure_prefetch_chosen().py()?,
     )?;
     Ok(d)
 }
@@ -671,7 +672,10 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_THREADS", kt_core::pool::MAX_THREADS)?;
     let names = |ms: &[Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>();
     m.add("METHODS", names(&Method::ALL))?;
-    m.add("IMPLEMENTED_METHODS", names(&Method::implemented()))?;
+    m.add(
+        "IMPLEMENTED_METHODS",
+        names(&kt_core::formats::implemented()),
+    )?;
     m.add_function(wrap_pyfunction!(pool_split, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;

@@ -6,7 +6,7 @@
 //!
 //! 1. **layout and load**: the format allocates its experts for the layer's NUMA parts (one
 //!    intermediate slice each) and packs or quantizes each `(part, expert, projection)` from an
-//!    [`crate::moe::ExpertSource`] ([`ExpertFormat::pack`]), or reads files written for it
+//!    [`crate::expert::ExpertSource`] ([`ExpertFormat::pack`]), or reads files written for it
 //!    ([`ExpertFormat::load_files`]);
 //! 2. **prepare x**: each token's fp32 row may be turned into the format's activation bytes
 //!    (bf16 pairs, biased int8 copies, ggml Q8 blocks) once per part;
@@ -16,9 +16,9 @@
 //!
 //! Each format picks its kernels once, when the layer is built, from the [`KernelSet`] of one
 //! ISA level. Adding a format is a folder here, a [`Method`] variant and a line in [`build`].
+use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
-use crate::moe::{MoeConfig, Proj};
 use crate::pack::PANEL;
 use crate::pool::Pool;
 use crate::{kt_bail, Result};
@@ -30,7 +30,7 @@ pub mod ggml;
 pub mod int4;
 pub mod int8;
 
-/// Files a format may read its experts from (besides a [`crate::moe::ExpertSource`]).
+/// Files a format may read its experts from (besides a [`crate::expert::ExpertSource`]).
 pub enum LayerFiles<'a> {
     /// The original's converted AMXINT8/AMXINT4 files of one layer.
     Converted(&'a crate::converted::ConvertedLayer),
@@ -141,7 +141,7 @@ pub trait ExpertFormat: Send + Sync + Any {
     /// against the SwiGLU rows `rows`.
     fn down_panel(&self, at: PanelAt, rows: &RowBlock, scratch: &mut PanelAcc, o: &mut [f32]);
 
-    /// Whether experts come from an [`crate::moe::ExpertSource`] ([`ExpertFormat::pack`]).
+    /// Whether experts come from an [`crate::expert::ExpertSource`] ([`ExpertFormat::pack`]).
     fn packs_from_source(&self) -> bool;
 
     /// Pack (or quantize) `view`, the part's slice of physical `slot`'s projection `proj`.
@@ -180,32 +180,68 @@ pub trait ExpertFormat: Send + Sync + Any {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// Builds one method's experts for a layer (see [`build`]).
+type Builder = fn(&MoeConfig, usize, KernelSet) -> Result<Box<dyn ExpertFormat>>;
+
+/// The registry: every method this build computes and how its experts are built. A new format
+/// is one line here (and its `pub mod` above).
+const REGISTRY: &[(Method, Builder)] = &[
+    (Method::Bf16, |c, p, k| {
+        Ok(Box::new(bf16::Bf16Experts::new(c, p, k)?))
+    }),
+    (Method::AmxInt8, |c, p, k| {
+        Ok(Box::new(int8::IntExperts::new(c, p, k, int8::INT8)?))
+    }),
+    (Method::AmxInt4, |c, p, k| {
+        Ok(Box::new(int8::IntExperts::new(c, p, k, int4::INT4)?))
+    }),
+    (Method::Llamafile, |c, p, k| {
+        Ok(Box::new(ggml::GgmlExperts::new(c, p, k)?))
+    }),
+];
+
+/// The methods [`build`] knows, in [`Method::ALL`] order.
+pub fn implemented() -> Vec<Method> {
+    Method::ALL
+        .into_iter()
+        .filter(|&m| is_registered(m))
+        .collect()
+}
+
 /// Whether [`build`] knows `method`.
 pub fn is_registered(method: Method) -> bool {
-    matches!(
-        method,
-        Method::Bf16 | Method::AmxInt8 | Method::AmxInt4 | Method::Llamafile
+    REGISTRY.iter().any(|(m, _)| *m == method)
+}
+
+/// Fails with `Unsupported` (NotImplementedError in Python) for a method this build
+/// recognises but does not compute.
+pub fn ensure_registered(method: Method) -> Result<()> {
+    if is_registered(method) {
+        return Ok(());
+    }
+    let names: Vec<_> = implemented().iter().map(|m| m.name()).collect();
+    kt_bail!(
+        Unsupported,
+        "method {:?} is recognised but not built into this kt_kernel yet (available: {})",
+        method.name(),
+        names.join(", ")
     )
 }
 
-/// The registry: the format of `method` for a layer of `config` split into `parts` NUMA parts,
-/// with kernels from `kernels`.
+/// The format of `method` for a layer of `config` split into `parts` NUMA parts, with kernels
+/// from `kernels`.
 pub fn build(
     method: Method,
     config: &MoeConfig,
     parts: usize,
     kernels: KernelSet,
 ) -> Result<Box<dyn ExpertFormat>> {
-    Ok(match method {
-        Method::Bf16 => Box::new(bf16::Bf16Experts::new(config, parts, kernels)?),
-        Method::AmxInt8 => Box::new(int8::IntExperts::new(config, parts, kernels, int8::INT8)?),
-        Method::AmxInt4 => Box::new(int8::IntExperts::new(config, parts, kernels, int4::INT4)?),
-        Method::Llamafile => Box::new(ggml::GgmlExperts::new(config, parts, kernels)?),
-        other => {
-            other.ensure_implemented()?;
-            unreachable!("{other} is registered above")
-        }
-    })
+    ensure_registered(method)?;
+    let (_, builder) = REGISTRY
+        .iter()
+        .find(|(m, _)| *m == method)
+        .expect("registered");
+    builder(config, parts, kernels)
 }
 
 /// Check that `config` splits into `parts` slices of whole `unit`s (and `H` is a multiple of
@@ -227,4 +263,17 @@ pub fn split_in_units(
     );
     config.check_blocks(parts, unit)?;
     Ok(config.part_ranges_in_units(parts, unit))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn implemented_methods_are_the_registered_formats() {
+        let names: Vec<_> = implemented().iter().map(|m| m.name()).collect();
+        assert_eq!(names, ["AMXINT4", "AMXINT8", "BF16", "LLAMAFILE"]);
+        let e = ensure_registered(Method::Fp8).unwrap_err();
+        assert!(matches!(e, crate::Error::Unsupported(_)), "{e}");
+    }
 }

@@ -96,6 +96,7 @@ fn k_affine_rows<const R: usize>(w: &[u8], a: &[&[u8]], out: &mut [f32], five_bi
         let ab: [&[u8]; R] = {
             let mut ab = [&[][..]; R];
             for r in 0..R {
+                // SAFETY: each activation row holds the k/256 Q8_K blocks the caller checked.
                 ab[r] =
                     unsafe { std::slice::from_raw_parts(rows[r].add(sb * Q8_K_BYTES), Q8_K_BYTES) };
             }

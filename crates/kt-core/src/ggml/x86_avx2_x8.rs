@@ -126,6 +126,10 @@ fn starts<const R: usize>(
     a
 }
 
+/// Q8_0 x8 for exactly `R` activation rows.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; the [`q8_0`] contract with `R` rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
 unsafe fn q8_0_rows<const R: usize>(
@@ -142,7 +146,7 @@ unsafe fn q8_0_rows<const R: usize>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
-    // SAFETY (all loads): offsets inside the checked group and activation blocks.
+    // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         for blk in 0..blocks {
             let g = group.as_ptr().add(blk * Q8_0_X8_BYTES);
@@ -174,6 +178,10 @@ unsafe fn q8_0_rows<const R: usize>(
     }
 }
 
+/// Q6_K x8 for exactly `R` activation rows.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; the [`q6_k`] contract with `R` rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
 unsafe fn q6_k_rows<const R: usize>(
@@ -191,7 +199,7 @@ unsafe fn q6_k_rows<const R: usize>(
     let two = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
-    // SAFETY (all loads): offsets inside the checked group and activation blocks.
+    // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         for sb in 0..blocks {
             let g = group.as_ptr().add(sb * Q6_K_X8_BYTES);
@@ -270,6 +278,10 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
+/// Q4_K x8 for exactly `R` activation rows.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; the [`q4_k`] contract with `R` rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn q4_k_rows<const R: usize>(
@@ -294,7 +306,7 @@ unsafe fn q4_k_rows<const R: usize>(
     let low4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
-    // SAFETY (all loads): offsets inside the checked group and activation blocks.
+    // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         for sb in 0..blocks {
             let g = group.as_ptr().add(sb * Q4_K_X8_BYTES);

@@ -262,6 +262,8 @@ mod tests {
                 for ptrs in [&strided, &apart] {
                     let mut got = vec![0i32; rows * 32];
                     let mut want = vec![0i32; rows * 32];
+                    // SAFETY: rows of k activation bytes, a whole tiled group, rows·32 outputs;
+                    // the emulator and the twin run on any CPU.
                     unsafe {
                         emu(ptrs, k, group.as_ptr(), s.as_ptr(), got.as_mut_ptr());
                         twin(ptrs, k, group.as_ptr(), s.as_ptr(), want.as_mut_ptr());
@@ -317,6 +319,7 @@ mod tests {
                 for ptrs in [&fwd, &rev] {
                     let mut got = vec![0f32; rows * 32];
                     let mut want = vec![0f32; rows * 32];
+                    // SAFETY: staged rows of k/2 pairs, a panel of 32·k, rows·32 outputs.
                     unsafe {
                         emulated::panel_dot_bf16(ptrs, k, panel.as_ptr(), got.as_mut_ptr());
                         panel_dot_bf16_twin(ptrs, k, panel.as_ptr(), want.as_mut_ptr());
@@ -328,6 +331,7 @@ mod tests {
                     crate::dtype::bf16_bits_to_f32(crate::dtype::f32_to_bf16_bits(v)) as f64
                 };
                 let mut want = vec![0f32; rows * 32];
+                // SAFETY: as above.
                 unsafe { panel_dot_bf16_twin(&fwd, k, panel.as_ptr(), want.as_mut_ptr()) };
                 for r in 0..rows {
                     for j in 0..32 {
@@ -351,6 +355,7 @@ mod tests {
     fn too_many_rows_are_refused() {
         let rows = vec![std::ptr::null::<u8>(); ROWS + 1];
         let mut out = vec![0i32; (ROWS + 1) * 32];
+        // SAFETY: the kernel refuses the row count before it reads anything.
         unsafe {
             emulated::dot_int8(
                 &rows,

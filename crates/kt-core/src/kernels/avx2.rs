@@ -16,6 +16,10 @@ pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, 
 }
 
 /// One half (16 outputs) of the panel per pass keeps the accumulators in registers.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a_rows` holds exactly `R` pointers; the rest is the
+/// [`super::PanelDotFn`] contract.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn dot_rows<const R: usize>(

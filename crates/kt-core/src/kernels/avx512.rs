@@ -15,6 +15,11 @@ pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, 
     }
 }
 
+/// `R` rows against one panel, 16 outputs per register.
+///
+/// # Safety
+/// The CPU has AVX-512F; `a_rows` holds exactly `R` pointers; the rest is the
+/// [`super::PanelDotFn`] contract.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn dot_rows<const R: usize>(

@@ -16,6 +16,11 @@ pub unsafe fn panel_dot_bf16(a_rows: &[*const u32], k: usize, panel: *const u16,
     }
 }
 
+/// `R` rows against one panel with `vdpbf16ps`.
+///
+/// # Safety
+/// The CPU has AVX512-BF16; `a_rows` holds exactly `R` pointers; the rest is the
+/// [`super::PanelDotBf16Fn`] contract.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn dot_rows<const R: usize>(
     a_rows: &[*const u32],

@@ -200,12 +200,23 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// The multiply-accumulate on 512-bit lanes: `acc += Σ_4 a_u8 · w_i8` per i32 lane.
+    ///
+    /// # Safety
+    /// Every method needs the CPU features of the kernel that instantiates it (they are
+    /// register-only operations: nothing is read or written through a pointer).
     trait Op512 {
         /// Whether `dot` works on biased activations (then `Σ w · 128` is subtracted at the end).
         const BIASED: bool;
         type Act: Copy;
         /// Prepare a broadcast activation quad (biased unsigned bytes).
+        ///
+        /// # Safety
+        /// The CPU has the implementing kernel's features.
         unsafe fn prep(quad: __m512i) -> Self::Act;
+        /// `acc += Σ_4 a · w` per i32 lane.
+        ///
+        /// # Safety
+        /// As `prep`.
         unsafe fn dot(acc: __m512i, a: Self::Act, w: __m512i) -> __m512i;
     }
 
@@ -249,10 +260,21 @@ mod x86 {
     }
 
     /// The same on 256-bit lanes.
+    ///
+    /// # Safety
+    /// As [`Op512`].
     trait Op256 {
         const BIASED: bool;
         type Act: Copy;
+        /// Prepare a broadcast activation quad.
+        ///
+        /// # Safety
+        /// The CPU has the implementing kernel's features.
         unsafe fn prep(quad: __m256i) -> Self::Act;
+        /// `acc += Σ_4 a · w` per i32 lane.
+        ///
+        /// # Safety
+        /// As `prep`.
         unsafe fn dot(acc: __m256i, a: Self::Act, w: __m256i) -> __m256i;
         /// The operand for the activation quad at `off` of the row at `row` (`k` values a
         /// copy): by default prepared from the biased copy.
@@ -272,6 +294,9 @@ mod x86 {
         /// to [`NIBBLE_LINES_PER_WIDEN`] lines: signed `v` (|v| ≤ 8) against biased
         /// activations, or, with [`Op256::NIBBLES_UNSIGNED`], unsigned `v + 8` against signed
         /// activations. What a partial holds (i16 or i32 lanes) is the op's business.
+        ///
+        /// # Safety
+        /// As `prep`.
         unsafe fn dot_nibbles(
             partial: __m256i,
             a_lo: __m256i,
@@ -280,6 +305,9 @@ mod x86 {
             w_hi: __m256i,
         ) -> __m256i;
         /// `acc + partial` as i32 lanes (each i32 lane: four inputs of one output).
+        ///
+        /// # Safety
+        /// As `prep`.
         unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i;
     }
 
@@ -769,6 +797,10 @@ mod x86 {
                 }
             }
 
+            /// The kernel for exactly `R` rows.
+            ///
+            /// # Safety
+            /// As the entry above, with `a.len() == R`.
             #[target_feature(enable = $features)]
             unsafe fn $inner<const R: usize>(
                 a: &[*const u8],
@@ -919,6 +951,8 @@ mod tests {
             let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
             let mut got = vec![0i32; rows * 32];
             let mut want = vec![0i32; rows * 32];
+            // SAFETY: activation rows of the right size, a whole tiled group and its sums,
+            // rows·32 outputs; each kernel runs only where its ISA was detected.
             unsafe {
                 f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr());
                 (fmt.twin)(&ptrs, k, group.as_ptr(), sums.as_ptr(), want.as_mut_ptr());

@@ -27,6 +27,7 @@ macro_rules! dispatch_rows {
 pub(crate) use dispatch_rows;
 
 pub mod amx;
+pub mod calibrate;
 pub mod int8;
 pub mod prefetch;
 pub mod scalar;
@@ -260,7 +261,7 @@ impl KernelSet {
     /// `=bf16dot` forces the choice.
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
-        prefetch::ensure_chosen()?;
+        calibrate::ensure_prefetch_chosen()?;
         if level < Level::Avx512Bf16 {
             return Self::for_level(level)?.with_best_amx();
         }
@@ -268,7 +269,7 @@ impl KernelSet {
         let use_bf16 = match force.as_str() {
             "fma" => false,
             "bf16dot" => true,
-            _ => *BF16_FASTER.get_or_init(|| calibrate(level)),
+            _ => calibrate::bf16_dot_is_faster(level),
         };
         let set = if use_bf16 {
             Self::with_bf16(level, BF16_MIN_ROWS)?
@@ -523,59 +524,6 @@ impl KernelSet {
         // SAFETY: lengths checked; ISA checked at construction.
         unsafe { (self.swiglu)(gate, up, out, limit, alpha) }
     }
-}
-
-static BF16_FASTER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-
-/// Time the fp32-FMA and bf16 kernels on an in-cache panel (a few ms, best of three rounds
-/// each, interleaved so machine noise hits both) and report whether bf16 is clearly faster.
-fn calibrate(level: Level) -> bool {
-    let (Ok(fma), Ok(bf)) = (KernelSet::for_level(level), KernelSet::with_bf16(level, 1)) else {
-        return false;
-    };
-    let k = 1024;
-    let panel: Vec<u16> = (0..PANEL * k)
-        .map(|i| (0x3f80 + (i % 97) as u16) & 0x3fff)
-        .collect();
-    let a: Vec<f32> = (0..k).map(|i| (i % 13) as f32 * 0.1).collect();
-    let mut staged = vec![0u32; k / 2];
-    bf.stage_bf16(&a, &mut staged);
-    let mut out = vec![0f32; MAX_ROWS * PANEL];
-    let rate = |f: &mut dyn FnMut(), rows: usize| {
-        let t = std::time::Instant::now();
-        let mut n = 0usize;
-        while t.elapsed().as_micros() < 1500 {
-            f();
-            n += 1;
-        }
-        (n * rows) as f64 / t.elapsed().as_secs_f64()
-    };
-    let (mut best_fma, mut best_bf) = (0f64, 0f64);
-    let fr = fma.rows_per_block();
-    let br = bf.bf16().map_or(1, |p| p.rows_per_block);
-    let fma_rows: Vec<&[f32]> = (0..fr).map(|_| a.as_slice()).collect();
-    let bf_rows: Vec<&[u32]> = (0..br).map(|_| staged.as_slice()).collect();
-    for _ in 0..3 {
-        best_fma = best_fma.max(rate(&mut || fma.panel_dot(&fma_rows, &panel, &mut out), fr));
-        best_bf = best_bf.max(rate(
-            &mut || bf.panel_dot_bf16(&bf_rows, &panel, &mut out),
-            br,
-        ));
-    }
-    let faster = best_bf > 1.15 * best_fma;
-    if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-        eprintln!(
-            "[kt_kernel] bf16 calibration: fp32-FMA {:.1} vs bf16-dot {:.1} Mrow-panels/s -> {}",
-            best_fma / 1e6,
-            best_bf / 1e6,
-            if faster {
-                "bf16 dot for prefill"
-            } else {
-                "fp32 FMA everywhere"
-            }
-        );
-    }
-    faster
 }
 
 /// Levels this machine can run, for tests that compare each with the scalar twin.

@@ -6,7 +6,7 @@
 //! the workspace (rows, panels or column blocks); the format ([`crate::formats`]) supplies the
 //! arithmetic of each panel.
 use super::workspace::PartPtrs;
-use super::{MoeLayer, Workspace};
+use super::{MoeLayer, Workspace, CHUNK_TOKENS};
 use crate::dtype::{row_from_f32, row_to_f32, FloatType};
 use crate::formats::{PanelAcc, PanelAt, RowBlock, Stage};
 use crate::kernels::MAX_ROWS;
@@ -16,13 +16,6 @@ use crate::routing::{Ids, Routing};
 use crate::sync_ptr::SyncPtr;
 use crate::{kt_ensure, Result};
 use std::ops::Range;
-
-/// Tokens processed per internal chunk: bounds the scratch memory whatever
-/// `chunked_prefill_size` is, while keeping enough rows per expert for the blocked GEMM.
-pub const CHUNK_TOKENS: usize = 1024;
-
-/// Forwards with at most this many (row × hidden) down outputs use the row-wise down scheme.
-pub(super) const ROWWISE_DOWN_MAX: usize = 1 << 20;
 
 /// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
 const DOWN_GROUP_PANELS: usize = 4;
@@ -180,10 +173,10 @@ impl MoeLayer {
             };
             ws.routing.build(ids, weights, n, k, c.num_experts, mask);
             let offset = |p: *const u8, t: FloatType| {
-                // SAFETY: row t0 is within the caller's buffer.
                 if p.is_null() {
                     p
                 } else {
+                    // SAFETY: row t0 is within the caller's buffer.
                     unsafe { p.add(t0 * h * t.size()) }
                 }
             };

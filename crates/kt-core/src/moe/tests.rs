@@ -1,5 +1,6 @@
 //! The MoE layer against a float64 reference on random data.
 use super::*;
+use crate::dtype::FloatType;
 use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
 use crate::kernels::runnable_levels;
 use crate::rng::Rng;
@@ -309,6 +310,7 @@ fn skips_negative_out_of_range_and_gpu_experts_and_maps_slots() {
         residual_type: FloatType::F32,
         gpu_mask: mask.as_ptr(),
     };
+    // SAFETY: every address is a live vector of the size its field requires.
     unsafe {
         layer
             .forward_raw(&pool, &mut Workspace::new(), &args)
@@ -366,6 +368,7 @@ fn nan_in_one_token_stays_in_that_token_and_residual_and_dtypes_work() {
             residual_type: FloatType::F32,
             gpu_mask: std::ptr::null(),
         };
+        // SAFETY: every address is a live vector of the size its field requires.
         unsafe {
             layer
                 .forward_raw(&pool, &mut Workspace::new(), &args)

@@ -1,7 +1,6 @@
 //! Scratch of forward calls: per NUMA part, the fp32 activations, the SwiGLU rows, the partial
 //! output, and the format's prepared copies of x and of the SwiGLU rows with their scales.
-use super::forward::{CHUNK_TOKENS, ROWWISE_DOWN_MAX};
-use super::MoeLayer;
+use super::{MoeLayer, CHUNK_TOKENS, ROWWISE_DOWN_MAX};
 use crate::pack::AlignedBuf;
 use crate::routing::Routing;
 use crate::sync_ptr::SyncPtr;

@@ -8,9 +8,9 @@
 //! experts with enough rows to be compute-bound, a bf16 dot product (AMX tiles or
 //! `vdpbf16ps`) on activations staged as bf16 pairs.
 use super::{ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{Bf16Path, KernelSet};
 use crate::method::Method;
-use crate::moe::{MoeConfig, Proj};
 use crate::pack::{pack_panel, panel_len, AlignedBuf, MatrixView, PANEL};
 use crate::sync_ptr::SyncPtr;
 use crate::Result;

@@ -15,12 +15,12 @@
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
 use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::expert::{MoeConfig, Proj};
 use crate::ggml::{x8, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
 use crate::isa::Level;
 use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
-use crate::moe::{MoeConfig, Proj};
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
 use crate::pool::{Pool, Team};
 use crate::sync_ptr::SyncPtr;

@@ -10,10 +10,10 @@
 //! The two widths differ in a handful of facts, gathered in an [`IntLayout`]: the bytes of a
 //! matrix, the split unit, and which kernel of a [`KernelSet`] reads them.
 use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::expert::{MoeConfig, Proj};
 use crate::kernels::int8::{Int8DotFn, ACT_COPIES};
 use crate::kernels::{AmxPath, KernelSet};
 use crate::method::Method;
-use crate::moe::{MoeConfig, Proj};
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
 use crate::pool::{Pool, Team};
 use crate::sync_ptr::SyncPtr;
