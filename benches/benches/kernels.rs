@@ -68,19 +68,22 @@ fn int_kernels(c: &mut Criterion) {
     let sums = [0i32; 32];
     let mut grp = c.benchmark_group("int_dot_k2048");
     for set in &sets {
-        for (name, f, group) in [("int8", set.int8_fn(), &g8), ("int4", set.int4_fn(), &g4)] {
-            for rows in [1, set.int8_rows()] {
+        let int8 = kt_core::formats::int8::kernels::vector_kernel(set.level());
+        let int4 = kt_core::formats::int4::kernels::vector_kernel(set.level());
+        for (name, kern, group) in [("int8", int8, &g8), ("int4", int4, &g4)] {
+            let f = kern.dot;
+            for rows in [1, kern.rows] {
                 let a: Vec<Vec<u8>> = (0..rows)
                     .map(|_| {
                         let biased: Vec<u8> = (0..k).map(|_| 1 + rng.below(255) as u8).collect();
-                        kt_core::kernels::int8::activation_row(&biased)
+                        kt_core::kernels::group_dot::activation_row(&biased)
                     })
                     .collect();
                 let ptrs: Vec<*const u8> = a.iter().map(|r| r.as_ptr()).collect();
                 let mut out = vec![0i32; rows * 32];
                 grp.throughput(Throughput::Elements((2 * rows * 32 * k) as u64));
                 grp.bench_function(
-                    BenchmarkId::new(format!("{name}-{}", set.int8_name()), rows),
+                    BenchmarkId::new(format!("{name}-{}", kern.name), rows),
                     |b| {
                         // SAFETY: sizes follow the kernel contract (k % 128 == 0, 32-row groups).
                         b.iter(|| unsafe {

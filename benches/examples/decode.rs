@@ -69,16 +69,17 @@ fn main() {
     );
     // Kernel alone: one 32-row int8 group (k = 2048) from cache, 1 row.
     let set = KernelSet::best().unwrap();
+    let int8 = kt_core::formats::int8::kernels::vector_kernel(set.level());
     let kk = 2048;
     let group = vec![1u8; 32 * kk];
     let sums = [0i32; 32];
-    let a = kt_core::kernels::int8::activation_row(&vec![129u8; kk]);
+    let a = kt_core::kernels::group_dot::activation_row(&vec![129u8; kk]);
     let mut out = [0i32; 32];
     let t = Instant::now();
     for _ in 0..20000 {
         // SAFETY: sizes as the kernel contract requires.
         unsafe {
-            set.int8_dot_raw(
+            (int8.dot)(
                 &[a.as_ptr()],
                 kk,
                 group.as_ptr(),

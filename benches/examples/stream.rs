@@ -40,9 +40,11 @@ fn main() {
         best = best.max((panels * panel * 2) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     // The int8 kernel over the same bytes read as 32-row int8 groups of k = 2048.
+    let int8 = kt_core::formats::int8::kernels::vector_kernel(set.level());
+    let int4 = kt_core::formats::int4::kernels::vector_kernel(set.level());
     let kk = 2048;
     let groups = panels * panel * 2 / (32 * kk);
-    let a = kt_core::kernels::int8::activation_row(&vec![129u8; kk]);
+    let a = kt_core::kernels::group_dot::activation_row(&vec![129u8; kk]);
     let sums = [0i32; 32];
     let mut best_int8 = 0f64;
     for _round in 0..6 {
@@ -51,7 +53,7 @@ fn main() {
             let mut out = [0i32; 32];
             // SAFETY: group g lies inside the buffer; sizes as the kernel contract requires.
             unsafe {
-                set.int8_dot_raw(
+                (int8.dot)(
                     &[a.as_ptr()],
                     kk,
                     (base as *const u8).add(g * 32 * kk),
@@ -77,7 +79,7 @@ fn main() {
             let mut out = [0i32; 32];
             // SAFETY: group g lies inside the buffer; sizes as the kernel contract requires.
             unsafe {
-                (set.int4_fn())(
+                (int4.dot)(
                     &[a.as_ptr()],
                     kk,
                     (base as *const u8).add(g * 16 * kk),

@@ -310,6 +310,12 @@ pub fn allows(level: Level) -> bool {
     global().is_ok_and(|s| s.chosen >= level)
 }
 
+/// Whether the CPU has feature `name` (the [`Features::flags`] spelling, e.g. `"avx_vnni"`),
+/// for kernels that pick among variants of one level; false if detection failed.
+pub fn has_feature(name: &str) -> bool {
+    global().is_ok_and(|s| s.features.has(name))
+}
+
 /// The process-wide selection, made on first use from the CPU and `KT_KERNEL_CPU_VARIANT`.
 pub fn global() -> Result<&'static Selection> {
     static SELECTION: OnceLock<Result<Selection>> = OnceLock::new();

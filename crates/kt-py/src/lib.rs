@@ -55,7 +55,9 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("physical_cores", topo.total_physical_cores())?;
     let kernels = PyDict::new(py);
     kernels.set_item("BF16", KernelSet::best().py()?.name())?;
-    kernels.set_item("AMXINT8", KernelSet::best().py()?.int8_name())?;
+    let level = KernelSet::best().py()?.level();
+    let int8 = kt_core::formats::int8::kernels::vector_kernel(level);
+    kernels.set_item("AMXINT8", int8.name)?;
     kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
     d.set_item(
         "amx_min_rows",
@@ -64,7 +66,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("kernels", kernels)?;
     d.set_item(
         "prefetch_bytes",
-        kt_core::kernels::calibrate::ensure_prefetch_chosen().py()?,
+        kt_core::formats::prefetch_distance().py()?,
     )?;
     Ok(d)
 }

@@ -237,11 +237,18 @@ pub fn build(
     kernels: KernelSet,
 ) -> Result<Box<dyn ExpertFormat>> {
     ensure_registered(method)?;
+    prefetch_distance()?;
     let (_, builder) = REGISTRY
         .iter()
         .find(|(m, _)| *m == method)
         .expect("registered");
     builder(config, parts, kernels)
+}
+
+/// The prefetch distance the streaming kernels use, measured once per process with the int8
+/// kernel (or `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
+pub fn prefetch_distance() -> Result<usize> {
+    crate::kernels::calibrate::ensure_prefetch_chosen(int8::kernels::vector_kernel)
 }
 
 /// Check that `config` splits into `parts` slices of whole `unit`s (and `H` is a multiple of

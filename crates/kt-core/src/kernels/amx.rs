@@ -9,7 +9,7 @@
 //! kernels (slow; for tests).
 //!
 //! Each call handles up to [`ROWS`] token rows (two 16-row tiles) against one 32-output group,
-//! with the contracts of [`Int8DotFn`](super::int8::Int8DotFn) and
+//! with the contracts of [`GroupDotFn`](super::group_dot::GroupDotFn) and
 //! [`PanelDotBf16Fn`](super::PanelDotBf16Fn); bf16 additionally needs `k % 32 == 0`.
 
 /// Token rows per call (two tile row blocks).
@@ -80,7 +80,7 @@ fn check_rows(n: usize) {
 ///
 /// # Safety
 /// AMX usable by this process (tile data permission granted); the
-/// [`Int8DotFn`](super::int8::Int8DotFn) contract with up to [`ROWS`] rows.
+/// [`GroupDotFn`](super::group_dot::GroupDotFn) contract with up to [`ROWS`] rows.
 #[cfg(kt_amx_hw)]
 pub unsafe fn dot_int8(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
     check_rows(a.len());
@@ -135,7 +135,7 @@ pub mod emulated {
     /// Emulated [`dot_int8`](super::dot_int8).
     ///
     /// # Safety
-    /// The [`Int8DotFn`](crate::kernels::int8::Int8DotFn) contract with up to [`ROWS`] rows.
+    /// The [`GroupDotFn`](crate::kernels::group_dot::GroupDotFn) contract with up to [`ROWS`] rows.
     pub unsafe fn dot_int8(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
         check_rows(a.len());
         // SAFETY: forwarded contract.
@@ -223,7 +223,8 @@ pub unsafe fn panel_dot_bf16_twin(a: &[*const u32], k: usize, panel: *const u16,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::int8::{dot_int4_scalar, dot_scalar, group_row_sums, group_row_sums_int4};
+    use crate::formats::int4::kernels::{dot_int4_scalar, group_row_sums_int4};
+    use crate::formats::int8::kernels::{dot_scalar, group_row_sums};
     use crate::rng::Rng;
 
     #[test]
@@ -247,8 +248,8 @@ mod tests {
         draw: fn(&mut Rng) -> i8,
         pack: Pack,
         sums: fn(&[u8], usize) -> [i32; 32],
-        emu: crate::kernels::int8::Int8DotFn,
-        twin: crate::kernels::int8::Int8DotFn,
+        emu: crate::kernels::group_dot::GroupDotFn,
+        twin: crate::kernels::group_dot::GroupDotFn,
     ) {
         let mut rng = Rng::new(7);
         for &k in ks {

@@ -1,6 +1,7 @@
 //! Measurements made once per process that pick among equivalent kernels: whether the
 //! AVX512-BF16 dot product beats fp32 FMA for prefill, and how far ahead the streaming kernels
 //! prefetch. Each measurement is a few milliseconds; an environment variable overrides it.
+use super::group_dot::VectorKernel;
 use super::{prefetch, KernelSet, MAX_ROWS};
 use crate::isa::Level;
 use crate::pack::PANEL;
@@ -14,12 +15,12 @@ const MAX_DISTANCE: usize = 1 << 16;
 
 /// Choose the distance once per process (environment, else calibration) and apply it;
 /// returns it.
-pub fn ensure_prefetch_chosen() -> Result<usize> {
+pub fn ensure_prefetch_chosen(probe: fn(Level) -> VectorKernel) -> Result<usize> {
     let chosen = CHOSEN
         .get_or_init(|| {
             let d = match from_env()? {
                 Some(d) => d,
-                None => calibrate(),
+                None => calibrate(probe),
             };
             if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
                 eprintln!("[kt_kernel] prefetch distance: {d} bytes");
@@ -54,20 +55,18 @@ fn parse_setting(v: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Stream 64 MiB through the best vector int8 kernel (one row, one thread), caches flushed
-/// before each pass, with and without prefetching; three interleaved rounds, best of each.
-/// Prefetching must win by 5% to be chosen.
-fn calibrate() -> usize {
+/// Stream 64 MiB through `probe`'s vector kernel at the process's level (one row, one thread),
+/// caches flushed before each pass, with and without prefetching; three interleaved rounds,
+/// best of each. Prefetching must win by 5% to be chosen. The probe is a byte group kernel
+/// (groups of `32·k` bytes, AMXINT8's), the one whose streaming rate decode depends on most.
+fn calibrate(probe: fn(Level) -> VectorKernel) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        let Ok(kernels) = KernelSet::for_level(
-            crate::isa::global().map_or(crate::isa::Level::Generic, |s| s.chosen),
-        ) else {
-            return 0;
-        };
-        if kernels.level() < crate::isa::Level::Avx2 {
+        let level = crate::isa::global().map_or(Level::Generic, |s| s.chosen);
+        if level < Level::Avx2 {
             return 0;
         }
+        let kernel = probe(level);
         let k = 2048;
         let group = 32 * k;
         let groups = (64 << 20) / group;
@@ -77,7 +76,7 @@ fn calibrate() -> usize {
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8 & 0x7f;
         }
-        let a = super::int8::activation_row(&vec![129u8; k]);
+        let a = super::group_dot::activation_row(&vec![129u8; k]);
         let sums = [0i32; 32];
         let rate = |d: usize| {
             prefetch::set(d);
@@ -86,9 +85,10 @@ fn calibrate() -> usize {
             let t = std::time::Instant::now();
             let mut out = [0i32; 32];
             for g in 0..groups {
-                // SAFETY: group g lies inside the buffer; one row of k bytes; 32 sums.
+                // SAFETY: group g lies inside the buffer; one activation row of k values; 32
+                // sums; the probe's kernel runs at the process's level.
                 unsafe {
-                    kernels.int8_dot_raw(
+                    (kernel.dot)(
                         &[a.as_ptr()],
                         k,
                         buf.as_ptr().add(g * group),

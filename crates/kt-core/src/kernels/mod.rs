@@ -28,7 +28,7 @@ pub(crate) use dispatch_rows;
 
 pub mod amx;
 pub mod calibrate;
-pub mod int8;
+pub mod group_dot;
 pub mod prefetch;
 pub mod scalar;
 
@@ -78,10 +78,10 @@ pub struct Bf16Path {
 /// the others the vector kernels (AMX only pays off when a tile's 16 rows are mostly used).
 #[derive(Clone, Copy)]
 pub struct AmxPath {
-    /// AMXINT8 group kernel.
-    pub int8: int8::Int8DotFn,
-    /// AMXINT4 group kernel.
-    pub int4: int8::Int4DotFn,
+    /// Tile program for 32-row groups of int8 bytes (AMXINT8's layout).
+    pub int8: group_dot::GroupDotFn,
+    /// Tile program for 32-row groups of int4 nibbles (AMXINT4's layout).
+    pub int4: group_dot::GroupDotFn,
     /// bf16 panel kernel (`k % 32 == 0`).
     pub bf16: PanelDotBf16Fn,
     /// fp32 → bf16 pairs for the bf16 kernel.
@@ -133,10 +133,6 @@ pub struct KernelSet {
     dot: PanelDotFn,
     swiglu: SwigluFn,
     bf16: Option<Bf16Path>,
-    int8: int8::Int8DotFn,
-    int4: int8::Int4DotFn,
-    int8_rows: usize,
-    int8_name: &'static str,
     amx: Option<AmxPath>,
 }
 
@@ -175,31 +171,12 @@ impl KernelSet {
                 set.rows_per_block = avx2::ROWS;
                 set.dot = avx2::panel_dot_fma;
                 set.swiglu = avx2::swiglu;
-                set.int8 = int8::dot_avx2;
-                set.int4 = int8::dot_int4_avx2;
-                set.int8_rows = 4;
-                set.int8_name = "avx2";
-                if sel.features.has("avx_vnni") && level < Level::Avx512Base {
-                    set.int8 = int8::dot_avxvnni;
-                    set.int4 = int8::dot_int4_avxvnni;
-                    set.int8_name = "avx-vnni";
-                }
             }
             if level >= Level::Avx512Base {
                 set.name = "avx512-fma";
                 set.rows_per_block = avx512::ROWS;
                 set.dot = avx512::panel_dot_fma;
                 set.swiglu = avx512::swiglu;
-                set.int8 = int8::dot_avx512bw;
-                set.int4 = int8::dot_int4_avx512bw;
-                set.int8_rows = 6;
-                set.int8_name = "avx512bw";
-            }
-            if level >= Level::Avx512Vnni {
-                set.int8 = int8::dot_avx512vnni;
-                set.int4 = int8::dot_int4_avx512vnni;
-                set.int8_rows = int8::ROWS;
-                set.int8_name = "avx512-vnni";
             }
         }
         Ok(set)
@@ -234,10 +211,6 @@ impl KernelSet {
             dot: scalar::panel_dot_fma,
             swiglu: scalar::swiglu,
             bf16: None,
-            int8: int8::dot_scalar,
-            int4: int8::dot_int4_scalar,
-            int8_rows: int8::ROWS,
-            int8_name: "scalar",
             amx: None,
         }
     }
@@ -261,7 +234,6 @@ impl KernelSet {
     /// `=bf16dot` forces the choice.
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
-        calibrate::ensure_prefetch_chosen()?;
         if level < Level::Avx512Bf16 {
             return Self::for_level(level)?.with_best_amx();
         }
@@ -478,44 +450,6 @@ impl KernelSet {
     ) {
         // SAFETY: forwarded.
         unsafe { (self.dot)(a_rows, k, panel, out) }
-    }
-
-    /// Token rows per int8 kernel call.
-    pub fn int8_rows(&self) -> usize {
-        self.int8_rows
-    }
-
-    /// Name of the vector int8 kernel ("avx512-vnni", "avx512bw", "avx-vnni", "avx2",
-    /// "scalar"), as `__int8_kernel__` reports.
-    pub fn int8_name(&self) -> &'static str {
-        self.int8_name
-    }
-
-    /// The int8 kernel (its contract: [`int8::Int8DotFn`]; the ISA is guaranteed).
-    pub fn int8_fn(&self) -> int8::Int8DotFn {
-        self.int8
-    }
-
-    /// The int4 kernel (its contract: [`int8::Int4DotFn`]; the ISA is guaranteed).
-    pub fn int4_fn(&self) -> int8::Int4DotFn {
-        self.int4
-    }
-
-    /// Unchecked int8 dot product for the hot path.
-    ///
-    /// # Safety
-    /// The [`int8::Int8DotFn`] contract (the ISA part is guaranteed by construction).
-    #[inline(always)]
-    pub unsafe fn int8_dot_raw(
-        &self,
-        a_rows: &[*const u8],
-        k: usize,
-        group: *const u8,
-        sums: *const i32,
-        out: *mut i32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe { (self.int8)(a_rows, k, group, sums, out) }
     }
 
     /// SwiGLU over equal-length slices.

@@ -3,14 +3,15 @@
 //! ([`super::int8::IntExperts`]); this width differs in its matrix bytes, its split unit (whole
 //! 128-input tiles) and its kernels.
 use super::int8::IntLayout;
-use crate::kernels::KernelSet;
 use crate::method::Method;
+
+pub mod kernels;
 
 /// AMXINT4.
 pub const INT4: IntLayout = IntLayout {
     method: Method::AmxInt4,
     bits: 4,
     unit: 128,
-    vector_kernel: KernelSet::int4_fn,
+    vector_kernel: kernels::vector_kernel,
     amx_kernel: |a| a.int4,
 };

@@ -4,14 +4,15 @@
 //! Memory of one part: for each of gate, up and down, every expert's matrix (the part's `ip`
 //! rows of gate/up, or `H` rows over the part's `ip` columns of down) in the tiled layout, one
 //! f32 scale and one i32 row sum per row. Activations are quantized per row to biased int8
-//! ([`crate::kernels::int8`]); a panel is 32 weight rows, computed as integers and scaled by
+//! ([`crate::kernels::group_dot`]); a panel is 32 weight rows, computed as integers and scaled by
 //! `w_scale · a_scale`.
 //!
 //! The two widths differ in a handful of facts, gathered in an [`IntLayout`]: the bytes of a
 //! matrix, the split unit, and which kernel of a [`KernelSet`] reads them.
 use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::expert::{MoeConfig, Proj};
-use crate::kernels::int8::{Int8DotFn, ACT_COPIES};
+use crate::isa::Level;
+use crate::kernels::group_dot::{GroupDotFn, VectorKernel, ACT_COPIES};
 use crate::kernels::{AmxPath, KernelSet};
 use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
@@ -22,6 +23,10 @@ use std::any::Any;
 use std::ops::Range;
 use std::sync::Mutex;
 
+pub mod kernels;
+#[cfg(test)]
+pub(crate) mod twin_check;
+
 /// What distinguishes one integer width from another.
 #[derive(Clone, Copy)]
 pub struct IntLayout {
@@ -31,10 +36,10 @@ pub struct IntLayout {
     pub bits: usize,
     /// Split unit of the intermediate dimension and divisor of H (whole tiles of inputs).
     pub unit: usize,
-    /// The vector kernel of a kernel set.
-    pub vector_kernel: fn(&KernelSet) -> Int8DotFn,
+    /// The fastest vector kernel at an ISA level.
+    pub vector_kernel: fn(Level) -> VectorKernel,
     /// The tile kernel of an AMX path.
-    pub amx_kernel: fn(&AmxPath) -> Int8DotFn,
+    pub amx_kernel: fn(&AmxPath) -> GroupDotFn,
 }
 
 impl IntLayout {
@@ -54,7 +59,7 @@ pub const INT8: IntLayout = IntLayout {
     method: Method::AmxInt8,
     bits: 8,
     unit: 64,
-    vector_kernel: KernelSet::int8_fn,
+    vector_kernel: kernels::vector_kernel,
     amx_kernel: |a| a.int8,
 };
 
@@ -114,6 +119,8 @@ impl Matrices {
 pub struct IntExperts {
     layout: IntLayout,
     kernels: KernelSet,
+    /// The vector kernel for the kernel set's level (AMX, when enabled, takes busy experts).
+    vector: VectorKernel,
     hidden: usize,
     experts: usize,
     ranges: Vec<Range<usize>>,
@@ -145,6 +152,7 @@ impl IntExperts {
             .collect::<Result<Vec<_>>>()?;
         Ok(IntExperts {
             layout,
+            vector: (layout.vector_kernel)(kernels.level()),
             kernels,
             hidden: h,
             experts: e,
@@ -163,13 +171,10 @@ impl IntExperts {
     }
 
     /// The integer kernel and its row block for an expert with `rows` rows.
-    fn kernel_for(&self, rows: usize) -> (Int8DotFn, usize) {
+    fn kernel_for(&self, rows: usize) -> (GroupDotFn, usize) {
         match self.kernels.amx().filter(|a| a.applies(rows)) {
             Some(a) => ((self.layout.amx_kernel)(a), crate::kernels::amx::ROWS),
-            None => (
-                (self.layout.vector_kernel)(&self.kernels),
-                self.kernels.int8_rows(),
-            ),
+            None => (self.vector.dot, self.vector.rows),
         }
     }
 
@@ -287,7 +292,7 @@ impl IntExperts {
                     for g in bytes.start / group_bytes..bytes.end / group_bytes {
                         let group = &mat[g * group_bytes..(g + 1) * group_bytes];
                         sums[g * PANEL..(g + 1) * PANEL]
-                            .copy_from_slice(&crate::kernels::int8::row_sums_fast(group, k, int4));
+                            .copy_from_slice(&kernels::row_sums_fast(group, k, int4));
                     }
                 };
                 let result =
@@ -310,7 +315,7 @@ impl ExpertFormat for IntExperts {
     }
 
     fn kernel_name(&self) -> String {
-        let vector = self.kernels.int8_name();
+        let vector = self.vector.name;
         match self.kernels.amx_name() {
             Some(amx) => format!("{amx}+{vector}"),
             None => vector.to_string(),
@@ -420,7 +425,7 @@ impl ExpertFormat for IntExperts {
 }
 
 /// Quantize an fp32 row to an int8 kernels' activation row (biased `q + 128`, then the copies
-/// of [`crate::kernels::int8::fill_activation_copies`]; `out` holds `ACT_COPIES · row.len()`);
+/// of [`crate::kernels::group_dot::fill_activation_copies`]; `out` holds `ACT_COPIES · row.len()`);
 /// returns the row's scale.
 fn quantize_activation(row: &[f32], out: &mut [u8]) -> f32 {
     let biased = &mut out[..row.len()];
@@ -431,7 +436,7 @@ fn quantize_activation(row: &[f32], out: &mut [u8]) -> f32 {
     for b in biased.iter_mut() {
         *b ^= 0x80;
     }
-    crate::kernels::int8::fill_activation_copies(out);
+    crate::kernels::group_dot::fill_activation_copies(out);
     // A NaN would quantize to 0 silently; a NaN scale keeps it visible in this row's output.
     if row.iter().any(|v| v.is_nan()) {
         f32::NAN

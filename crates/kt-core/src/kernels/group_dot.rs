@@ -1,0 +1,431 @@
+//! Group dot products on bytes: the activation rows and the multiply-accumulate toolbox that
+//! the integer formats' kernels are built from ([`crate::formats::int8`],
+//! [`crate::formats::int4`]).
+//!
+//! A kernel multiplies up to a few token rows against one 32-row group of a weight matrix;
+//! activations arrive quantized per token row and biased to unsigned (`a + 128`), which
+//! `vpdpbusd` needs; `out = Σ a_u8·w − 128·Σ w` (the row sums are precomputed at load) is the
+//! exact signed dot product. Every variant returns the same i32 values as its format's scalar
+//! twin.
+//!
+//! An activation row is [`ACT_COPIES`] copies of its `k` values: biased (`a + 128`, read by the
+//! scalar twins, VNNI and AMX), signed `a`, and `|a|` — the operands of the sign trick, so the
+//! AVX2 kernels broadcast them instead of recomputing them for every weight line
+//! ([`fill_activation_copies`]).
+
+/// Copies of its values in an activation row (biased, signed, absolute).
+pub const ACT_COPIES: usize = 3;
+
+/// Complete an activation row whose first `k` bytes hold the biased values: the signed values
+/// and their magnitudes follow.
+pub fn fill_activation_copies(row: &mut [u8]) {
+    let k = row.len() / ACT_COPIES;
+    assert_eq!(
+        row.len(),
+        ACT_COPIES * k,
+        "an activation row holds {ACT_COPIES} copies"
+    );
+    let (biased, rest) = row.split_at_mut(k);
+    let (signed, abs) = rest.split_at_mut(k);
+    for ((b, s), a) in biased.iter().zip(signed.iter_mut()).zip(abs.iter_mut()) {
+        let v = (*b ^ 0x80) as i8;
+        *s = v as u8;
+        *a = v.unsigned_abs();
+    }
+}
+
+/// An activation row of [`ACT_COPIES`] copies from biased values (tests and tools).
+pub fn activation_row(biased: &[u8]) -> Vec<u8> {
+    let mut row = [biased, biased, biased].concat();
+    fill_activation_copies(&mut row);
+    row
+}
+
+/// `out[r*32 + j] = Σ_kk (a_rows[r][kk] − 128) · W[j][kk]` for one 32-row group of a format's
+/// weights (`W` as the format defines it, e.g. `16·v` for AMXINT4).
+///
+/// Values are those the quantizer produces: weights in [−127, 127], activations in [1, 255]
+/// (signed [−127, 127] biased by 128); within that range every variant is exact.
+///
+/// # Safety
+/// The CPU supports the variant; each `a_rows[r]` points to an activation row of
+/// `ACT_COPIES · k` bytes (see the module docs); `group` to one 32-row group in the
+/// format's layout; `row_sums` to 32 values `Σ_kk W[j][kk]`; `out` to `32*rows` i32;
+/// `k % 64 == 0`; rows ≤ the variant's block.
+pub type GroupDotFn = unsafe fn(
+    a_rows: &[*const u8],
+    k: usize,
+    group: *const u8,
+    row_sums: *const i32,
+    out: *mut i32,
+);
+
+/// A format's vector group kernel for one ISA level, chosen once per layer.
+#[derive(Debug, Clone, Copy)]
+pub struct VectorKernel {
+    /// The kernel ([`GroupDotFn`] contract; the level's ISA is guaranteed by who chose it).
+    pub dot: GroupDotFn,
+    /// Token rows per call.
+    pub rows: usize,
+    /// Name, as `__int8_kernel__` reports it ("avx512-vnni", "avx2", ...).
+    pub name: &'static str,
+}
+
+/// Rows per call of the 512-bit VNNI variants (the largest vector row block).
+pub const ROWS: usize = 8;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    //! The byte multiply-accumulate ops the integer loops are generic over: the VNNI
+    //! instruction (`vpdpbusd`, on biased unsigned activations, fixed up by the row sums at the
+    //! end) or the sign trick without VNNI (`vpmaddubsw` on |a| and sign-moved weights, then
+    //! `vpmaddwd` with ones; with |a|, |w| ≤ 127 every i16 pair sum ≤ 32258 is exact, and −128
+    //! never occurs because the quantizers do not produce it). The nibble ops serve 4-bit
+    //! weights: AVX2 multiplies the unsigned nibbles `v + 8` with the signed activations,
+    //! AVX-VNNI the sign-extended nibbles with the biased ones (`Op256::dot_nibbles`). Each op
+    //! is a few instructions; the loops, layouts and epilogues are shared, so the variants this
+    //! CPU cannot run differ from tested code only in that op.
+    use std::arch::x86_64::*;
+
+    /// The multiply-accumulate on 512-bit lanes: `acc += Σ_4 a_u8 · w_i8` per i32 lane.
+    ///
+    /// # Safety
+    /// Every method needs the CPU features of the kernel that instantiates it (they are
+    /// register-only operations: nothing is read or written through a pointer).
+    pub(crate) trait Op512 {
+        /// Whether `dot` works on biased activations (then `Σ w · 128` is subtracted at the end).
+        const BIASED: bool;
+        type Act: Copy;
+        /// Prepare a broadcast activation quad (biased unsigned bytes).
+        ///
+        /// # Safety
+        /// The CPU has the implementing kernel's features.
+        unsafe fn prep(quad: __m512i) -> Self::Act;
+        /// `acc += Σ_4 a · w` per i32 lane.
+        ///
+        /// # Safety
+        /// As `prep`.
+        unsafe fn dot(acc: __m512i, a: Self::Act, w: __m512i) -> __m512i;
+    }
+
+    pub(crate) struct Vnni512;
+    impl Op512 for Vnni512 {
+        const BIASED: bool = true;
+        type Act = __m512i;
+        #[inline(always)]
+        unsafe fn prep(quad: __m512i) -> __m512i {
+            quad
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
+            // SAFETY: only inlined into functions with avx512vnni enabled.
+            unsafe { _mm512_dpbusd_epi32(acc, a, w) }
+        }
+    }
+
+    /// AVX-512BW without VNNI: the sign trick (AVX-512 has no `vpsignb`: negate under a mask).
+    pub(crate) struct Bw512;
+    impl Op512 for Bw512 {
+        const BIASED: bool = false;
+        type Act = (__m512i, __mmask64);
+        #[inline(always)]
+        unsafe fn prep(quad: __m512i) -> Self::Act {
+            // SAFETY: only inlined into functions with avx512bw enabled.
+            unsafe {
+                let x = _mm512_xor_si512(quad, _mm512_set1_epi8(-128));
+                (_mm512_abs_epi8(x), _mm512_movepi8_mask(x))
+            }
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, (ax, neg): Self::Act, w: __m512i) -> __m512i {
+            // SAFETY: as above.
+            unsafe {
+                let sw = _mm512_mask_sub_epi8(w, neg, _mm512_setzero_si512(), w);
+                let p16 = _mm512_maddubs_epi16(ax, sw);
+                _mm512_add_epi32(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)))
+            }
+        }
+    }
+
+    /// The same on 256-bit lanes.
+    ///
+    /// # Safety
+    /// As [`Op512`].
+    pub(crate) trait Op256 {
+        const BIASED: bool;
+        type Act: Copy;
+        /// Prepare a broadcast activation quad.
+        ///
+        /// # Safety
+        /// The CPU has the implementing kernel's features.
+        unsafe fn prep(quad: __m256i) -> Self::Act;
+        /// `acc += Σ_4 a · w` per i32 lane.
+        ///
+        /// # Safety
+        /// As `prep`.
+        unsafe fn dot(acc: __m256i, a: Self::Act, w: __m256i) -> __m256i;
+        /// The operand for the activation quad at `off` of the row at `row` (`k` values a
+        /// copy): by default prepared from the biased copy.
+        ///
+        /// # Safety
+        /// An activation row of `ACT_COPIES · k` bytes at `row`; `off + 4 ≤ k`.
+        #[inline(always)]
+        unsafe fn prep_at(row: *const u8, _k: usize, off: usize) -> Self::Act {
+            // SAFETY: forwarded.
+            unsafe { Self::prep(quad256(row.add(off))) }
+        }
+        /// Whether the AMXINT4 loop hands `dot_nibbles` the nibbles as unsigned `v + 8` and the
+        /// *signed* activations (then `8·Σa` comes off at the end), rather than signed nibbles
+        /// and the biased activations (then `128·Σv`, the row sums).
+        const NIBBLES_UNSIGNED: bool = false;
+        /// Adds the products of one weight line's nibbles to `partial`, a running sum over up
+        /// to [`NIBBLE_LINES_PER_WIDEN`] lines: signed `v` (|v| ≤ 8) against biased
+        /// activations, or, with [`Op256::NIBBLES_UNSIGNED`], unsigned `v + 8` against signed
+        /// activations. What a partial holds (i16 or i32 lanes) is the op's business.
+        ///
+        /// # Safety
+        /// As `prep`.
+        unsafe fn dot_nibbles(
+            partial: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i;
+        /// `acc + partial` as i32 lanes (each i32 lane: four inputs of one output).
+        ///
+        /// # Safety
+        /// As `prep`.
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i;
+    }
+
+    /// Weight lines whose nibble products [`Op256::dot_nibbles`] may sum before
+    /// [`Op256::widen_nibbles`]: with AVX2 a partial is i16 lanes, each gaining at most
+    /// 2 · 2 · 15 · 128 = 7680 per line, so four lines stay below 32768.
+    pub(crate) const NIBBLE_LINES_PER_WIDEN: usize = 4;
+
+    /// AVX2: the sign trick with `vpsignb`.
+    pub(crate) struct Avx2Sign;
+    impl Op256 for Avx2Sign {
+        const BIASED: bool = false;
+        type Act = (__m256i, __m256i);
+        #[inline(always)]
+        unsafe fn prep(quad: __m256i) -> Self::Act {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let x = _mm256_xor_si256(quad, _mm256_set1_epi8(-128));
+                (_mm256_abs_epi8(x), x)
+            }
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, (ax, x): Self::Act, w: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe {
+                let p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x));
+                _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+            }
+        }
+        /// |a| and a broadcast from their copies: no per-line work.
+        #[inline(always)]
+        unsafe fn prep_at(row: *const u8, k: usize, off: usize) -> Self::Act {
+            // SAFETY: the signed copy starts at k, the absolute one at 2k (trait contract).
+            unsafe { (quad256(row.add(2 * k + off)), quad256(row.add(k + off))) }
+        }
+        /// Unsigned nibbles: decoding them is two ops fewer per vector than sign-extending.
+        const NIBBLES_UNSIGNED: bool = true;
+        /// `vpmaddubsw` takes the nibbles (0..=15) as its unsigned operand and the signed
+        /// activations as the other: |u·a| ≤ 15·128, so the pair sums of both nibbles of
+        /// several lines share one i16 lane, and one `vpmaddwd` per
+        /// [`NIBBLE_LINES_PER_WIDEN`] lines widens them (the multiply ports were the limit).
+        #[inline(always)]
+        unsafe fn dot_nibbles(
+            partial: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(w_lo, a_lo),
+                    _mm256_maddubs_epi16(w_hi, a_hi),
+                );
+                _mm256_add_epi16(partial, p)
+            }
+        }
+        #[inline(always)]
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(partial, _mm256_set1_epi16(1))) }
+        }
+    }
+
+    /// AVX-VNNI (VEX-encoded `vpdpbusd`, CPUs with AVX2 but no AVX-512).
+    pub(crate) struct AvxVnni;
+    impl Op256 for AvxVnni {
+        const BIASED: bool = true;
+        type Act = __m256i;
+        #[inline(always)]
+        unsafe fn prep(quad: __m256i) -> __m256i {
+            quad
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avxvnni enabled.
+            unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
+        }
+        /// A partial is already i32 lanes.
+        #[inline(always)]
+        unsafe fn dot_nibbles(
+            partial: __m256i,
+            a_lo: __m256i,
+            w_lo: __m256i,
+            a_hi: __m256i,
+            w_hi: __m256i,
+        ) -> __m256i {
+            // SAFETY: as above.
+            unsafe {
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(partial, a_lo, w_lo), a_hi, w_hi)
+            }
+        }
+        #[inline(always)]
+        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(acc, partial) }
+        }
+    }
+
+    /// Broadcast the 4 activation bytes at `p`.
+    ///
+    /// # Safety
+    /// 4 readable bytes at `p`; AVX-512F in the caller.
+    #[inline(always)]
+    pub(crate) unsafe fn quad512(p: *const u8) -> __m512i {
+        // SAFETY: the contract above.
+        unsafe { _mm512_set1_epi32((p as *const i32).read_unaligned()) }
+    }
+
+    /// # Safety
+    /// 4 readable bytes at `p`; AVX2 in the caller.
+    #[inline(always)]
+    pub(crate) unsafe fn quad256(p: *const u8) -> __m256i {
+        // SAFETY: the contract above.
+        unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
+    }
+
+    /// Store the accumulators; for biased ops `out = acc − 128·row_sum` undoes the +128.
+    ///
+    /// # Safety
+    /// AVX-512F in the caller; `s` points to 32 row sums, `o` to `32·R` i32.
+    #[inline(always)]
+    pub(crate) unsafe fn store512<const R: usize, O: Op512>(
+        acc: &[[__m512i; 2]; R],
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: the contract above.
+        unsafe {
+            let bias = if O::BIASED {
+                [
+                    _mm512_slli_epi32::<7>(_mm512_loadu_si512(s as *const __m512i)),
+                    _mm512_slli_epi32::<7>(_mm512_loadu_si512(s.add(16) as *const __m512i)),
+                ]
+            } else {
+                [_mm512_setzero_si512(); 2]
+            };
+            for (r, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    _mm512_storeu_si512(
+                        o.add(r * 32 + h * 16) as *mut __m512i,
+                        _mm512_sub_epi32(*v, bias[h]),
+                    );
+                }
+            }
+        }
+    }
+
+    /// `Σ` of the `k` signed bytes at `p` (`k % 32 == 0`), in every i32 lane.
+    ///
+    /// # Safety
+    /// `k` readable bytes at `p`; AVX2 in the caller.
+    #[inline(always)]
+    pub(crate) unsafe fn signed_sum256(p: *const u8, k: usize) -> __m256i {
+        // SAFETY: the contract above.
+        unsafe {
+            let ones8 = _mm256_set1_epi8(1);
+            let ones16 = _mm256_set1_epi16(1);
+            let mut acc = _mm256_setzero_si256();
+            for i in (0..k).step_by(32) {
+                let v = _mm256_loadu_si256(p.add(i) as *const __m256i);
+                let pairs = _mm256_maddubs_epi16(ones8, v);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones16));
+            }
+            // Horizontal sum, left in every lane.
+            let acc = _mm256_add_epi32(acc, _mm256_shuffle_epi32::<0b01_00_11_10>(acc));
+            let acc = _mm256_add_epi32(acc, _mm256_shuffle_epi32::<0b10_11_00_01>(acc));
+            _mm256_add_epi32(acc, _mm256_permute2x128_si256::<0x01>(acc, acc))
+        }
+    }
+
+    /// # Safety
+    /// AVX2 in the caller; `s` points to 32 row sums, `o` to `32·R` i32.
+    #[inline(always)]
+    pub(crate) unsafe fn store256<const R: usize, O: Op256>(
+        acc: &[[__m256i; 4]; R],
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: the contract above; quarter q = outputs 8q..8q+8.
+        unsafe {
+            for (r, row) in acc.iter().enumerate() {
+                for (q, v) in row.iter().enumerate() {
+                    let bias = if O::BIASED {
+                        _mm256_slli_epi32::<7>(_mm256_loadu_si256(s.add(q * 8) as *const __m256i))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    _mm256_storeu_si256(
+                        o.add(r * 32 + q * 8) as *mut __m256i,
+                        _mm256_sub_epi32(*v, bias),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Entry points: a `#[target_feature]` wrapper per (loop, op), dispatched on the row count.
+    macro_rules! group_dot_entry {
+        ($(#[$doc:meta])* $name:ident, $inner:ident, $body:ident, $op:ty, $features:literal,
+         $label:literal; $($r:literal)+) => {
+            $(#[$doc])*
+            ///
+            /// # Safety
+            /// The CPU has the features named in the wrapper; the
+            /// [`GroupDotFn`](crate::kernels::group_dot::GroupDotFn) contract.
+            pub unsafe fn $name(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o: *mut i32) {
+                // SAFETY: forwarded.
+                unsafe {
+                    crate::kernels::dispatch_rows!($inner, $label, a, (a, k, g, s, o); $($r)+)
+                }
+            }
+
+            /// The kernel for exactly `R` rows.
+            ///
+            /// # Safety
+            /// As the entry above, with `a.len() == R`.
+            #[target_feature(enable = $features)]
+            unsafe fn $inner<const R: usize>(
+                a: &[*const u8],
+                k: usize,
+                g: *const u8,
+                s: *const i32,
+                o: *mut i32,
+            ) {
+                // SAFETY: forwarded; the features are enabled here.
+                unsafe { $body::<R, $op>(a, k, g, s, o) }
+            }
+        };
+    }
+    pub(crate) use group_dot_entry;
+}
