@@ -186,18 +186,10 @@ type Builder = fn(&MoeConfig, usize, KernelSet) -> Result<Box<dyn ExpertFormat>>
 /// The registry: every method this build computes and how its experts are built. A new format
 /// is one line here (and its `pub mod` above).
 const REGISTRY: &[(Method, Builder)] = &[
-    (Method::Bf16, |c, p, k| {
-        Ok(Box::new(bf16::Bf16Experts::new(c, p, k)?))
-    }),
-    (Method::AmxInt8, |c, p, k| {
-        Ok(Box::new(int8::IntExperts::new(c, p, k, int8::INT8)?))
-    }),
-    (Method::AmxInt4, |c, p, k| {
-        Ok(Box::new(int8::IntExperts::new(c, p, k, int4::INT4)?))
-    }),
-    (Method::Llamafile, |c, p, k| {
-        Ok(Box::new(ggml::GgmlExperts::new(c, p, k)?))
-    }),
+    (Method::Bf16, bf16::experts),
+    (Method::AmxInt8, int8::experts),
+    (Method::AmxInt4, int4::experts),
+    (Method::Llamafile, ggml::experts),
 ];
 
 /// The methods [`build`] knows, in [`Method::ALL`] order.

@@ -221,10 +221,8 @@ pub unsafe fn panel_dot_bf16_twin(a: &[*const u32], k: usize, panel: *const u16,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::formats::int4::kernels::{dot_int4_scalar, group_row_sums_int4};
-    use crate::formats::int8::kernels::{dot_scalar, group_row_sums};
     use crate::rng::Rng;
 
     #[test]
@@ -243,7 +241,9 @@ mod tests {
 
     type Pack = fn(&[i8], usize, usize) -> crate::Result<Vec<u8>>;
 
-    fn check_int(
+    /// A tile program (`emu`: emulated or hardware) equals a format's scalar twin on random
+    /// groups, for row counts around the 16-row tiles, rows strided and scattered.
+    pub(crate) fn check_int(
         ks: &[usize],
         draw: fn(&mut Rng) -> i8,
         pack: Pack,
@@ -273,30 +273,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn emulated_int8_tile_program_matches_the_scalar_twin() {
-        check_int(
-            &[64, 192, 640],
-            |rng| (rng.below(255) as i32 - 127) as i8,
-            crate::quant::pack_amx_int8,
-            group_row_sums,
-            emulated::dot_int8,
-            dot_scalar,
-        );
-    }
-
-    #[test]
-    fn emulated_int4_tile_program_matches_the_scalar_twin() {
-        check_int(
-            &[128, 384],
-            |rng| (rng.below(15) as i32 - 7) as i8,
-            crate::quant::pack_amx_int4,
-            group_row_sums_int4,
-            emulated::dot_int4,
-            dot_int4_scalar,
-        );
     }
 
     #[test]

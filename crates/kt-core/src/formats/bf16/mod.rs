@@ -25,6 +25,15 @@ struct Part {
     down_dst: SyncPtr<u16>,
 }
 
+/// The registry's builder ([`super::build`]).
+pub fn experts(
+    config: &MoeConfig,
+    parts: usize,
+    kernels: KernelSet,
+) -> Result<Box<dyn ExpertFormat>> {
+    Ok(Box::new(Bf16Experts::new(config, parts, kernels)?))
+}
+
 /// The BF16 experts of one layer.
 pub struct Bf16Experts {
     kernels: KernelSet,

@@ -289,6 +289,15 @@ fn layer_tensors<'m>(
     Ok(t)
 }
 
+/// The registry's builder ([`super::build`]).
+pub fn experts(
+    config: &MoeConfig,
+    parts: usize,
+    kernels: KernelSet,
+) -> Result<Box<dyn ExpertFormat>> {
+    Ok(Box::new(GgmlExperts::new(config, parts, kernels)?))
+}
+
 /// The GGUF experts of one layer: nothing until [`GgmlExperts::load_gguf`] reads a file, which
 /// decides the types, the kernels and the split of `I`.
 pub struct GgmlExperts {

@@ -288,6 +288,28 @@ pub(crate) mod tests {
         crate::formats::int8::kernels::tests::check_row_sums(&INT4, true);
     }
 
+    /// The AMX tile program for this layout: emulated everywhere, on the tiles where the CPU
+    /// and OS allow them.
+    #[test]
+    fn int4_tile_programs_match_the_scalar_twin() {
+        let draw = |rng: &mut crate::rng::Rng| (rng.below(15) as i32 - 7) as i8;
+        let check = |tile: crate::kernels::group_dot::GroupDotFn| {
+            crate::kernels::amx::tests::check_int(
+                &[128, 384],
+                draw,
+                crate::quant::pack_amx_int4,
+                group_row_sums_int4,
+                tile,
+                dot_int4_scalar,
+            )
+        };
+        check(crate::kernels::amx::emulated::dot_int4);
+        #[cfg(kt_amx_hw)]
+        if crate::isa::allows(crate::isa::Level::Amx) {
+            check(crate::kernels::amx::dot_int4);
+        }
+    }
+
     #[test]
     fn int4_variants_match_the_scalar_twin_exactly() {
         check(&INT4, dot_int4_scalar, 2, "scalar");

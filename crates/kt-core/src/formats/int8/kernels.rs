@@ -329,6 +329,28 @@ pub(crate) mod tests {
         check_row_sums(&INT8, false);
     }
 
+    /// The AMX tile program for this layout: emulated everywhere, on the tiles where the CPU
+    /// and OS allow them.
+    #[test]
+    fn int8_tile_programs_match_the_scalar_twin() {
+        let draw = |rng: &mut Rng| (rng.below(255) as i32 - 127) as i8;
+        let check = |tile: crate::kernels::group_dot::GroupDotFn| {
+            crate::kernels::amx::tests::check_int(
+                &[64, 192, 640],
+                draw,
+                pack_amx_int8,
+                group_row_sums,
+                tile,
+                dot_scalar,
+            )
+        };
+        check(crate::kernels::amx::emulated::dot_int8);
+        #[cfg(kt_amx_hw)]
+        if crate::isa::allows(crate::isa::Level::Amx) {
+            check(crate::kernels::amx::dot_int8);
+        }
+    }
+
     #[test]
     fn int8_variants_match_the_scalar_twin_exactly() {
         check(&INT8, dot_scalar, 3, "scalar");

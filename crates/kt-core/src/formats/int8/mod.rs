@@ -63,6 +63,15 @@ pub const INT8: IntLayout = IntLayout {
     amx_kernel: |a| a.int8,
 };
 
+/// The registry's builder ([`super::build`]).
+pub fn experts(
+    config: &MoeConfig,
+    parts: usize,
+    kernels: KernelSet,
+) -> Result<Box<dyn ExpertFormat>> {
+    Ok(Box::new(IntExperts::new(config, parts, kernels, INT8)?))
+}
+
 /// One matrix (gate, up or down) of every expert of a part.
 struct Matrices {
     mats: AlignedBuf<u8>,
