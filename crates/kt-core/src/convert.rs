@@ -20,6 +20,7 @@ use crate::converted::{
     TensorEntry, PROJS,
 };
 use crate::dtype::FloatType;
+use crate::error::FirstError;
 use crate::expert::{ExpertSource, Proj};
 use crate::method::Method;
 use crate::pool::Pool;
@@ -196,8 +197,8 @@ pub fn quant_method(arg: &str) -> Result<Method> {
 /// A conversion running on a thread of its own with a pool of `threads` workers: callers poll
 /// it ([`ConversionJob::wait`] with a timeout), show its progress and may cancel it.
 pub struct ConversionJob {
-    progress: std::sync::Arc<ConvertProgress>,
-    job: std::sync::Mutex<Option<std::thread::JoinHandle<Result<ConvertReport>>>>,
+    progress: Arc<ConvertProgress>,
+    job: Mutex<Option<std::thread::JoinHandle<Result<ConvertReport>>>>,
 }
 
 impl ConversionJob {
@@ -210,7 +211,7 @@ impl ConversionJob {
         } else {
             threads
         };
-        let progress = std::sync::Arc::new(ConvertProgress::default());
+        let progress = Arc::new(ConvertProgress::default());
         let p = progress.clone();
         let job = std::thread::Builder::new()
             .name("kt-convert".into())
@@ -221,7 +222,7 @@ impl ConversionJob {
             .map_err(|e| Error::Runtime(format!("cannot start the converter: {e}")))?;
         Ok(ConversionJob {
             progress,
-            job: std::sync::Mutex::new(Some(job)),
+            job: Mutex::new(Some(job)),
         })
     }
 
@@ -550,9 +551,9 @@ fn convert_layer(
     let parts_done: Vec<AtomicUsize> = (0..shape.experts * 3)
         .map(|_| AtomicUsize::new(0))
         .collect();
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let first_error = FirstError::new();
     pool.parallel_for_all(tasks, &|task| {
-        if progress.cancel.load(Ordering::Relaxed) || first_error.lock().unwrap().is_some() {
+        if progress.cancel.load(Ordering::Relaxed) || first_error.is_set() {
             return;
         }
         let (matrix, part) = (task / shape.parts, task % shape.parts);
@@ -589,14 +590,9 @@ fn convert_layer(
             }
             Ok(())
         })();
-        if let Err(err) = result {
-            first_error.lock().unwrap().get_or_insert(err);
-        }
+        first_error.record(result);
     })?;
-    match first_error.into_inner().unwrap() {
-        Some(err) => Err(err),
-        None => Ok(()),
-    }
+    first_error.into_result()
 }
 
 /// The non-expert shard, the index and the copied config files (merged layout); returns the
@@ -636,18 +632,14 @@ fn write_rest(
         sources.push(name.to_string());
     }
     let writer = SafetensorsWriter::create(&opts.output.join(&rest_file), &entries)?;
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let first_error = FirstError::new();
     pool.parallel_for_all(entries.len(), &|t| {
-        let r = ckpt
-            .raw(&sources[t])
-            .and_then(|(bytes, _)| writer.write(&entries[t].name, bytes));
-        if let Err(err) = r {
-            first_error.lock().unwrap().get_or_insert(err);
-        }
+        first_error.record(
+            ckpt.raw(&sources[t])
+                .and_then(|(bytes, _)| writer.write(&entries[t].name, bytes)),
+        );
     })?;
-    if let Some(err) = first_error.into_inner().unwrap() {
-        return Err(err);
-    }
+    first_error.into_result()?;
     writer.finish()?;
     let mut written: u64 = entries.iter().map(|t| t.bytes() as u64).sum();
 

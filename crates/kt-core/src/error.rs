@@ -85,6 +85,41 @@ pub fn open_regular_file(path: &std::path::Path, what: &str) -> Result<std::fs::
     std::fs::File::open(path).map_err(|e| io_error_at(path, "open", e))
 }
 
+/// The first error of many parallel tasks: each task records its result, the caller gets
+/// the first failure (or Ok) once the tasks are done.
+#[derive(Default)]
+pub struct FirstError(std::sync::Mutex<Option<Error>>);
+
+impl FirstError {
+    /// No error yet.
+    pub fn new() -> FirstError {
+        FirstError::default()
+    }
+
+    /// Keep `result`'s error unless an earlier one is kept.
+    pub fn record(&self, result: Result<()>) {
+        if let Err(e) = result {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+        }
+    }
+
+    /// Whether an error was recorded (lets later tasks stop early).
+    pub fn is_set(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// The first recorded error, or Ok.
+    pub fn into_result(self) -> Result<()> {
+        match self.0.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Return early with an [`Error`] variant built from a format string.
 #[macro_export]
 macro_rules! kt_bail {

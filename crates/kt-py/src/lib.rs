@@ -31,6 +31,8 @@ fn cpu_variant() -> PyResult<&'static str> {
 #[pyfunction]
 fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let sel = isa::global().py()?;
+    // First: the bf16 calibration inside KernelSet::best times kernels that prefetch.
+    let prefetch_bytes = kt_core::formats::prefetch_distance().py()?;
     let d = PyDict::new(py);
     d.set_item("vendor", &sel.features.vendor)?;
     d.set_item("brand", &sel.features.brand)?;
@@ -64,10 +66,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         kt_core::kernels::amx_min_rows_from_env().py()?,
     )?;
     d.set_item("kernels", kernels)?;
-    d.set_item(
-        "prefetch_bytes",
-        kt_core::formats::prefetch_distance().py()?,
-    )?;
+    d.set_item("prefetch_bytes", prefetch_bytes)?;
     Ok(d)
 }
 
@@ -310,7 +309,7 @@ impl MoeLayer {
             swiglu_limit,
             swiglu_alpha,
         };
-        let kernels = KernelSet::from_choice(kernel).py()?;
+        let kernels = kt_core::formats::kernels_for(kernel).py()?;
         let layer =
             CoreLayer::with_method(config, engine.inner.pool().parts(), kernels, method).py()?;
         // Plan the forward scratch now (shared by all layers of the engine), not on first use.

@@ -116,6 +116,22 @@ pub trait ExpertFormat: Send + Sync + Any {
     /// Whether SwiGLU rows are prepared in such a forward.
     fn prepares_act(&self, max_rows: usize) -> bool;
 
+    /// Whether the SwiGLU preparation is element-wise, so each 32-value panel is prepared as
+    /// it is made, while in cache ([`ExpertFormat::prepare_act_panel`]), instead of in a phase
+    /// of its own over whole rows ([`ExpertFormat::prepare_act`], for scales that span a row).
+    fn prepares_act_per_panel(&self) -> bool {
+        false
+    }
+
+    /// Prepare 32 SwiGLU values (one panel of one row) of an expert with `expert_rows` rows
+    /// into `out` (those values' bytes of the prepared row); a format prepares only the rows
+    /// its kernels will read prepared. Only called when
+    /// [`ExpertFormat::prepares_act_per_panel`] says so.
+    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+        let _ = (part, expert_rows, act, out);
+        unreachable!("{} prepares SwiGLU rows whole", self.method())
+    }
+
     /// Prepare one token's x (`H` values) into `out` ([`ExpertFormat::x_stride`] bytes);
     /// returns the row's scale (formats without one return 1).
     fn prepare_x(&self, part: usize, x: &[f32], out: &mut [u8]) -> f32;
@@ -128,7 +144,15 @@ pub trait ExpertFormat: Send + Sync + Any {
 
     /// `g`, `u` (32 values per row, row i at `32·i`): intermediate rows `32p..32p+32` of the
     /// part's slice of expert `at.slot`, against `rows` (`k = H`).
-    fn gate_up_panel(
+    ///
+    /// # Safety
+    /// `at` names an existing part, slot (`< num_experts`) and panel; the three slices of
+    /// `rows` have one entry per row, at most [`ExpertFormat::block_rows`] of them for
+    /// `rows.expert_rows`; each f32 row points to `H` readable values and, when the forward
+    /// prepared x ([`ExpertFormat::prepares_x`]), each prepared row to
+    /// [`ExpertFormat::x_stride`] readable bytes made by [`ExpertFormat::prepare_x`] (else it
+    /// may dangle); `g` and `u` hold 32 values per row.
+    unsafe fn gate_up_panel(
         &self,
         at: PanelAt,
         rows: &RowBlock,
@@ -139,7 +163,18 @@ pub trait ExpertFormat: Send + Sync + Any {
 
     /// `o` (32 values per row): output columns `32p..32p+32` of expert `at.slot`'s down slice
     /// against the SwiGLU rows `rows`.
-    fn down_panel(&self, at: PanelAt, rows: &RowBlock, scratch: &mut PanelAcc, o: &mut [f32]);
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::gate_up_panel`], with rows of the part's `ip` SwiGLU values and
+    /// prepared rows of [`ExpertFormat::act_stride`] bytes (made per row or per panel, see
+    /// [`ExpertFormat::prepares_act_per_panel`]); `o` holds 32 values per row.
+    unsafe fn down_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    );
 
     /// Whether experts come from an [`crate::expert::ExpertSource`] ([`ExpertFormat::pack`]).
     fn packs_from_source(&self) -> bool;
@@ -147,8 +182,10 @@ pub trait ExpertFormat: Send + Sync + Any {
     /// Pack (or quantize) `view`, the part's slice of physical `slot`'s projection `proj`.
     ///
     /// # Safety
-    /// No other call writes the same `(part, slot, proj)` at the same time, and no forward
-    /// runs during loading (the layer holds `&mut` while it calls this from its pool).
+    /// `part` and `slot` (`< num_experts`) exist; `view` has exactly the shape of that part's
+    /// projection (gate/up: the part's `ip` rows × `H`; down: `H` × `ip`) and its memory is
+    /// alive; no other call writes the same `(part, slot, proj)` at the same time, and no
+    /// forward runs during loading (the layer holds `&mut` while it calls this from its pool).
     unsafe fn pack(
         &self,
         part: usize,
@@ -241,6 +278,13 @@ pub fn build(
 /// kernel (or `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
 pub fn prefetch_distance() -> Result<usize> {
     crate::kernels::calibrate::ensure_prefetch_chosen(int8::kernels::vector_kernel)
+}
+
+/// The kernels a caller names ([`KernelSet::from_choice`]), with the prefetch distance chosen
+/// first: the bf16-vs-FMA calibration inside [`KernelSet::best`] times kernels that prefetch.
+pub fn kernels_for(choice: Option<&str>) -> Result<KernelSet> {
+    prefetch_distance()?;
+    KernelSet::from_choice(choice)
 }
 
 /// Check that `config` splits into `parts` slices of whole `unit`s (and `H` is a multiple of

@@ -12,6 +12,7 @@
 //! scalar twins, VNNI and AMX), signed `a`, and `|a|` — the operands of the sign trick, so the
 //! AVX2 kernels broadcast them instead of recomputing them for every weight line
 //! ([`fill_activation_copies`]).
+use crate::isa::Level;
 
 /// Copies of its values in an activation row (biased, signed, absolute).
 pub const ACT_COPIES: usize = 3;
@@ -69,6 +70,39 @@ pub struct VectorKernel {
     pub rows: usize,
     /// Name, as `__int8_kernel__` reports it ("avx512-vnni", "avx2", ...).
     pub name: &'static str,
+}
+
+/// One format's group kernels, one per instruction mix (scalar = its twin).
+pub struct GroupDotVariants {
+    /// The scalar twin.
+    pub scalar: GroupDotFn,
+    /// AVX2, sign trick.
+    pub avx2: GroupDotFn,
+    /// AVX-VNNI (256-bit `vpdpbusd`).
+    pub avx_vnni: GroupDotFn,
+    /// AVX-512BW, sign trick.
+    pub avx512bw: GroupDotFn,
+    /// AVX512-VNNI.
+    pub avx512_vnni: GroupDotFn,
+}
+
+impl GroupDotVariants {
+    /// The fastest variant at `level` (`KT_KERNEL_CPU_VARIANT` is in `level` already); AVX-VNNI
+    /// serves AVX2-level CPUs that have it.
+    pub fn pick(&self, level: Level) -> VectorKernel {
+        let (dot, rows, name) = if level >= Level::Avx512Vnni {
+            (self.avx512_vnni, ROWS, "avx512-vnni")
+        } else if level >= Level::Avx512Base {
+            (self.avx512bw, 6, "avx512bw")
+        } else if level >= Level::Avx2 && crate::isa::has_feature("avx_vnni") {
+            (self.avx_vnni, 4, "avx-vnni")
+        } else if level >= Level::Avx2 {
+            (self.avx2, 4, "avx2")
+        } else {
+            (self.scalar, ROWS, "scalar")
+        };
+        VectorKernel { dot, rows, name }
+    }
 }
 
 /// Rows per call of the 512-bit VNNI variants (the largest vector row block).

@@ -231,7 +231,8 @@ impl KernelSet {
     /// Best kernels for the process's chosen level. Where AVX512-BF16 exists, the bf16 path is
     /// used for prefill-sized experts only if it measured faster than fp32 FMA on this CPU (it
     /// is on AMD Zen 4, it is not on Intel Sapphire/Emerald Rapids); `KT_BF16_KERNEL=fma` or
-    /// `=bf16dot` forces the choice.
+    /// `=bf16dot` forces the choice. Choose the prefetch distance before the first call
+    /// (`formats::kernels_for` does both), so the calibration times the kernels as they run.
     pub fn best() -> Result<KernelSet> {
         let level = isa::global()?.chosen;
         if level < Level::Avx512Bf16 {

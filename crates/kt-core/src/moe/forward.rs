@@ -217,12 +217,20 @@ impl MoeLayer {
         let parts = &ws.ptrs[..self.experts.part_ranges().len()];
         let single = parts.len() == 1;
         pool.run_parts(&|part, team: &Team| {
+            let experts = &*self.experts;
+            let (x_stride, act_stride) = (experts.x_stride(part), experts.act_stride(part));
+            let prep_act = chunk.prepare_act && act_stride > 0;
             let f = PartForward {
                 c: &chunk,
                 part,
                 team,
                 s: parts[part],
-                ip: self.experts.part_ranges()[part].len(),
+                ip: experts.part_ranges()[part].len(),
+                x_stride,
+                act_stride,
+                prep_x: chunk.prepare_x && x_stride > 0,
+                prep_act,
+                act_per_panel: prep_act && experts.prepares_act_per_panel(),
             };
             // SAFETY: the chunk's contract (forward_chunk's) covers every pointer the phases
             // use; each phase's tasks write disjoint ranges, and phases are separated by the
@@ -230,7 +238,7 @@ impl MoeLayer {
             unsafe {
                 f.gather_x();
                 f.gate_up_swiglu();
-                if chunk.prepare_act {
+                if f.prep_act && !f.act_per_panel {
                     f.prepare_act();
                 }
                 f.down_reduce();
@@ -276,6 +284,13 @@ struct PartForward<'a> {
     team: &'a Team,
     s: PartPtrs,
     ip: usize,
+    /// Prepared bytes per x row and per SwiGLU row (0: none).
+    x_stride: usize,
+    act_stride: usize,
+    /// Whether this chunk prepares x rows, SwiGLU rows, and the latter panel by panel.
+    prep_x: bool,
+    prep_act: bool,
+    act_per_panel: bool,
 }
 
 /// Gathered pointers of one block of rows (see [`RowBlock`]).
@@ -314,7 +329,7 @@ impl PartForward<'_> {
         let (c, s) = (self.c, self.s);
         let experts = &*c.layer.experts;
         let h = c.layer.config.hidden;
-        let xs = experts.x_stride(self.part);
+        let (xs, prep) = (self.x_stride, self.prep_x);
         let ht = c.args.hidden_type;
         self.team.parallel_for(c.args.qlen, &|t| {
             // SAFETY: row t of the input and of this part's x buffers (tokens × H, tokens ×
@@ -322,7 +337,7 @@ impl PartForward<'_> {
             unsafe {
                 let x = std::slice::from_raw_parts_mut(s.x.get().add(t * h), h);
                 row_to_f32(c.hidden_in.get().add(t * h * ht.size()), ht, x);
-                if c.prepare_x && xs > 0 {
+                if prep {
                     let out = std::slice::from_raw_parts_mut(s.x_prep.get().add(t * xs), xs);
                     *s.x_scale.get().add(t) = experts.prepare_x(self.part, x, out);
                 }
@@ -340,7 +355,14 @@ impl PartForward<'_> {
         let (layer, routing) = (c.layer, c.routing);
         let cfg = &layer.config;
         let h = cfg.hidden;
-        let xs = layer.experts.x_stride(self.part);
+        let xs = self.x_stride;
+        // Element-wise SwiGLU preparation happens here, per panel, while the values are hot.
+        let act_stride = self.act_stride;
+        let act_panel_bytes = if self.act_per_panel {
+            act_stride / ip * PANEL
+        } else {
+            0
+        };
         let panels = ip / PANEL;
         self.team
             .parallel_for(routing.experts.len() * panels, &|task| {
@@ -363,7 +385,7 @@ impl PartForward<'_> {
                         unsafe {
                             at.f32_rows[i] = s.x.get().add(t * h);
                             at.prepared[i] = s.x_prep.get().wrapping_add(t * xs);
-                            at.scales[i] = if c.prepare_x {
+                            at.scales[i] = if self.prep_x {
                                 *s.x_scale.get().add(t)
                             } else {
                                 1.0
@@ -376,7 +398,10 @@ impl PartForward<'_> {
                         slot,
                         panel: p,
                     };
-                    layer.experts.gate_up_panel(at, &rb, acc, g, u);
+                    // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H
+                    // values, prepared rows of x_stride bytes when prep_x (the chunk's
+                    // contract covers the workspace); g and u hold MAX_ROWS·32.
+                    unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
                     let m = nr * PANEL;
                     layer.kernels.swiglu(
                         &g[..m],
@@ -386,13 +411,25 @@ impl PartForward<'_> {
                         cfg.swiglu_alpha,
                     );
                     for i in 0..nr {
-                        // SAFETY: row r0+i of act (rows × ip), columns of panel p: this task's.
+                        let row = r0 + i;
+                        let vals = &a[i * PANEL..(i + 1) * PANEL];
+                        // SAFETY: row `row` of act (rows × ip), columns of panel p, and the
+                        // same panel's bytes of its prepared row: this task's.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                a[i * PANEL..].as_ptr(),
-                                s.act.get().add((r0 + i) * ip + p * PANEL),
+                                vals.as_ptr(),
+                                s.act.get().add(row * ip + p * PANEL),
                                 PANEL,
                             );
+                            if act_panel_bytes > 0 {
+                                let dst = std::slice::from_raw_parts_mut(
+                                    s.act_prep.get().add(row * act_stride + p * act_panel_bytes),
+                                    act_panel_bytes,
+                                );
+                                layer
+                                    .experts
+                                    .prepare_act_panel(self.part, rows.len(), vals, dst);
+                            }
                         }
                     }
                     r0 += nr;
@@ -409,10 +446,7 @@ impl PartForward<'_> {
     unsafe fn prepare_act(&self) {
         let (s, ip) = (self.s, self.ip);
         let experts = &*self.c.layer.experts;
-        let stride = experts.act_stride(self.part);
-        if stride == 0 {
-            return;
-        }
+        let stride = self.act_stride;
         self.team.parallel_for(self.c.routing.rows(), &|row| {
             // SAFETY: row `row` of act, act_prep and act_scale belongs to this task.
             unsafe {
@@ -438,7 +472,9 @@ impl PartForward<'_> {
     ) {
         let (c, s, ip) = (self.c, self.s, self.ip);
         let (experts, routing) = (&*c.layer.experts, c.routing);
-        let stride = experts.act_stride(self.part);
+        let stride = self.act_stride;
+        // Per-row scales exist only where whole rows were prepared.
+        let scaled = self.prep_act && !self.act_per_panel;
         let slot = routing.experts[ei] as usize;
         let rows = routing.offsets[ei]..routing.offsets[ei + 1];
         let block = experts.block_rows(self.part, rows.len(), Stage::Down);
@@ -456,7 +492,7 @@ impl PartForward<'_> {
                     unsafe {
                         at.f32_rows[i] = s.act.get().add(r * ip);
                         at.prepared[i] = s.act_prep.get().wrapping_add(r * stride);
-                        at.scales[i] = if c.prepare_act {
+                        at.scales[i] = if scaled {
                             *s.act_scale.get().add(r)
                         } else {
                             1.0
@@ -468,7 +504,10 @@ impl PartForward<'_> {
                     slot,
                     panel: p,
                 };
-                experts.down_panel(panel, &at.block(rows.len(), nr), acc, o);
+                // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU rows
+                // of ip values, prepared rows of act_stride bytes when prep_act; `o` holds
+                // MAX_ROWS·32.
+                unsafe { experts.down_panel(panel, &at.block(rows.len(), nr), acc, o) };
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }

@@ -2,13 +2,13 @@
 //! pages live on its NUMA node), one task per (physical expert, projection).
 use super::{ExpertSource, MoeLayer, Proj};
 use crate::converted::{ConvertedLayer, LayerShape};
+use crate::error::FirstError;
 use crate::formats::LayerFiles;
 use crate::gguf::GgufModel;
 use crate::pool::{Pool, Team};
 use crate::weights::{Checkpoint, HfLayerSource};
-use crate::{kt_ensure, Error, Result};
+use crate::{kt_ensure, Result};
 use std::path::Path;
-use std::sync::Mutex;
 
 impl MoeLayer {
     /// Pack weights from `source`. Physical slot `p` receives logical expert `map[p]` (identity
@@ -48,14 +48,14 @@ impl MoeLayer {
         let ranges = self.part_ranges();
         let experts = &*self.experts;
         let h = c.hidden;
-        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let first_error = FirstError::new();
         pool.run_parts(&|part, team: &Team| {
             let inter = ranges[part].clone();
             // One task per (physical expert, projection): big enough to amortise, many enough
             // to balance.
             team.parallel_for(c.num_experts * 3, &|task| {
                 let (slot, proj) = (task / 3, [Proj::Gate, Proj::Up, Proj::Down][task % 3]);
-                let result = (|| -> Result<()> {
+                first_error.record((|| -> Result<()> {
                     let m = source.matrix(logical[slot], proj)?;
                     let view = match proj {
                         Proj::Gate | Proj::Up => m.sub(inter.start, inter.len(), 0, h)?,
@@ -64,15 +64,10 @@ impl MoeLayer {
                     // SAFETY: this task is the only writer of (part, slot, proj), and the
                     // layer is borrowed mutably, so no forward runs meanwhile.
                     unsafe { experts.pack(part, slot, proj, &view) }
-                })();
-                if let Err(err) = result {
-                    first_error.lock().unwrap().get_or_insert(err);
-                }
+                })());
             });
         })?;
-        if let Some(err) = first_error.into_inner().unwrap() {
-            return Err(err);
-        }
+        first_error.into_result()?;
         self.loaded = true;
         Ok(())
     }

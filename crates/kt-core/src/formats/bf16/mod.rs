@@ -38,6 +38,7 @@ pub fn experts(
 pub struct Bf16Experts {
     kernels: KernelSet,
     hidden: usize,
+    experts: usize,
     ranges: Vec<Range<usize>>,
     parts: Vec<Part>,
 }
@@ -63,6 +64,7 @@ impl Bf16Experts {
         Ok(Bf16Experts {
             kernels,
             hidden: config.hidden,
+            experts: config.num_experts,
             ranges,
             parts,
         })
@@ -86,9 +88,13 @@ impl Bf16Experts {
     }
 
     /// One panel product through the path chosen for this block's expert.
-    fn panel(&self, rows: &RowBlock, k: usize, panel: &[u16], out: &mut [f32]) {
-        debug_assert_eq!(panel.len(), panel_len(k));
-        debug_assert!(out.len() >= rows.len() * PANEL);
+    ///
+    /// # Safety
+    /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values: in particular the
+    /// prepared rows are staged whenever this expert takes a bf16 path.
+    unsafe fn panel(&self, rows: &RowBlock, k: usize, panel: &[u16], out: &mut [f32]) {
+        assert!(panel.len() == panel_len(k) && out.len() >= rows.len() * PANEL);
+        assert!(rows.prepared.len() == rows.len() && rows.len() <= crate::kernels::MAX_ROWS);
         match self.bf16_for(rows.expert_rows, k) {
             Some(b) => {
                 let mut staged = [std::ptr::null::<u32>(); crate::kernels::MAX_ROWS];
@@ -173,6 +179,20 @@ impl ExpertFormat for Bf16Experts {
         1.0
     }
 
+    fn prepares_act_per_panel(&self) -> bool {
+        true
+    }
+
+    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+        // Only the experts whose down panels take a bf16 path read staged rows.
+        if self
+            .bf16_for(expert_rows, self.ranges[part].len())
+            .is_some()
+        {
+            self.kernels.stage_bf16(act, Self::as_pairs(out));
+        }
+    }
+
     fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize {
         let k = match stage {
             Stage::GateUp => self.hidden,
@@ -182,7 +202,7 @@ impl ExpertFormat for Bf16Experts {
             .map_or(self.kernels.rows_per_block(), |b| b.rows_per_block)
     }
 
-    fn gate_up_panel(
+    unsafe fn gate_up_panel(
         &self,
         at: PanelAt,
         rows: &RowBlock,
@@ -199,11 +219,20 @@ impl ExpertFormat for Bf16Experts {
         let len = panel_len(h);
         let off = slot * 2 * ip * h + 2 * p * len;
         let gu = &self.parts[part].gate_up.as_slice()[off..off + 2 * len];
-        self.panel(rows, h, &gu[..len], g);
-        self.panel(rows, h, &gu[len..], u);
+        // SAFETY: the trait's contract, forwarded for rows of H values.
+        unsafe {
+            self.panel(rows, h, &gu[..len], g);
+            self.panel(rows, h, &gu[len..], u);
+        }
     }
 
-    fn down_panel(&self, at: PanelAt, rows: &RowBlock, _scratch: &mut PanelAcc, o: &mut [f32]) {
+    unsafe fn down_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
         let PanelAt {
             part,
             slot,
@@ -212,7 +241,8 @@ impl ExpertFormat for Bf16Experts {
         let (h, ip) = (self.hidden, self.ranges[part].len());
         let off = slot * h * ip + p * panel_len(ip);
         let panel = &self.parts[part].down.as_slice()[off..off + panel_len(ip)];
-        self.panel(rows, ip, panel, o);
+        // SAFETY: the trait's contract, forwarded for rows of ip values.
+        unsafe { self.panel(rows, ip, panel, o) }
     }
 
     fn packs_from_source(&self) -> bool {
@@ -225,6 +255,7 @@ impl ExpertFormat for Bf16Experts {
             Proj::Gate | Proj::Up => (self.parts[part].gate_up_dst, ip, h),
             Proj::Down => (self.parts[part].down_dst, h, ip),
         };
+        assert!(slot < self.experts && view.rows == n && view.cols == k);
         for p in 0..n / PANEL {
             // gate panel p at slot 2p, up panel p at 2p+1 of the expert's gate_up run.
             let off = match proj {

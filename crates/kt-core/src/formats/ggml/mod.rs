@@ -15,6 +15,7 @@
 //! format, each SwiGLU output row once to the down type's (they may differ: Q4_K gate/up with
 //! Q6_K or Q8_0 down).
 use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::error::FirstError;
 use crate::expert::{MoeConfig, Proj};
 use crate::ggml::{x8, DotKernel, GgmlType};
 use crate::gguf::{ExpertProj, ExpertTensor, GgufModel};
@@ -24,10 +25,9 @@ use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
 use crate::pool::{Pool, Team};
 use crate::sync_ptr::SyncPtr;
-use crate::{kt_bail, kt_ensure, Error, Result};
+use crate::{kt_bail, kt_ensure, Result};
 use std::any::Any;
 use std::ops::Range;
-use std::sync::Mutex;
 
 /// Values per K super-block: the original's split unit.
 const QK_K: usize = 256;
@@ -334,11 +334,15 @@ impl GgmlExperts {
     }
 
     /// Quantized rows of `stride` bytes as slices (their addresses come from the workspace).
-    fn row_slices<'a>(rows: &RowBlock<'a>, stride: usize) -> [&'a [u8]; MAX_ROWS] {
+    ///
+    /// # Safety
+    /// Each prepared row of `rows` points to `stride` readable bytes that nobody writes while
+    /// the slices live.
+    unsafe fn row_slices<'a>(rows: &RowBlock<'a>, stride: usize) -> [&'a [u8]; MAX_ROWS] {
+        assert!(rows.prepared.len() <= MAX_ROWS);
         let mut xs = [&[][..]; MAX_ROWS];
         for (x, &ptr) in xs.iter_mut().zip(rows.prepared) {
-            // SAFETY: each prepared row is `stride` bytes of the workspace (x_stride /
-            // act_stride), alive and unwritten for the panel call.
+            // SAFETY: the contract above.
             *x = unsafe { std::slice::from_raw_parts(ptr, stride) };
         }
         xs
@@ -399,7 +403,7 @@ impl ExpertFormat for GgmlExperts {
         MAX_ROWS
     }
 
-    fn gate_up_panel(
+    unsafe fn gate_up_panel(
         &self,
         at: PanelAt,
         rows: &RowBlock,
@@ -413,18 +417,26 @@ impl ExpertFormat for GgmlExperts {
             panel: p,
         } = at;
         let plan = self.plan();
-        let xs = Self::row_slices(rows, plan.x_stride);
+        // SAFETY: the trait's contract: prepared x rows of x_stride bytes.
+        let xs = unsafe { Self::row_slices(rows, plan.x_stride) };
         plan.gate_up_panel(&self.parts[part], slot, p, &xs[..rows.len()], g, u);
     }
 
-    fn down_panel(&self, at: PanelAt, rows: &RowBlock, _scratch: &mut PanelAcc, o: &mut [f32]) {
+    unsafe fn down_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
         let PanelAt {
             part,
             slot,
             panel: p,
         } = at;
         let gp = &self.parts[part];
-        let acts = Self::row_slices(rows, gp.act_stride);
+        // SAFETY: the trait's contract: prepared SwiGLU rows of act_stride bytes.
+        let acts = unsafe { Self::row_slices(rows, gp.act_stride) };
         self.plan().down_panel(gp, slot, p, &acts[..rows.len()], o);
     }
 
@@ -560,7 +572,7 @@ impl GgmlExperts {
             .zip(&new_parts)
             .map(|(r, g)| (r.clone(), g.down_row_bytes))
             .collect();
-        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let first_error = FirstError::new();
         let (rb, file_rb) = (plan.row_bytes, gate.row_bytes());
         let down_block = types.down.block_size();
         let down_block_bytes = types.down.type_size();
@@ -571,7 +583,7 @@ impl GgmlExperts {
             team.parallel_for(e_count * 3, &|task| {
                 let (slot, which) = (task / 3, task % 3);
                 let e = logical[slot];
-                let result = (|| -> Result<()> {
+                first_error.record((|| -> Result<()> {
                     if which < 2 {
                         let src = [gate, up][which].expert(e)?;
                         for p in 0..ip / PANEL {
@@ -626,15 +638,10 @@ impl GgmlExperts {
                         }
                     }
                     Ok(())
-                })();
-                if let Err(err) = result {
-                    first_error.lock().unwrap().get_or_insert(err);
-                }
+                })());
             });
         })?;
-        if let Some(err) = first_error.into_inner().unwrap() {
-            return Err(err);
-        }
+        first_error.into_result()?;
         self.parts = new_parts;
         self.ranges = ranges;
         self.plan = Some(plan);

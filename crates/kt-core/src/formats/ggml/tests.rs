@@ -8,6 +8,7 @@ use crate::moe::{ForwardArgs, Workspace};
 use crate::moe::{MoeConfig, MoeLayer};
 use crate::pool::PoolConfig;
 use crate::rng::Rng;
+use crate::Error;
 use std::path::{Path, PathBuf};
 
 /// A scratch directory removed on drop.

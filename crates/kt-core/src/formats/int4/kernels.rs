@@ -6,7 +6,7 @@
 //! the vector variants are loops over the byte and nibble ops of [`crate::kernels::group_dot`]
 //! and equal it exactly.
 use crate::isa::Level;
-use crate::kernels::group_dot::{VectorKernel, ROWS};
+use crate::kernels::group_dot::{GroupDotVariants, VectorKernel};
 
 /// Row sums `Σ_kk 16·v[j][kk]` of a 32-row AMXINT4 group.
 pub fn group_row_sums_int4(group: &[u8], k: usize) -> [i32; 32] {
@@ -55,40 +55,23 @@ pub unsafe fn dot_int4_scalar(
 
 /// The fastest vector kernel at `level` (`KT_KERNEL_CPU_VARIANT` is in `level` already).
 pub fn vector_kernel(level: Level) -> VectorKernel {
-    let mut k = VectorKernel {
-        dot: dot_int4_scalar,
-        rows: ROWS,
-        name: "scalar",
-    };
     #[cfg(target_arch = "x86_64")]
-    {
-        if level >= Level::Avx2 {
-            k = VectorKernel {
-                dot: x86::dot_int4_avx2,
-                rows: 4,
-                name: "avx2",
-            };
-            if crate::isa::has_feature("avx_vnni") && level < Level::Avx512Base {
-                k.dot = x86::dot_int4_avxvnni;
-                k.name = "avx-vnni";
-            }
-        }
-        if level >= Level::Avx512Base {
-            k = VectorKernel {
-                dot: x86::dot_int4_avx512bw,
-                rows: 6,
-                name: "avx512bw",
-            };
-        }
-        if level >= Level::Avx512Vnni {
-            k = VectorKernel {
-                dot: x86::dot_int4_avx512vnni,
-                rows: ROWS,
-                name: "avx512-vnni",
-            };
-        }
-    }
-    k
+    let variants = GroupDotVariants {
+        scalar: dot_int4_scalar,
+        avx2: x86::dot_int4_avx2,
+        avx_vnni: x86::dot_int4_avxvnni,
+        avx512bw: x86::dot_int4_avx512bw,
+        avx512_vnni: x86::dot_int4_avx512vnni,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let variants = GroupDotVariants {
+        scalar: dot_int4_scalar,
+        avx2: dot_int4_scalar,
+        avx_vnni: dot_int4_scalar,
+        avx512bw: dot_int4_scalar,
+        avx512_vnni: dot_int4_scalar,
+    };
+    variants.pick(level)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -270,6 +253,7 @@ pub(crate) mod x86 {
 pub(crate) mod tests {
     use super::*;
     use crate::formats::int8::twin_check::{check, Format};
+    use crate::kernels::group_dot::ROWS;
     #[cfg(target_arch = "x86_64")]
     use x86::*;
 

@@ -8,7 +8,7 @@
 //! [`crate::kernels::group_dot`] and equal it exactly. The row sums here serve AMXINT4 too
 //! (same tiles, nibbles).
 use crate::isa::Level;
-use crate::kernels::group_dot::{VectorKernel, ROWS};
+use crate::kernels::group_dot::{GroupDotVariants, VectorKernel};
 
 /// Row sums `Σ_kk W[j][kk]` of a 32-row group in the tiled layout (for the unsigned-bias fix-up).
 pub fn group_row_sums(group: &[u8], k: usize) -> [i32; 32] {
@@ -87,40 +87,23 @@ pub unsafe fn dot_scalar(
 
 /// The fastest vector kernel at `level` (`KT_KERNEL_CPU_VARIANT` is in `level` already).
 pub fn vector_kernel(level: Level) -> VectorKernel {
-    let mut k = VectorKernel {
-        dot: dot_scalar,
-        rows: ROWS,
-        name: "scalar",
-    };
     #[cfg(target_arch = "x86_64")]
-    {
-        if level >= Level::Avx2 {
-            k = VectorKernel {
-                dot: x86::dot_avx2,
-                rows: 4,
-                name: "avx2",
-            };
-            if crate::isa::has_feature("avx_vnni") && level < Level::Avx512Base {
-                k.dot = x86::dot_avxvnni;
-                k.name = "avx-vnni";
-            }
-        }
-        if level >= Level::Avx512Base {
-            k = VectorKernel {
-                dot: x86::dot_avx512bw,
-                rows: 6,
-                name: "avx512bw",
-            };
-        }
-        if level >= Level::Avx512Vnni {
-            k = VectorKernel {
-                dot: x86::dot_avx512vnni,
-                rows: ROWS,
-                name: "avx512-vnni",
-            };
-        }
-    }
-    k
+    let variants = GroupDotVariants {
+        scalar: dot_scalar,
+        avx2: x86::dot_avx2,
+        avx_vnni: x86::dot_avxvnni,
+        avx512bw: x86::dot_avx512bw,
+        avx512_vnni: x86::dot_avx512vnni,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let variants = GroupDotVariants {
+        scalar: dot_scalar,
+        avx2: dot_scalar,
+        avx_vnni: dot_scalar,
+        avx512bw: dot_scalar,
+        avx512_vnni: dot_scalar,
+    };
+    variants.pick(level)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -286,6 +269,7 @@ pub(crate) mod x86 {
 pub(crate) mod tests {
     use super::*;
     use crate::formats::int8::twin_check::{check, Format};
+    use crate::kernels::group_dot::ROWS;
     use crate::quant::pack_amx_int8;
     use crate::rng::Rng;
     #[cfg(target_arch = "x86_64")]

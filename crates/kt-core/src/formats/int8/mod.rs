@@ -10,6 +10,7 @@
 //! The two widths differ in a handful of facts, gathered in an [`IntLayout`]: the bytes of a
 //! matrix, the split unit, and which kernel of a [`KernelSet`] reads them.
 use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::error::FirstError;
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
 use crate::kernels::group_dot::{GroupDotFn, VectorKernel, ACT_COPIES};
@@ -21,7 +22,6 @@ use crate::sync_ptr::SyncPtr;
 use crate::{kt_ensure, Error, Result};
 use std::any::Any;
 use std::ops::Range;
-use std::sync::Mutex;
 
 pub mod kernels;
 #[cfg(test)]
@@ -112,7 +112,7 @@ impl Matrices {
         n: usize,
         bytes: usize,
     ) -> (&mut [u8], &mut [f32], &mut [i32]) {
-        debug_assert!((slot + 1) * bytes <= self.mats.len() && (slot + 1) * n <= self.sums.len());
+        assert!((slot + 1) * bytes <= self.mats.len() && (slot + 1) * n <= self.sums.len());
         // SAFETY: in bounds (the buffers hold every expert); exclusive per the contract.
         unsafe {
             (
@@ -188,7 +188,11 @@ impl IntExperts {
     }
 
     /// `out` (32 per row) = rows `qrow..qrow+32` of matrix `m` (k inputs) against `rows`.
-    fn panel(
+    ///
+    /// # Safety
+    /// The [`ExpertFormat::gate_up_panel`] contract for prepared rows of `ACT_COPIES · k`
+    /// bytes.
+    unsafe fn panel(
         &self,
         m: &Matrices,
         qrow: usize,
@@ -202,8 +206,9 @@ impl IntExperts {
         let group = &m.mats.as_slice()[start..start + self.layout.matrix_bytes(PANEL, k)];
         let sums = &m.sums.as_slice()[qrow..qrow + PANEL];
         assert!(rows.len() <= crate::kernels::MAX_ROWS && out.len() >= rows.len() * PANEL);
+        assert!(rows.prepared.len() == rows.len() && rows.scales.len() == rows.len());
         // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the prepared
-        // rows are activation rows of ACT_COPIES·k bytes (x_stride / act_stride); `acc` holds
+        // rows are activation rows of ACT_COPIES·k bytes (this fn's contract); `acc` holds
         // MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was built.
         unsafe {
             kernel(
@@ -284,7 +289,7 @@ impl IntExperts {
         );
         let logical = config.logical_experts(map, shape.experts)?;
         let int4 = self.layout.is_int4();
-        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let first_error = FirstError::new();
         pool.run_parts(&|part, team: &Team| {
             team.parallel_for(config.num_experts * 3, &|task| {
                 let (slot, which) = (task / 3, task % 3);
@@ -304,17 +309,17 @@ impl IntExperts {
                             .copy_from_slice(&kernels::row_sums_fast(group, k, int4));
                     }
                 };
-                let result =
-                    files.read_into(logical[slot], proj, part, mat, scales, &mut sum_piece);
-                if let Err(err) = result {
-                    first_error.lock().unwrap().get_or_insert(err);
-                }
+                first_error.record(files.read_into(
+                    logical[slot],
+                    proj,
+                    part,
+                    mat,
+                    scales,
+                    &mut sum_piece,
+                ));
             });
         })?;
-        match first_error.into_inner().unwrap() {
-            Some(err) => Err(err),
-            None => Ok(()),
-        }
+        first_error.into_result()
     }
 }
 
@@ -363,7 +368,7 @@ impl ExpertFormat for IntExperts {
         self.kernel_for(expert_rows).1
     }
 
-    fn gate_up_panel(
+    unsafe fn gate_up_panel(
         &self,
         at: PanelAt,
         rows: &RowBlock,
@@ -379,11 +384,20 @@ impl ExpertFormat for IntExperts {
         let (ip, h) = (self.ranges[part].len(), self.hidden);
         let qrow = slot * ip + p * PANEL;
         let [gate, up, _] = &self.parts[part];
-        self.panel(gate, qrow, h, rows, scratch, g);
-        self.panel(up, qrow, h, rows, scratch, u);
+        // SAFETY: the trait's contract, forwarded (prepared rows of x_stride bytes).
+        unsafe {
+            self.panel(gate, qrow, h, rows, scratch, g);
+            self.panel(up, qrow, h, rows, scratch, u);
+        }
     }
 
-    fn down_panel(&self, at: PanelAt, rows: &RowBlock, scratch: &mut PanelAcc, o: &mut [f32]) {
+    unsafe fn down_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
         let PanelAt {
             part,
             slot,
@@ -391,7 +405,8 @@ impl ExpertFormat for IntExperts {
         } = at;
         let ip = self.ranges[part].len();
         let qrow = slot * self.hidden + p * PANEL;
-        self.panel(&self.parts[part][2], qrow, ip, rows, scratch, o);
+        // SAFETY: the trait's contract, forwarded (prepared rows of act_stride bytes).
+        unsafe { self.panel(&self.parts[part][2], qrow, ip, rows, scratch, o) }
     }
 
     fn packs_from_source(&self) -> bool {
@@ -400,8 +415,10 @@ impl ExpertFormat for IntExperts {
 
     unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {
         let (n, k) = self.dims(part, proj);
+        assert!(slot < self.experts && view.rows == n && view.cols == k);
         let bytes = self.layout.matrix_bytes(n, k);
-        // SAFETY: the caller promises this call alone writes (part, slot, proj).
+        // SAFETY: slot exists (checked); the caller promises this call alone writes
+        // (part, slot, proj).
         let (mat, scales, sums) =
             unsafe { self.parts[part][proj.index()].expert_mut(slot, n, bytes) };
         // SAFETY: the source keeps `view`'s memory alive while the layer loads.
