@@ -16,6 +16,7 @@
 //! sizes and safetensors headers have been checked against the layer's shape.
 use crate::expert::Proj;
 use crate::method::Method;
+use crate::safetensors_file::{read_header, TensorPlace};
 use crate::shard_index::ShardIndex;
 use crate::{kt_bail, kt_ensure, Error, Result};
 use std::collections::HashMap;
@@ -167,19 +168,11 @@ pub fn has_converted_layer(path: &Path, layer: usize) -> Result<bool> {
     }
     for f in merged_shards(path, &first)? {
         let file = crate::error::open_regular_file(&f, "safetensors file")?;
-        if header_of(&file, &f)?.contains_key(&first) {
+        if read_header(&file, &f)?.contains_key(&first) {
             return Ok(true);
         }
     }
     Ok(false)
-}
-
-/// [`read_safetensors_header`] with malformed headers as [`Error::Format`].
-fn header_of(file: &File, path: &Path) -> Result<HashMap<String, HeaderEntry>> {
-    read_safetensors_header(file, path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidData => Error::Format(e.to_string()),
-        _ => crate::error::io_error_at(path, "read", e),
-    })
 }
 
 /// The safetensors files of `dir` that may hold tensors whose names start with `prefix`: by
@@ -203,62 +196,6 @@ fn merged_shards(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
         });
     }
     Ok(files)
-}
-
-/// A tensor in a safetensors header: dtype name, absolute byte offset, length.
-type HeaderEntry = (String, u64, usize);
-
-/// The tensors of a safetensors file (read with two small reads), checked to lie inside it.
-fn read_safetensors_header(
-    file: &File,
-    path: &Path,
-) -> std::io::Result<HashMap<String, HeaderEntry>> {
-    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    let size = file.metadata()?.len();
-    let mut len = [0u8; 8];
-    file.read_exact_at(&mut len, 0)?;
-    let n = u64::from_le_bytes(len);
-    if n > size.saturating_sub(8) || n > 1 << 30 {
-        return Err(bad(format!(
-            "{}: not a safetensors file (header length {n})",
-            path.display()
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact_at(&mut header, 8)?;
-    let meta: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("{}: bad safetensors header: {e}", path.display())))?;
-    let start = 8 + n;
-    let mut out = HashMap::new();
-    for (name, info) in meta {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .unwrap_or("")
-            .to_string();
-        let offs: Vec<u64> = info
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .map(|o| o.iter().filter_map(|v| v.as_u64()).collect())
-            .unwrap_or_default();
-        let [b, e] = offs[..] else {
-            return Err(bad(format!(
-                "{}: tensor {name} has no data offsets",
-                path.display()
-            )));
-        };
-        if b > e || start.checked_add(e).is_none_or(|end| end > size) {
-            return Err(bad(format!(
-                "{}: tensor {name} points outside the file (truncated?)",
-                path.display()
-            )));
-        }
-        out.insert(name, (dtype, start + b, (e - b) as usize));
-    }
-    Ok(out)
 }
 
 impl ConvertedLayer {
@@ -428,10 +365,10 @@ fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
         paths: Vec::new(),
         at: HashMap::new(),
     };
-    let mut names: HashMap<String, (usize, HeaderEntry)> = HashMap::new();
+    let mut names: HashMap<String, (usize, TensorPlace)> = HashMap::new();
     for p in merged_shards(path, &prefix)? {
         let f = crate::error::open_regular_file(&p, "converted shard")?;
-        let header = header_of(&f, &p)?;
+        let header = read_header(&f, &p)?;
         let idx = store.files.len();
         names.extend(
             header
@@ -459,7 +396,13 @@ fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
             for (pi, (proj, _)) in PROJS.iter().enumerate() {
                 for scale in [false, true] {
                     let key = merged_key(shape.layer, e, *proj, part, scale);
-                    let Some((file, (dtype, offset, len))) = names.get(&key) else {
+                    let Some((
+                        file,
+                        TensorPlace {
+                            dtype, offset, len, ..
+                        },
+                    )) = names.get(&key)
+                    else {
                         continue; // reported as missing by `locate`
                     };
                     let want_dtype = if scale { "F32" } else { "I8" };

@@ -41,6 +41,7 @@ pub mod probe;
 pub mod quant;
 pub mod rng;
 pub mod routing;
+pub mod safetensors_file;
 pub mod shard_index;
 pub mod sync_ptr;
 #[cfg(test)]

@@ -81,34 +81,29 @@ impl Checkpoint {
         let mut tensors = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             let file = crate::error::open_regular_file(f, "safetensors file")?;
+            // The header first: every tensor is checked to lie inside the file before mapping.
+            let header = crate::safetensors_file::read_header(&file, f)?;
             // SAFETY: the file is opened read-only; if another process truncates it while
             // mapped, reads could fault — the same contract every safetensors reader has.
             let map =
                 unsafe { Mmap::map(&file) }.map_err(|e| crate::error::io_error_at(f, "map", e))?;
-            let (header_len, meta) =
-                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
-                    Error::Format(format!(
-                        "{}: not a valid safetensors file: {e}",
-                        f.display()
-                    ))
-                })?;
-            let data_start = 8 + header_len;
-            for (name, info) in meta.tensors() {
-                let (b, e) = info.data_offsets;
-                kt_ensure!(
-                    b <= e && data_start + e <= map.len(),
-                    Format,
-                    "{}: tensor {name} points outside the file (truncated?)",
-                    f.display()
-                );
+            kt_ensure!(
+                header
+                    .values()
+                    .all(|t| t.offset as usize + t.len <= map.len()),
+                Format,
+                "{}: changed while being opened",
+                f.display()
+            );
+            for (name, t) in header {
                 tensors.insert(
-                    name.clone(),
+                    name,
                     TensorLoc {
                         file: i,
-                        offset: data_start + b,
-                        len: e - b,
-                        dtype: format!("{:?}", info.dtype),
-                        shape: info.shape.clone(),
+                        offset: t.offset as usize,
+                        len: t.len,
+                        dtype: t.dtype,
+                        shape: t.shape,
                     },
                 );
             }

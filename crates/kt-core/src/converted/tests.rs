@@ -301,25 +301,6 @@ fn damaged_or_mismatched_files_are_refused_with_reasons() {
 }
 
 #[test]
-fn header_offsets_that_wrap_around_are_refused() {
-    // b <= e, but 8 + header + e overflows u64: must not wrap into "inside the file".
-    let dir = std::env::temp_dir().join(format!("kt-wrap-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("wrap.safetensors");
-    let (b, e) = (u64::MAX - 20, u64::MAX - 10);
-    let mut json =
-        format!(r#"{{"x":{{"dtype":"I8","shape":[10],"data_offsets":[{b},{e}]}}}}"#).into_bytes();
-    json.resize(json.len().next_multiple_of(8) + 64, b' ');
-    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(&json);
-    bytes.extend_from_slice(&[0u8; 64]);
-    std::fs::write(&path, &bytes).unwrap();
-    let err = read_safetensors_header(&File::open(&path).unwrap(), &path).unwrap_err();
-    assert!(err.to_string().contains("outside the file"), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-#[test]
 fn the_index_decides_which_shards_hold_a_layer() {
     let Some(root) = crate::testutil::fixtures("amx") else {
         return;

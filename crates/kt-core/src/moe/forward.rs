@@ -54,6 +54,51 @@ unsafe impl Send for ForwardArgs {}
 unsafe impl Sync for ForwardArgs {}
 
 impl ForwardArgs {
+    /// The ids and router weights of tokens `tokens` (`k` per token).
+    ///
+    /// # Safety
+    /// `tokens` lie inside the `qlen` rows that `ids` and `weights` point to.
+    unsafe fn routing_of(&self, tokens: Range<usize>, k: usize) -> (Ids<'_>, &[f32]) {
+        let (at, n) = (tokens.start * k, tokens.len() * k);
+        // SAFETY: the contract above.
+        unsafe {
+            let ids = if self.ids_i64 {
+                Ids::I64(std::slice::from_raw_parts(
+                    (self.ids as *const i64).add(at),
+                    n,
+                ))
+            } else {
+                Ids::I32(std::slice::from_raw_parts(
+                    (self.ids as *const i32).add(at),
+                    n,
+                ))
+            };
+            (ids, std::slice::from_raw_parts(self.weights.add(at), n))
+        }
+    }
+
+    /// These arguments restricted to tokens `tokens` (rows of `h` values).
+    ///
+    /// # Safety
+    /// `tokens` lie inside the `qlen` rows of every non-null buffer.
+    unsafe fn rows(&self, tokens: Range<usize>, h: usize) -> ForwardArgs {
+        let offset = |p: *const u8, t: FloatType| {
+            if p.is_null() {
+                p
+            } else {
+                // SAFETY: row tokens.start is within the caller's buffer (the contract).
+                unsafe { p.add(tokens.start * h * t.size()) }
+            }
+        };
+        ForwardArgs {
+            qlen: tokens.len(),
+            hidden: offset(self.hidden, self.hidden_type),
+            out: offset(self.out, self.out_type) as *mut u8,
+            residual: offset(self.residual, self.residual_type),
+            ..*self
+        }
+    }
+
     /// Refuse null addresses where a forward of `qlen > 0` tokens needs memory (the residual
     /// and the mask may be null: "none").
     pub fn check_addresses(&self) -> Result<()> {
@@ -151,46 +196,15 @@ impl MoeLayer {
             .then(|| unsafe { std::slice::from_raw_parts(args.gpu_mask, c.num_experts) });
         let mut t0 = 0;
         while t0 < args.qlen {
-            let t1 = (t0 + CHUNK_TOKENS).min(args.qlen);
-            let n = t1 - t0;
-            // SAFETY: [t0, t1) is inside the caller's qlen rows.
-            let (ids, weights) = unsafe {
-                let ids = if args.ids_i64 {
-                    Ids::I64(std::slice::from_raw_parts(
-                        (args.ids as *const i64).add(t0 * k),
-                        n * k,
-                    ))
-                } else {
-                    Ids::I32(std::slice::from_raw_parts(
-                        (args.ids as *const i32).add(t0 * k),
-                        n * k,
-                    ))
-                };
-                (
-                    ids,
-                    std::slice::from_raw_parts(args.weights.add(t0 * k), n * k),
-                )
-            };
-            ws.routing.build(ids, weights, n, k, c.num_experts, mask);
-            let offset = |p: *const u8, t: FloatType| {
-                if p.is_null() {
-                    p
-                } else {
-                    // SAFETY: row t0 is within the caller's buffer.
-                    unsafe { p.add(t0 * h * t.size()) }
-                }
-            };
-            let chunk = ForwardArgs {
-                qlen: n,
-                hidden: offset(args.hidden, args.hidden_type),
-                out: offset(args.out, args.out_type) as *mut u8,
-                residual: offset(args.residual, args.residual_type),
-                ..*args
-            };
-            // SAFETY: forwarded contract, restricted to this chunk; the workspace was reserved
-            // for this layer and its routing is this chunk's.
-            unsafe { self.forward_chunk(pool, ws, &chunk)? };
-            t0 = t1;
+            let tokens = t0..(t0 + CHUNK_TOKENS).min(args.qlen);
+            // SAFETY: `tokens` lie inside the caller's qlen rows.
+            let (ids, weights) = unsafe { args.routing_of(tokens.clone(), k) };
+            ws.routing
+                .build(ids, weights, tokens.len(), k, c.num_experts, mask);
+            // SAFETY: forwarded contract, restricted to this chunk's rows; the workspace was
+            // reserved for this layer and its routing is this chunk's.
+            unsafe { self.forward_chunk(pool, ws, &args.rows(tokens.clone(), h))? };
+            t0 = tokens.end;
         }
         Ok(())
     }
@@ -351,91 +365,112 @@ impl PartForward<'_> {
     /// # Safety
     /// The chunk's contract.
     unsafe fn gate_up_swiglu(&self) {
-        let (c, s, ip) = (self.c, self.s, self.ip);
-        let (layer, routing) = (c.layer, c.routing);
+        let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
+        self.team.parallel_for(experts * panels, &|task| {
+            // SAFETY: the chunk's contract; task (expert, panel) writes only its panel's
+            // columns of the expert's act rows.
+            unsafe { self.gate_up_task(task / panels, task % panels) }
+        });
+    }
+
+    /// Expert `ei`'s rows against gate/up panel `p`, in blocks of the format's size; SwiGLU
+    /// into the rows' panel-`p` columns of `act`.
+    ///
+    /// # Safety
+    /// The chunk's contract; no other task writes panel `p` of expert `ei`'s act rows.
+    unsafe fn gate_up_task(&self, ei: usize, p: usize) {
+        let (layer, routing) = (self.c.layer, self.c.routing);
         let cfg = &layer.config;
-        let h = cfg.hidden;
-        let xs = self.x_stride;
-        // Element-wise SwiGLU preparation happens here, per panel, while the values are hot.
-        let act_stride = self.act_stride;
-        let act_panel_bytes = if self.act_per_panel {
-            act_stride / ip * PANEL
+        let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+        let block = layer
+            .experts
+            .block_rows(self.part, rows.len(), Stage::GateUp);
+        let at = PanelAt {
+            part: self.part,
+            slot: routing.experts[ei] as usize,
+            panel: p,
+        };
+        let mut scratch = PanelScratch::take();
+        let PanelScratch { acc, g, u, a } = &mut *scratch;
+        let mut gathered = Gathered::new();
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let nr = block.min(rows.end - r0);
+            // SAFETY: rows r0..r0+nr are this chunk's; the chunk's contract.
+            unsafe { self.gather_x_rows(&mut gathered, r0..r0 + nr) };
+            let rb = gathered.block(rows.len(), nr);
+            // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values,
+            // prepared rows of x_stride bytes when prep_x (the chunk's contract covers the
+            // workspace); g and u hold MAX_ROWS·32.
+            unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
+            let m = nr * PANEL;
+            let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
+            layer
+                .kernels
+                .swiglu(&g[..m], &u[..m], &mut a[..m], limit, alpha);
+            // SAFETY: this task owns panel p of these rows (the caller's contract).
+            unsafe { self.store_act(r0..r0 + nr, p, rows.len(), &a[..m]) };
+            r0 += nr;
+        }
+        PanelScratch::give_back(scratch);
+    }
+
+    /// The x rows of routed rows `rows` (their tokens' fp32 rows, prepared rows and scales).
+    ///
+    /// # Safety
+    /// The chunk's contract; `rows` are routed rows of this chunk, at most [`MAX_ROWS`].
+    unsafe fn gather_x_rows(&self, at: &mut Gathered, rows: Range<usize>) {
+        let (s, h, xs) = (self.s, self.c.layer.config.hidden, self.x_stride);
+        for (i, r) in rows.enumerate() {
+            let t = self.c.routing.row_token[r] as usize;
+            // SAFETY: token t < qlen: a row of x, of x_prep (wrapping: dangling when the
+            // format prepares none, and then never read) and a scale.
+            unsafe {
+                at.f32_rows[i] = s.x.get().add(t * h);
+                at.prepared[i] = s.x_prep.get().wrapping_add(t * xs);
+                at.scales[i] = if self.prep_x {
+                    *s.x_scale.get().add(t)
+                } else {
+                    1.0
+                };
+            }
+        }
+    }
+
+    /// Store SwiGLU values `vals` (32 per row) as panel `p` of act rows `rows`, prepared per
+    /// panel too where the format does that.
+    ///
+    /// # Safety
+    /// The chunk's contract; the calling task owns panel `p` of these rows.
+    unsafe fn store_act(&self, rows: Range<usize>, p: usize, expert_rows: usize, vals: &[f32]) {
+        let (s, ip) = (self.s, self.ip);
+        // Element-wise SwiGLU preparation happens here, while the values are hot.
+        let panel_bytes = if self.act_per_panel {
+            self.act_stride / ip * PANEL
         } else {
             0
         };
-        let panels = ip / PANEL;
-        self.team
-            .parallel_for(routing.experts.len() * panels, &|task| {
-                let (ei, p) = (task / panels, task % panels);
-                let slot = routing.experts[ei] as usize;
-                let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-                let block = layer
-                    .experts
-                    .block_rows(self.part, rows.len(), Stage::GateUp);
-                let mut scratch = PanelScratch::take();
-                let PanelScratch { acc, g, u, a } = &mut *scratch;
-                let mut at = Gathered::new();
-                let mut r0 = rows.start;
-                while r0 < rows.end {
-                    let nr = block.min(rows.end - r0);
-                    for i in 0..nr {
-                        let t = routing.row_token[r0 + i] as usize;
-                        // SAFETY: token t < qlen: a row of x, of x_prep (wrapping: null when
-                        // the format prepares none) and a scale.
-                        unsafe {
-                            at.f32_rows[i] = s.x.get().add(t * h);
-                            at.prepared[i] = s.x_prep.get().wrapping_add(t * xs);
-                            at.scales[i] = if self.prep_x {
-                                *s.x_scale.get().add(t)
-                            } else {
-                                1.0
-                            };
-                        }
-                    }
-                    let rb = at.block(rows.len(), nr);
-                    let at = PanelAt {
-                        part: self.part,
-                        slot,
-                        panel: p,
-                    };
-                    // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H
-                    // values, prepared rows of x_stride bytes when prep_x (the chunk's
-                    // contract covers the workspace); g and u hold MAX_ROWS·32.
-                    unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
-                    let m = nr * PANEL;
-                    layer.kernels.swiglu(
-                        &g[..m],
-                        &u[..m],
-                        &mut a[..m],
-                        cfg.swiglu_limit,
-                        cfg.swiglu_alpha,
+        for (row, v) in rows.zip(vals.chunks_exact(PANEL)) {
+            // SAFETY: row `row` of act (rows × ip), columns of panel p, and the same panel's
+            // bytes of its prepared row: this task's.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    v.as_ptr(),
+                    s.act.get().add(row * ip + p * PANEL),
+                    PANEL,
+                );
+                if panel_bytes > 0 {
+                    let dst = std::slice::from_raw_parts_mut(
+                        s.act_prep
+                            .get()
+                            .add(row * self.act_stride + p * panel_bytes),
+                        panel_bytes,
                     );
-                    for i in 0..nr {
-                        let row = r0 + i;
-                        let vals = &a[i * PANEL..(i + 1) * PANEL];
-                        // SAFETY: row `row` of act (rows × ip), columns of panel p, and the
-                        // same panel's bytes of its prepared row: this task's.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                vals.as_ptr(),
-                                s.act.get().add(row * ip + p * PANEL),
-                                PANEL,
-                            );
-                            if act_panel_bytes > 0 {
-                                let dst = std::slice::from_raw_parts_mut(
-                                    s.act_prep.get().add(row * act_stride + p * act_panel_bytes),
-                                    act_panel_bytes,
-                                );
-                                layer
-                                    .experts
-                                    .prepare_act_panel(self.part, rows.len(), vals, dst);
-                            }
-                        }
-                    }
-                    r0 += nr;
+                    let experts = &*self.c.layer.experts;
+                    experts.prepare_act_panel(self.part, expert_rows, v, dst);
                 }
-                PanelScratch::give_back(scratch);
-            });
+            }
+        }
     }
 
     /// 3. Each SwiGLU row prepared by the format (a phase of its own: a row's scale spans
@@ -486,8 +521,7 @@ impl PartForward<'_> {
             while r0 < rows.end {
                 let nr = block.min(rows.end - r0);
                 before_block(r0..r0 + nr, p);
-                for i in 0..nr {
-                    let r = r0 + i;
+                for (i, r) in (r0..r0 + nr).enumerate() {
                     // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
                     unsafe {
                         at.f32_rows[i] = s.act.get().add(r * ip);
