@@ -124,6 +124,12 @@ if peer_ok:
     lines.append(open(f"{out}/llamacpp.md").read())
 else:
     lines.append("llama.cpp could not be built or run in this regeneration (see bench-results/llamacpp.log).")
+import os
+if os.path.exists(f"{out}/ab.md"):
+    lines += ["", "## Same-run A/B against an earlier commit (`bash scripts/ab_bench.sh REV`)", "",
+              "Both builds installed side by side and run alternately (`benches/ab_compare.py`); "
+              "the table is the last A/B run's, kept in bench-results/ab.md.", ""]
+    lines.append(open(f"{out}/ab.md").read())
 open("BENCHMARKS.md", "w").write("\n".join(lines) + "\n")
 print("wrote BENCHMARKS.md")
 PY
