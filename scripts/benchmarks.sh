@@ -130,6 +130,13 @@ if os.path.exists(f"{out}/ab.md"):
               "Both builds installed side by side and run alternately (`benches/ab_compare.py`); "
               "the table is the last A/B run's, kept in bench-results/ab.md.", ""]
     lines.append(open(f"{out}/ab.md").read())
+# Recorded A/B runs against commits that a regeneration does not rebuild (benches/records/).
+import glob
+records = sorted(glob.glob("benches/records/*.md"))
+if records:
+    lines += ["", "## Recorded same-run A/B runs (`benches/records/`)", ""]
+    for path in records:
+        lines.append(open(path).read())
 open("BENCHMARKS.md", "w").write("\n".join(lines) + "\n")
 print("wrote BENCHMARKS.md")
 PY
