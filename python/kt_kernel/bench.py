@@ -251,18 +251,26 @@ def run(args: argparse.Namespace) -> int:
             "dram_read_gbps": engine.measure_read_bandwidth(1 << 30, 5),
             "fp32_fma_gflops": engine.measure_peak_gflops("fma", 300),
             "bf16_dot_gflops": engine.measure_peak_gflops("bf16", 300),
+            "int8_madd_gops": engine.measure_peak_gflops("int8", 300),
         }
         if old:  # best of the measurements before and after the runs
             new = {k: max(v, old[k]) if v is not None else None for k, v in new.items()}
         return new
 
     limits = measure_limits()
+    probes = info["probes"]
     print(
-        "machine limits (measured now, {} threads): DRAM read {:.1f} GB/s, fp32 FMA {:.0f} "
-        "GFLOP/s, bf16 dot {} GFLOP/s".format(
+        "machine limits (measured now, {} threads; probes: read {}, fma {}, int8 {}, bf16 {}): "
+        "DRAM read {:.1f} GB/s, fp32 FMA {:.0f} GFLOP/s, int8 multiply-add {:.0f} GOP/s, "
+        "bf16 dot {} GFLOP/s".format(
             args.threads,
+            probes["read"],
+            probes["fma"],
+            probes["int8"],
+            probes["bf16"],
             limits["dram_read_gbps"],
             limits["fp32_fma_gflops"] or 0,
+            limits["int8_madd_gops"] or 0,
             f"{limits['bf16_dot_gflops']:.0f}" if limits["bf16_dot_gflops"] else "n/a",
         )
     )
@@ -381,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "limits": limits,
+        "probes": info["probes"],
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -392,7 +401,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{layers} layers cycled, {args.threads} threads, {info['brand']}, variant "
                 f"{info['variant']}, kernel {info['kernels']['BF16']}.\n"
                 f"Measured limits in this run: DRAM read {limits['dram_read_gbps']:.1f} GB/s, "
-                f"fp32 FMA {limits['fp32_fma_gflops'] or 0:.0f} GFLOP/s, bf16 dot "
-                f"{limits['bf16_dot_gflops'] or 0:.0f} GFLOP/s.\n\n{table}\n"
+                f"fp32 FMA {limits['fp32_fma_gflops'] or 0:.0f} GFLOP/s, int8 multiply-add "
+                f"{limits['int8_madd_gops'] or 0:.0f} GOP/s, bf16 dot "
+                f"{limits['bf16_dot_gflops'] or 0:.0f} GFLOP/s (probes: read {probes['read']}, "
+                f"fma {probes['fma']}, int8 {probes['int8']}, bf16 {probes['bf16']}; DRAM in "
+                f"huge pages, as the weights).\n\n{table}\n"
             )
     return 0

@@ -61,7 +61,7 @@ impl<T: Copy> AlignedBuf<T> {
         }
         let layout = Self::layout(len)?;
         if layout.size() >= MAP_THRESHOLD {
-            return Self::mapped(len, layout.size());
+            return Self::mapped(len, layout.size(), true);
         }
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) } as *mut T;
@@ -78,7 +78,15 @@ impl<T: Copy> AlignedBuf<T> {
         })
     }
 
-    fn mapped(len: usize, bytes: usize) -> Result<Self> {
+    /// [`AlignedBuf::zeroed`] as a memory map without the huge-page advice: the pages the
+    /// system gives a plain allocation (4 KiB unless transparent huge pages are "always").
+    /// For measuring what code without the advice sees (the reference yardstick).
+    pub fn zeroed_default_pages(len: usize) -> Result<Self> {
+        let layout = Self::layout(len.max(1))?;
+        Self::mapped(len.max(1), layout.size(), false)
+    }
+
+    fn mapped(len: usize, bytes: usize, huge_pages: bool) -> Result<Self> {
         let map_len = bytes + HUGE;
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let base = unsafe {
@@ -98,8 +106,10 @@ impl<T: Copy> AlignedBuf<T> {
             )));
         }
         let aligned = (base as usize).div_ceil(HUGE) * HUGE;
-        // SAFETY: [aligned, aligned+bytes) lies inside the mapping; the advice is only a hint.
-        unsafe { libc::madvise(aligned as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+        if huge_pages {
+            // SAFETY: [aligned, aligned+bytes) lies inside the mapping; the advice is a hint.
+            unsafe { libc::madvise(aligned as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+        }
         Ok(AlignedBuf {
             ptr: aligned as *mut T,
             len,

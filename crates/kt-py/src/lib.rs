@@ -67,6 +67,13 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     )?;
     d.set_item("kernels", kernels)?;
     d.set_item("prefetch_bytes", prefetch_bytes)?;
+    // The instruction mix each yardstick probe runs (the benchmark reports it beside the figures).
+    let probes = PyDict::new(py);
+    probes.set_item("read", kt_core::probe::read_probe_width())?;
+    for kind in kt_core::probe::PEAK_KINDS {
+        probes.set_item(kind, kt_core::probe::peak_variant(kind))?;
+    }
+    d.set_item("probes", probes)?;
     Ok(d)
 }
 
@@ -219,20 +226,29 @@ impl Engine {
         self.inner.pending()
     }
 
-    /// Best-of-`repeats` DRAM read bandwidth in GB/s over `bytes`, using every thread.
-    #[pyo3(signature = (bytes=1 << 30, repeats=5))]
+    /// Best-of-`repeats` DRAM read bandwidth in GB/s over `bytes`, using every thread; the
+    /// buffer in huge pages (as the weights) unless `huge_pages` is false.
+    #[pyo3(signature = (bytes=1 << 30, repeats=5, huge_pages=true))]
     fn measure_read_bandwidth(
         &self,
         py: Python<'_>,
         bytes: usize,
         repeats: usize,
+        huge_pages: bool,
     ) -> PyResult<f64> {
+        use kt_core::probe::{dram_read_gbps_in, Pages};
+        let pages = if huge_pages {
+            Pages::Huge
+        } else {
+            Pages::Default
+        };
         let e = self.inner.clone();
-        py.detach(move || kt_core::probe::dram_read_gbps(e.pool(), bytes, repeats))
+        py.detach(move || dram_read_gbps_in(e.pool(), bytes, repeats, pages))
             .py()
     }
 
-    /// Peak GFLOP/s of "fma" (fp32 FMA) or "bf16" (bf16 dot) on every thread, or None.
+    /// Peak rate (G operations/s) of "fma" (fp32 FMA), "int8" (u8·s8 multiply-add) or "bf16"
+    /// (bf16 dot) on every thread, or None where the CPU lacks the instructions.
     #[pyo3(signature = (kind, millis=300))]
     fn measure_peak_gflops(
         &self,
