@@ -184,7 +184,13 @@ def run(args: argparse.Namespace) -> int:
             types = (ty.upper(), (args.gguf_down_type or ty).upper())
             label = types[0] if types[0] == types[1] else "/".join(types)
             variants.append((f"LLAMAFILE-{label}", method, types))
-    method_bytes = {"AMXINT8": int8_bytes_per_expert, "AMXINT4": int4_bytes_per_expert}
+    # FP8: one byte per weight plus an f32 scale per 128 x 128 block.
+    fp8_bytes_per_expert = 3 * hidden * inter + 3 * (hidden // 128) * (inter // 128) * 4
+    method_bytes = {
+        "AMXINT8": int8_bytes_per_expert,
+        "AMXINT4": int4_bytes_per_expert,
+        "FP8": fp8_bytes_per_expert,
+    }
     for name, _, types in variants:
         if types is not None:
             method_bytes[name] = _gguf_bytes_per_expert(*types, hidden, inter)

@@ -105,22 +105,26 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * mag
 }
 
-/// f32 → FP8 E4M3FN, nearest (ties to even code), saturating at ±448; NaN → 0x7F. A plain
-/// search over the 127 finite magnitudes: this writes test data, it is not a hot path.
+/// f32 → FP8 E4M3FN, nearest (ties to even code), saturating at ±448; NaN → 0x7F.
 pub fn f32_to_e4m3(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7F;
     }
-    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    let a = x.abs().min(448.0);
-    let mut best = 0u8;
-    for code in 1u8..=0x7E {
-        let (d, db) = ((e4m3_to_f32(code) - a).abs(), (e4m3_to_f32(best) - a).abs());
-        if d < db || (d == db && code % 2 == 0) {
-            best = code;
-        }
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    let a = x.abs();
+    if a >= 448.0 {
+        return sign | 0x7E;
     }
-    sign | best
+    if a < 1.0 / 64.0 {
+        // Subnormal codes are multiples of 2⁻⁹; 8 · 2⁻⁹ rounds up into the first normal code.
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    // Round the 23-bit mantissa to 3 bits, ties to even, letting a carry bump the exponent;
+    // below 448 the result stays at or below code 0x7E.
+    let bits = a.to_bits();
+    let rounded = bits + 0x7_FFFF + ((bits >> 20) & 1);
+    let exponent = (rounded >> 23) + 7 - 127;
+    sign | ((exponent << 3) | ((rounded >> 20) & 0x7)) as u8
 }
 
 /// Read element `i` of a raw float buffer of type `t` as f32.
@@ -244,6 +248,33 @@ mod tests {
             assert_eq!(f32_to_e4m3(v), code, "code {code:#x}");
         }
         assert_eq!(f32_to_e4m3(1e9), 0x7E);
+        // The fast rounding against a plain nearest-code search (ties to the even code), on
+        // every code, every midpoint between neighbours and random values of every decade.
+        let search = |x: f32| -> u8 {
+            let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+            let a = x.abs().min(448.0);
+            let mut best = 0u8;
+            for code in 1u8..=0x7E {
+                let (d, db) = ((e4m3_to_f32(code) - a).abs(), (e4m3_to_f32(best) - a).abs());
+                if d < db || (d == db && code % 2 == 0) {
+                    best = code;
+                }
+            }
+            sign | best
+        };
+        let mut probes = vec![0.0f32, -0.0, 448.0, 449.0, 470.0, 1e30, -1e-30, 1.0 / 64.0];
+        for code in 0u8..0x7E {
+            let (lo, hi) = (e4m3_to_f32(code), e4m3_to_f32(code + 1));
+            probes.extend([lo, (lo + hi) / 2.0, hi, -(lo + hi) / 2.0]);
+        }
+        let mut rng = crate::rng::Rng::new(5);
+        for _ in 0..20000 {
+            let decade = (rng.below(40) as i32 - 30) as f32;
+            probes.push(rng.normal() * 2f32.powf(decade / 2.0));
+        }
+        for x in probes {
+            assert_eq!(f32_to_e4m3(x), search(x), "x = {x:e}");
+        }
         assert!(matches!(FloatType::parse("int8"), Err(Error::Dtype(_))));
     }
 }

@@ -276,6 +276,15 @@ impl MatrixView {
         })
     }
 
+    /// The block scale of element `[r][c]` of a block-scaled view (None without scales).
+    ///
+    /// # Safety
+    /// The view's scale memory must still be alive; r < rows, c < cols.
+    pub unsafe fn block_scale_at(&self, r: usize, c: usize) -> Option<f32> {
+        // SAFETY: forwarded; the scales cover every element of the view.
+        self.block_scale.map(|b| unsafe { b.at(r, c) })
+    }
+
     /// Element [r][c] as f32.
     ///
     /// # Safety

@@ -26,6 +26,7 @@ use std::any::Any;
 use std::ops::Range;
 
 pub mod bf16;
+pub mod fp8;
 pub mod ggml;
 pub mod int4;
 pub mod int8;
@@ -227,6 +228,7 @@ const REGISTRY: &[(Method, Builder)] = &[
     (Method::AmxInt8, int8::experts),
     (Method::AmxInt4, int4::experts),
     (Method::Llamafile, ggml::experts),
+    (Method::Fp8, fp8::experts),
 ];
 
 /// The methods [`build`] knows, in [`Method::ALL`] order.
@@ -315,8 +317,8 @@ mod tests {
     #[test]
     fn implemented_methods_are_the_registered_formats() {
         let names: Vec<_> = implemented().iter().map(|m| m.name()).collect();
-        assert_eq!(names, ["AMXINT4", "AMXINT8", "BF16", "LLAMAFILE"]);
-        let e = ensure_registered(Method::Fp8).unwrap_err();
+        assert_eq!(names, ["AMXINT4", "AMXINT8", "FP8", "BF16", "LLAMAFILE"]);
+        let e = ensure_registered(Method::Fp8PerChannel).unwrap_err();
         assert!(matches!(e, crate::Error::Unsupported(_)), "{e}");
     }
 }

@@ -1,0 +1,224 @@
+"""Method FP8 (block-quantized E4M3 checkpoints, DeepSeek-V3 style): the original's fixtures
+reproduced, accuracy against a float64 model of the dequantized weights, quantization from
+tensors equal to a file load of the same quantization, and bad checkpoints refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_wrapper
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures not present")
+BLOCK = 128
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def dequantize_checkpoint(path: Path, layer: int, experts: int):
+    """gate/up/down as float64 `[E, N, K]` from an FP8 checkpoint (code · block scale)."""
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for proj in ("gate", "up", "down"):
+            mats = []
+            for e in range(experts):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+                q = f.get_tensor(f"{name}.weight").double()
+                s = f.get_tensor(f"{name}.weight_scale_inv").double()
+                s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                mats.append(q * s[: q.shape[0], : q.shape[1]])
+            out[proj] = torch.stack(mats)
+    return out["gate"], out["up"], out["down"]
+
+
+def moe_reference(x, ids, weights, gate, up, down):
+    """float64 MoE: Σ_k w_k · down_e(silu(gate_e x) · up_e x)."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t].double().tolist(), strict=True):
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+def quantize_fp8_blocks(w: torch.Tensor):
+    """`[N, K]` floats → E4M3 codes and `[N/128, K/128]` f32 scales (amax / 448 per block)."""
+    n, k = w.shape
+    blocks = w.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_fp8_checkpoint(folder: Path, layer: int, gate, up, down) -> None:
+    tensors = {}
+    for proj, mats in (("gate", gate), ("up", up), ("down", down)):
+        for e in range(mats.shape[0]):
+            q, s = quantize_fp8_blocks(mats[e])
+            name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+            tensors[f"{name}.weight"] = q
+            tensors[f"{name}.weight_scale_inv"] = s
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@needs_fixtures
+@pytest.mark.parametrize("fixture", ["native-more", "native"])
+def test_fixture_checkpoints_reproduce_the_original_within_its_error(fixture):
+    if fixture == "native":
+        path, io_path = FIXTURES / "native" / "fp8" / "layer1.safetensors", "io-fp8-tp1"
+    else:
+        path, io_path = FIXTURES / "native-more" / "fp8" / "model.safetensors", "io-fp8"
+    with safe_open(str(FIXTURES / fixture / f"{io_path}.safetensors"), "pt") as f:
+        io = {k: f.get_tensor(k) for k in f.keys()}
+    gate, up, down = dequantize_checkpoint(path, 1, 4)
+    w = make_wrapper(
+        layer_idx=1, e=4, k=2, h=128, i=256, chunk=16, weight_path=str(path.parent), method="FP8"
+    )
+    w.load_weights(torch.arange(4))
+    assert w.moe.kernel.startswith("fp8-")
+    sizes = (1, 7) if fixture == "native-more" else (1, 5, 16)
+    for t in sizes:
+        if fixture == "native-more":
+            x, ids, wt, orig = (
+                io[f"x.T{t}"],
+                io[f"ids.T{t}"],
+                io[f"weights.T{t}"],
+                io[f"out.tp1.T{t}"],
+            )
+        else:
+            x, ids, wt, orig = (
+                io[f"T{t}.x"],
+                io[f"T{t}.topk_ids"],
+                io[f"T{t}.topk_weights"],
+                io[f"T{t}.out"],
+            )
+        ref = moe_reference(x, ids, wt, gate, up, down)
+        out = w.forward(x, ids, wt, None)
+        ours, theirs = _rel(out, ref), _rel(orig, ref)
+        # The original rounds gate, up, SwiGLU and down outputs to bf16; we keep fp32, so our
+        # error against the dequantized weights is at most the original's.
+        assert ours <= theirs * 1.05 + 1e-5, (t, ours, theirs)
+        assert _rel(out, orig) < 1e-2, (t, _rel(out, orig))
+
+
+@needs_fixtures
+def test_two_subpools_give_the_fixture_outputs():
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_fp8 as t
+from conftest import make_wrapper
+from safetensors import safe_open
+path = t.FIXTURES / "native-more" / "fp8" / "model.safetensors"
+with safe_open(str(t.FIXTURES / "native-more" / "io-fp8.safetensors"), "pt") as f:
+    io = {{k: f.get_tensor(k) for k in f.keys()}}
+w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, chunk=16, threadpool_count=2,
+                 weight_path=str(path.parent), method="FP8")
+w.load_weights(torch.arange(4))
+assert w.cpu_infer.engine.parts == 2
+g, u, d = t.dequantize_checkpoint(path, 1, 4)
+for n in (1, 7):
+    x, ids, wt = io[f"x.T{{n}}"], io[f"ids.T{{n}}"], io[f"weights.T{{n}}"]
+    out = w.forward(x, ids, wt, None)
+    ref = t.moe_reference(x, ids, wt, g, u, d)
+    assert t._rel(out, ref) <= t._rel(io[f"out.tp2.T{{n}}"], ref) * 1.05 + 1e-5
+    assert t._rel(out, io[f"out.tp2.T{{n}}"]) < 1e-2
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_tensors_quantize_like_a_file_of_the_same_quantization(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    e, h, i = 6, 256, 384
+    gate = (torch.randn(e, i, h, generator=gen) * 0.05).to(torch.bfloat16)
+    up = (torch.randn(e, i, h, generator=gen) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=gen) * 0.05).to(torch.bfloat16)
+    gate[1, :128, :128] = 0  # an all-zero block
+    write_fp8_checkpoint(tmp_path / "ckpt", 0, gate, up, down)
+    online = make_wrapper(layer_idx=0, e=e, k=3, h=h, i=i, chunk=32, method="FP8")
+    online.load_weights_from_tensors(gate, up, down, torch.arange(e))
+    loaded = make_wrapper(
+        layer_idx=0, e=e, k=3, h=h, i=i, chunk=32, method="FP8", weight_path=str(tmp_path / "ckpt")
+    )
+    loaded.load_weights(torch.arange(e))
+    g64, u64, d64 = dequantize_checkpoint(tmp_path / "ckpt" / "model.safetensors", 0, e)
+    for t in (1, 3, 20):
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:3] for _ in range(t)])
+        wt = torch.rand(t, 3, generator=gen)
+        a, b = online.forward(x, ids, wt, None), loaded.forward(x, ids, wt, None)
+        assert torch.equal(a, b), t
+        ref = moe_reference(x, ids, wt, g64, u64, d64)
+        # fp32 arithmetic on the exact dequantized weights: only the bf16 output rounding.
+        assert _rel(a, ref) < 4e-3, (t, _rel(a, ref))
+        # Against the unquantized bf16 weights: FP8's own error (3 mantissa bits).
+        assert _rel(a, moe_reference(x, ids, wt, gate.double(), up.double(), down.double())) < 0.1
+
+
+def _copy_fixture(tmp_path: Path) -> Path:
+    folder = tmp_path / "fp8"
+    shutil.copytree(FIXTURES / "native-more" / "fp8", folder)
+    return folder
+
+
+def _rewrite(folder: Path, change) -> None:
+    path = folder / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    path.chmod(0o644)
+    save_file(tensors, str(path))
+
+
+@needs_fixtures
+def test_nan_codes_and_bad_scales_are_refused(tmp_path):
+    name = "model.layers.1.mlp.experts.2.up_proj"
+
+    def nan_code(t):
+        q = t[f"{name}.weight"].view(torch.uint8).clone()
+        q[5, 17] = 0x7F
+        t[f"{name}.weight"] = q.view(torch.float8_e4m3fn)
+
+    folder = _copy_fixture(tmp_path / "a")
+    _rewrite(folder, nan_code)
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
+    with pytest.raises(ValueError, match="NaN code"):
+        w.load_weights(torch.arange(4))
+
+    def inf_scale(t):
+        t[f"{name}.weight_scale_inv"][0, 0] = float("inf")
+
+    folder = _copy_fixture(tmp_path / "b")
+    _rewrite(folder, inf_scale)
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        w.load_weights(torch.arange(4))
+
+    def missing_scale(t):
+        del t[f"{name}.weight_scale_inv"]
+
+    folder = _copy_fixture(tmp_path / "c")
+    _rewrite(folder, missing_scale)
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        w.load_weights(torch.arange(4))
+
+
+def test_shapes_that_do_not_split_into_128_blocks_are_refused():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        make_wrapper(layer_idx=0, e=4, k=2, h=192, i=256, method="FP8")
