@@ -222,3 +222,14 @@ def test_nan_codes_and_bad_scales_are_refused(tmp_path):
 def test_shapes_that_do_not_split_into_128_blocks_are_refused():
     with pytest.raises(ValueError, match="multiples of 128"):
         make_wrapper(layer_idx=0, e=4, k=2, h=192, i=256, method="FP8")
+
+
+def test_module_reports_the_fp8_kernel_and_layout():
+    import kt_kernel
+
+    w = make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method="FP8")
+    assert kt_kernel.__fp8_kernel__ == w.moe.kernel
+    assert kt_kernel.__fp8_weight_layout__ == "block-e4m3-128x128"
+    variant = kt_kernel.cpu_info()["variant"]
+    want = {"generic": "fp8-scalar", "avx2": "fp8-avx2"}.get(variant, "fp8-avx512")
+    assert kt_kernel.__fp8_kernel__ == want, variant

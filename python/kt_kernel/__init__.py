@@ -17,6 +17,9 @@ __version__: str = _kt_core.__version__
 __cpu_variant__: str = _kt_core.cpu_variant()
 __int8_kernel__: str = _kt_core.cpu_info()["kernels"]["AMXINT8"]
 __int8_weight_layout__: str = "kt-int8-n32-k64-vnni-v1"
+# FP8: E4M3 codes with one f32 scale per 128x128 block, decoded by the named vector kernel.
+__fp8_kernel__: str = _kt_core.cpu_info()["kernels"]["FP8"]
+__fp8_weight_layout__: str = "block-e4m3-128x128"
 
 from . import kt_kernel_ext  # noqa: E402
 from .experts import KTMoEWrapper  # noqa: E402
@@ -59,6 +62,8 @@ __all__ = [
     "__cpu_variant__",
     "__int8_kernel__",
     "__int8_weight_layout__",
+    "__fp8_kernel__",
+    "__fp8_weight_layout__",
     "__version__",
     "cpu_info",
     "build_info",
