@@ -60,8 +60,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let level = KernelSet::best().py()?.level();
     let int8 = kt_core::formats::int8::kernels::vector_kernel(level);
     kernels.set_item("AMXINT8", int8.name)?;
-    let fp8 = kt_core::formats::fp8::kernels::kernel_for(level);
-    kernels.set_item("FP8", format!("fp8-{}", fp8.name))?;
+    kernels.set_item(
+        "FP8",
+        kt_core::formats::fp8::kernel_name(&KernelSet::best().py()?),
+    )?;
     kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
     d.set_item(
         "amx_min_rows",

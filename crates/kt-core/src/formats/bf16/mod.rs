@@ -72,19 +72,12 @@ impl Bf16Experts {
 
     /// Whether these kernels can stage bf16 activations at all.
     fn stages(&self) -> bool {
-        self.kernels.bf16().is_some() || self.kernels.amx().is_some()
+        stages(&self.kernels)
     }
 
-    /// The bf16 kernel for an expert with `rows` rows on a projection with `k` inputs: AMX
-    /// tiles, else the vector bf16 dot, for experts with enough rows to be compute-bound; None
-    /// means the exact fp32 path.
+    /// See [`path_for`].
     fn bf16_for(&self, rows: usize, k: usize) -> Option<Bf16Path> {
-        let bf16 = self.kernels.bf16().copied();
-        self.kernels
-            .amx()
-            .filter(|a| a.applies(rows))
-            .and_then(|a| a.bf16_path(k))
-            .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
+        path_for(&self.kernels, rows, k)
     }
 
     /// One panel product through the path chosen for this block's expert.
@@ -114,16 +107,33 @@ impl Bf16Experts {
             },
         }
     }
+}
 
-    /// `[u8]` scratch as the `u32` pairs the staging kernel writes.
-    fn as_pairs(out: &mut [u8]) -> &mut [u32] {
-        assert!(
-            out.as_ptr().align_offset(4) == 0 && out.len().is_multiple_of(4),
-            "misaligned bf16 staging row"
-        );
-        // SAFETY: aligned and a whole number of u32 (checked); any bits are valid u32.
-        unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len() / 4) }
-    }
+/// Whether `kernels` can stage bf16 activations at all (a bf16 dot or AMX path).
+pub(crate) fn stages(kernels: &KernelSet) -> bool {
+    kernels.bf16().is_some() || kernels.amx().is_some()
+}
+
+/// The bf16 kernel for an expert with `rows` rows on a projection with `k` inputs: AMX tiles,
+/// else the vector bf16 dot, for experts with enough rows to be compute-bound; None means the
+/// exact fp32 path. Formats that multiply bf16 panels share this rule.
+pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf16Path> {
+    let bf16 = kernels.bf16().copied();
+    kernels
+        .amx()
+        .filter(|a| a.applies(rows))
+        .and_then(|a| a.bf16_path(k))
+        .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
+}
+
+/// `[u8]` scratch as the `u32` pairs the staging kernel writes.
+pub(crate) fn as_pairs(out: &mut [u8]) -> &mut [u32] {
+    assert!(
+        out.as_ptr().align_offset(4) == 0 && out.len().is_multiple_of(4),
+        "misaligned bf16 staging row"
+    );
+    // SAFETY: aligned and a whole number of u32 (checked); any bits are valid u32.
+    unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), out.len() / 4) }
 }
 
 impl ExpertFormat for Bf16Experts {
@@ -170,12 +180,12 @@ impl ExpertFormat for Bf16Experts {
     }
 
     fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(x, Self::as_pairs(out));
+        self.kernels.stage_bf16(x, as_pairs(out));
         1.0
     }
 
     fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(act, Self::as_pairs(out));
+        self.kernels.stage_bf16(act, as_pairs(out));
         1.0
     }
 
@@ -189,7 +199,7 @@ impl ExpertFormat for Bf16Experts {
             .bf16_for(expert_rows, self.ranges[part].len())
             .is_some()
         {
-            self.kernels.stage_bf16(act, Self::as_pairs(out));
+            self.kernels.stage_bf16(act, as_pairs(out));
         }
     }
 

@@ -9,13 +9,19 @@
 //! - `down`: per expert, its `H` rows cut to the part's `ip` columns; `down_scales`: per expert
 //!   `[H/128][ip/128]`.
 //!
-//! Stored scales are the checkpoint's times [`kernels::SCALE_FOLD`] (see [`kernels`]). Loading
-//! from an FP8 checkpoint copies codes and scales; from bf16/fp16/fp32 tensors or checkpoints
-//! it quantizes each 128 × 128 block to `amax / 448` (the usual FP8 block recipe).
-use super::{ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
+//! Inside a panel the codes sit in the order of the bf16 panels ([`crate::pack`]): per input
+//! pair, 32 outputs × 2 inputs, so each 128-input block of a panel decodes ([`kernels`]) into
+//! exactly the packed bf16 panel of a 128-input matrix, and the bf16 panel kernels (fp32 FMA,
+//! `vdpbf16ps`, AMX tiles, chosen per expert as for method BF16) multiply it; the block's
+//! scale then multiplies the block's 32 results per row. A panel call takes up to 32 rows, so
+//! an expert's codes are decoded once per forward, not once per kernel row block.
+//!
+//! Loading from an FP8 checkpoint copies codes and scales; from bf16/fp16/fp32 tensors or
+//! checkpoints it quantizes each 128 × 128 block to `amax / 448` (the usual FP8 block recipe).
+use super::{bf16, ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::dtype::{f32_to_e4m3, FloatType};
 use crate::expert::{MoeConfig, Proj};
-use crate::kernels::KernelSet;
+use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
 use crate::sync_ptr::SyncPtr;
@@ -25,7 +31,7 @@ use std::ops::Range;
 
 pub mod kernels;
 
-use kernels::{Fp8Kernel, BLOCK, SCALE_FOLD};
+use kernels::{Fp8Decoder, BLOCK};
 
 /// Largest finite E4M3FN magnitude.
 const E4M3_MAX: f32 = 448.0;
@@ -46,12 +52,25 @@ pub fn experts(
     parts: usize,
     kernels: KernelSet,
 ) -> Result<Box<dyn ExpertFormat>> {
-    Ok(Box::new(Fp8Experts::new(config, parts, &kernels)?))
+    Ok(Box::new(Fp8Experts::new(config, parts, kernels)?))
+}
+
+/// What an FP8 layer built with `kernels` reports as its kernel: the decoder, then the bf16
+/// panel kernels it feeds ("fp8-avx512+avx512-fma+bf16dot").
+pub fn kernel_name(kernels: &KernelSet) -> String {
+    let decoder = kernels::decoder_for(kernels.level()).name;
+    let vector = kernels.name();
+    match kernels.amx_name() {
+        Some(amx) => format!("fp8-{decoder}+{amx}+{vector}"),
+        None => format!("fp8-{decoder}+{vector}"),
+    }
 }
 
 /// The FP8 experts of one layer.
 pub struct Fp8Experts {
-    kernel: Fp8Kernel,
+    kernels: KernelSet,
+    decoder: Fp8Decoder,
+    fused: Option<kernels::FusedFn>,
     hidden: usize,
     experts: usize,
     ranges: Vec<Range<usize>>,
@@ -60,7 +79,7 @@ pub struct Fp8Experts {
 
 impl Fp8Experts {
     /// Room for `config.num_experts` experts in `parts` parts (whole 128-row scale blocks each).
-    pub fn new(config: &MoeConfig, parts: usize, kernels: &KernelSet) -> Result<Fp8Experts> {
+    pub fn new(config: &MoeConfig, parts: usize, kernels: KernelSet) -> Result<Fp8Experts> {
         let ranges = super::split_in_units(config, parts, BLOCK, Method::Fp8)?;
         let (e, h) = (config.num_experts, config.hidden);
         let parts = ranges
@@ -89,7 +108,9 @@ impl Fp8Experts {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Fp8Experts {
-            kernel: kernels::kernel_for(kernels.level()),
+            decoder: kernels::decoder_for(kernels.level()),
+            fused: kernels::fused_for(kernels.level()),
+            kernels,
             hidden: h,
             experts: e,
             ranges,
@@ -97,24 +118,30 @@ impl Fp8Experts {
         })
     }
 
-    /// Byte offset of row `row` of `proj` of `slot` in its part buffer, and the offset of the
-    /// scale row (k/128 scales) that covers it.
+    /// Byte offset of the panel holding row `row` of `proj` of `slot` in its part buffer, and
+    /// the offset of the scale row (k/128 scales) that covers it.
     fn offsets(&self, part: usize, slot: usize, proj: Proj, row: usize) -> (usize, usize) {
         let (h, ip) = (self.hidden, self.ranges[part].len());
         let blocks = (h / BLOCK) * (ip / BLOCK);
+        let p = row / PANEL;
         match proj {
             Proj::Gate | Proj::Up => {
                 let which = (proj == Proj::Up) as usize;
-                let (p, i) = (row / PANEL, row % PANEL);
-                let bytes = ((slot * ip / PANEL + p) * 2 + which) * PANEL * h + i * h;
+                let bytes = ((slot * ip / PANEL + p) * 2 + which) * PANEL * h;
                 let scales = (slot * 2 + which) * blocks + (row / BLOCK) * (h / BLOCK);
                 (bytes, scales)
             }
             Proj::Down => (
-                (slot * h + row) * ip,
+                (slot * h / PANEL + p) * PANEL * ip,
                 slot * blocks + (row / BLOCK) * (ip / BLOCK),
             ),
         }
+    }
+
+    /// Position of `W[row][col]` inside its panel: the bf16 panel order ([`crate::pack`]).
+    fn in_panel(row: usize, col: usize) -> usize {
+        let (h, j) = ((row % PANEL) / 16, row % 16);
+        (col / 2) * 64 + h * 32 + j * 2 + col % 2
     }
 
     /// Copy an FP8 view's codes and block scales, refusing NaN codes.
@@ -134,11 +161,11 @@ impl Fp8Experts {
         for r in 0..n {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
             // SAFETY: row r of the view holds k one-byte codes (the view is alive); the
-            // destination row belongs to this (part, slot, proj) alone (the caller's contract).
+            // destination panel belongs to this (part, slot, proj) alone (the caller's contract).
             let (src, out) = unsafe {
                 (
                     std::slice::from_raw_parts(view.ptr.add(r * view.row_stride), k),
-                    std::slice::from_raw_parts_mut(dst.get().add(at), k),
+                    std::slice::from_raw_parts_mut(dst.get().add(at), PANEL * k),
                 )
             };
             if let Some(c) = src.iter().position(|&b| b & 0x7F == 0x7F) {
@@ -149,7 +176,9 @@ impl Fp8Experts {
                     src[c]
                 );
             }
-            out.copy_from_slice(src);
+            for (c, &b) in src.iter().enumerate() {
+                out[Self::in_panel(r, c)] = b;
+            }
             if r % BLOCK == 0 {
                 for b in 0..k / BLOCK {
                     // SAFETY: (r, 128·b) is inside the view; its scales are alive.
@@ -162,7 +191,7 @@ impl Fp8Experts {
                         r / BLOCK
                     );
                     // SAFETY: scale row of this row block, this (part, slot, proj)'s alone.
-                    unsafe { *scale_dst.get().add(scale_at + b) = s * SCALE_FOLD };
+                    unsafe { *scale_dst.get().add(scale_at + b) = s };
                 }
             }
         }
@@ -202,15 +231,18 @@ impl Fp8Experts {
                 );
                 let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
                 for (i, row) in rows.chunks_exact(k).enumerate() {
-                    let (at, _) = self.offsets(part, slot, proj, rb * BLOCK + i);
+                    let r = rb * BLOCK + i;
+                    let (at, _) = self.offsets(part, slot, proj, r);
                     for c in cols.clone() {
-                        // SAFETY: byte c of a destination row of this (part, slot, proj).
-                        unsafe { *dst.get().add(at + c) = f32_to_e4m3(row[c] / scale) };
+                        // SAFETY: W[r][c]'s byte in a panel of this (part, slot, proj).
+                        unsafe {
+                            *dst.get().add(at + Self::in_panel(r, c)) = f32_to_e4m3(row[c] / scale)
+                        };
                     }
                 }
                 let (_, scale_at) = self.offsets(part, slot, proj, rb * BLOCK);
                 // SAFETY: the block's scale, this (part, slot, proj)'s alone.
-                unsafe { *scale_dst.get().add(scale_at + b) = scale * SCALE_FOLD };
+                unsafe { *scale_dst.get().add(scale_at + b) = scale };
             }
         }
         Ok(())
@@ -233,16 +265,105 @@ impl Fp8Experts {
         let mut s = Vec::with_capacity((n / BLOCK) * (k / BLOCK));
         for r in 0..n {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
-            codes.extend_from_slice(&bytes[at..at + k]);
+            codes.extend((0..k).map(|c| bytes[at + Self::in_panel(r, c)]));
             if r % BLOCK == 0 {
-                s.extend(
-                    scales[scale_at..scale_at + k / BLOCK]
-                        .iter()
-                        .map(|v| v / SCALE_FOLD),
-                );
+                s.extend_from_slice(&scales[scale_at..scale_at + k / BLOCK]);
             }
         }
         (codes, s)
+    }
+}
+
+impl Fp8Experts {
+    /// `out` (32 per row) = one panel's codes (`32·k` bytes in panel order) with their `k/128`
+    /// block scales against `rows`: per 128-input block, decode to a bf16 panel once, run the
+    /// bf16 panel kernel the expert's row count picks over every row, add `scale · result`.
+    ///
+    /// # Safety
+    /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
+    /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
+    unsafe fn panel(
+        &self,
+        rows: &RowBlock,
+        k: usize,
+        codes: &[u8],
+        scales: &[f32],
+        out: &mut [f32],
+    ) {
+        /// One decoded 128-input block of a panel, aligned for the kernels' loads.
+        #[repr(align(64))]
+        struct Decoded([u16; PANEL * BLOCK]);
+        let n = rows.len();
+        assert!(codes.len() == PANEL * k && scales.len() == k / BLOCK);
+        assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
+        let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
+        if let (None, Some(fused)) = (path, self.fused) {
+            if n <= kernels::FUSED_ROWS {
+                // SAFETY: rows of k floats, 32·k codes, k/128 scales, 32 outputs per row.
+                unsafe {
+                    fused(
+                        rows.f32_rows,
+                        k,
+                        codes.as_ptr(),
+                        scales.as_ptr(),
+                        out.as_mut_ptr(),
+                    )
+                };
+                return;
+            }
+        }
+        let step = path.map_or(self.kernels.rows_per_block(), |b| b.rows_per_block);
+        let mut decoded = Decoded([0; PANEL * BLOCK]);
+        let mut partial = [0f32; MAX_ROWS * PANEL];
+        for (b, &scale) in scales.iter().enumerate() {
+            let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
+            // SAFETY: 32·128 codes in, as many values out; the decoder's ISA was checked when
+            // the KernelSet was built; NaN codes were refused at load.
+            unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), decoded.0.as_mut_ptr()) };
+            let mut r0 = 0;
+            while r0 < n {
+                let m = step.min(n - r0);
+                let mut f32_rows = [std::ptr::null::<f32>(); MAX_ROWS];
+                let mut staged = [std::ptr::null::<u32>(); MAX_ROWS];
+                for i in 0..m {
+                    // Block b's inputs of each row: 128 floats, or 64 staged bf16 pairs.
+                    f32_rows[i] = rows.f32_rows[r0 + i].wrapping_add(b * BLOCK);
+                    staged[i] = rows.prepared[r0 + i]
+                        .cast::<u32>()
+                        .wrapping_add(b * BLOCK / 2);
+                }
+                // SAFETY: the decoded block is the packed bf16 panel of a 128-input matrix;
+                // rows hold k floats (staged: k/2 pairs when a bf16 path is picked), so block
+                // b's 128 inputs exist; `partial` holds 32 per row.
+                unsafe {
+                    match path {
+                        Some(p) => (p.dot)(
+                            &staged[..m],
+                            BLOCK,
+                            decoded.0.as_ptr(),
+                            partial.as_mut_ptr(),
+                        ),
+                        None => self.kernels.panel_dot_raw(
+                            &f32_rows[..m],
+                            BLOCK,
+                            decoded.0.as_ptr(),
+                            partial.as_mut_ptr(),
+                        ),
+                    }
+                }
+                let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
+                if b == 0 {
+                    for (o, v) in dst.iter_mut().zip(&partial) {
+                        *o = scale * v;
+                    }
+                } else {
+                    for (o, v) in dst.iter_mut().zip(&partial) {
+                        *o += scale * v;
+                    }
+                }
+                r0 += m;
+            }
+        }
     }
 }
 
@@ -252,7 +373,7 @@ impl ExpertFormat for Fp8Experts {
     }
 
     fn kernel_name(&self) -> String {
-        format!("fp8-{}", self.kernel.name)
+        kernel_name(&self.kernels)
     }
 
     fn part_ranges(&self) -> &[Range<usize>] {
@@ -260,31 +381,55 @@ impl ExpertFormat for Fp8Experts {
     }
 
     fn x_stride(&self, _part: usize) -> usize {
-        0
+        if bf16::stages(&self.kernels) {
+            2 * self.hidden
+        } else {
+            0
+        }
     }
 
-    fn act_stride(&self, _part: usize) -> usize {
-        0
+    fn act_stride(&self, part: usize) -> usize {
+        if bf16::stages(&self.kernels) {
+            2 * self.ranges[part].len()
+        } else {
+            0
+        }
     }
 
-    fn prepares_x(&self, _max_rows: usize) -> bool {
-        false
+    fn prepares_x(&self, max_rows: usize) -> bool {
+        bf16::path_for(&self.kernels, max_rows, self.hidden).is_some()
     }
 
-    fn prepares_act(&self, _max_rows: usize) -> bool {
-        false
+    fn prepares_act(&self, max_rows: usize) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| bf16::path_for(&self.kernels, max_rows, r.len()).is_some())
     }
 
-    fn prepare_x(&self, _part: usize, _x: &[f32], _out: &mut [u8]) -> f32 {
+    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+        self.kernels.stage_bf16(x, bf16::as_pairs(out));
         1.0
     }
 
-    fn prepare_act(&self, _part: usize, _act: &[f32], _out: &mut [u8]) -> f32 {
+    fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+        self.kernels.stage_bf16(act, bf16::as_pairs(out));
         1.0
+    }
+
+    fn prepares_act_per_panel(&self) -> bool {
+        true
+    }
+
+    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+        // Only the experts whose down panels take a bf16 path read staged rows.
+        if bf16::path_for(&self.kernels, expert_rows, self.ranges[part].len()).is_some() {
+            self.kernels.stage_bf16(act, bf16::as_pairs(out));
+        }
     }
 
     fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
-        self.kernel.rows
+        // Every row of a block shares each decoded 128-input block (see `panel`).
+        MAX_ROWS
     }
 
     unsafe fn gate_up_panel(
@@ -297,17 +442,13 @@ impl ExpertFormat for Fp8Experts {
     ) {
         let PanelAt { part, slot, panel } = at;
         let h = self.hidden;
-        assert!(rows.len() <= self.kernel.rows && g.len().min(u.len()) >= rows.len() * PANEL);
         let p = &self.parts[part];
         for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
             let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
-            let w = &p.gate_up.as_slice()[at..at + PANEL * h];
-            let s = &p.gate_up_scales.as_slice()[scale_at..scale_at + h / BLOCK];
-            // SAFETY: 32 rows of H codes and their H/128 scales (sliced above); the rows
-            // are fp32 rows of H values (the trait's contract); `out` has 32 per row.
-            unsafe {
-                (self.kernel.dot)(rows.f32_rows, h, w.as_ptr(), s.as_ptr(), out.as_mut_ptr())
-            };
+            let codes = &p.gate_up.as_slice()[at..at + PANEL * h];
+            let scales = &p.gate_up_scales.as_slice()[scale_at..scale_at + h / BLOCK];
+            // SAFETY: the trait's contract, forwarded for rows of H values.
+            unsafe { self.panel(rows, h, codes, scales, out) };
         }
     }
 
@@ -320,13 +461,12 @@ impl ExpertFormat for Fp8Experts {
     ) {
         let PanelAt { part, slot, panel } = at;
         let ip = self.ranges[part].len();
-        assert!(rows.len() <= self.kernel.rows && o.len() >= rows.len() * PANEL);
         let p = &self.parts[part];
         let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
-        let w = &p.down.as_slice()[at..at + PANEL * ip];
-        let s = &p.down_scales.as_slice()[scale_at..scale_at + ip / BLOCK];
-        // SAFETY: as in gate_up_panel, for rows of ip SwiGLU values.
-        unsafe { (self.kernel.dot)(rows.f32_rows, ip, w.as_ptr(), s.as_ptr(), o.as_mut_ptr()) };
+        let codes = &p.down.as_slice()[at..at + PANEL * ip];
+        let scales = &p.down_scales.as_slice()[scale_at..scale_at + ip / BLOCK];
+        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
+        unsafe { self.panel(rows, ip, codes, scales, o) };
     }
 
     fn packs_from_source(&self) -> bool {
