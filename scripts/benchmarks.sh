@@ -13,7 +13,7 @@ OUT=bench-results
 mkdir -p "$OUT"
 
 echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
-"$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 LLAMAFILE \
+"$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 FP8 LLAMAFILE \
   --gguf-type Q4_K Q8_0 --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
 
 echo "[benchmarks] converter and loading of converted weights"

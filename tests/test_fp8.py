@@ -262,3 +262,19 @@ def test_every_panel_kernel_path_matches_the_dequantized_model(tmp_path, monkeyp
         # fp32 arithmetic: the bf16 output rounding; bf16 activations add about as much again.
         limit = 4e-3 if kernel in ("scalar", "fma") or t == 1 else 1e-2
         assert err < limit, (kernel, t, err, w.moe.kernel)
+
+
+@needs_fixtures
+def test_physical_to_logical_map_works_for_fp8():
+    folder = str(FIXTURES / "native-more" / "fp8")
+    plain = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=folder)
+    plain.load_weights(torch.arange(4))
+    mapping = torch.tensor([2, 0, 3, 1])
+    mapped = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=folder)
+    mapped.load_weights(mapping)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)])
+    wt = torch.rand(5, 2, generator=gen)
+    # Physical slot p holds logical expert mapping[p].
+    assert torch.equal(mapped.forward(x, ids, wt, None), plain.forward(x, mapping[ids], wt, None))

@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, help="override the preset's expert count")
     p.add_argument("--layers", type=int, help="layers to cycle through (default: per preset)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 128, 512])
-    p.add_argument("--methods", "--method", nargs="+", default=["BF16", "AMXINT8", "AMXINT4"])
+    p.add_argument(
+        "--methods", "--method", nargs="+", default=["BF16", "AMXINT8", "AMXINT4", "FP8"]
+    )
     p.add_argument(
         "--gguf-type",
         nargs="+",
