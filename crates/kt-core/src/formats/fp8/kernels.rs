@@ -142,26 +142,12 @@ mod x86 {
         }
     }
 
-    /// 32 codes at `p` as their bf16 bits (as `decode512`, for one 32-byte step).
-    ///
-    /// # Safety
-    /// AVX-512F/BW available; 32 readable bytes at `p`.
-    #[inline(always)]
-    unsafe fn bf16x32(p: *const u8, table: __m512i) -> __m512i {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
-            let mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
-            let sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
-            let mut bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-            // Zero and subnormal codes are rare in scaled weights: fix them only when present.
-            let subnormal = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
-            if subnormal != 0 {
-                bits =
-                    _mm512_mask_blend_epi16(subnormal, bits, _mm512_permutexvar_epi16(mag, table));
-            }
-            _mm512_or_si512(bits, sign)
-        }
+    /// Output row of lane `i` of the fused kernel's two accumulators (`i < 16`: the one fed by
+    /// `vpunpcklbw`, else `vpunpckhbw`): within each 128-bit lane `l` of a 64-byte pair line
+    /// the low 8 bytes are rows `16·(l/2) + 8·(l%2) + 0..4`, the high 8 bytes rows `+ 4..8`.
+    const fn fused_lane_row(i: usize) -> usize {
+        let (half, lane, m) = (i / 16, (i % 16) / 4, i % 4);
+        16 * (lane / 2) + 8 * (lane % 2) + 4 * half + m
     }
 
     #[inline(always)]
@@ -173,40 +159,57 @@ mod x86 {
         scales: *const f32,
         out: *mut f32,
     ) {
+        // Decoding in two integer ops per 32 codes: a byte moved to the top of a 16-bit lane
+        // and shifted right arithmetically by 4, masked to `s000 0eee emmm 0000`, is a bf16
+        // worth value · 2⁻¹²⁰ for every code, subnormals included (as bf16 denormals). The
+        // activations are taken times 2⁶⁴ so the products stay far from fp32's denormals, and
+        // each block's sums are scaled by scale · 2⁵⁶: powers of two, so nothing is rounded
+        // differently from the unscaled arithmetic.
         // SAFETY: the FusedFn contract: pair q's 64 codes, inputs 2q and 2q+1 of every row and
         // block b's scale are inside the caller's buffers; outputs 32 per row.
         unsafe {
-            let table = _mm512_loadu_si512(SUBNORMAL_BF16.as_ptr() as *const __m512i);
+            let zero = _mm512_setzero_si512();
+            let keep = _mm512_set1_epi16(0x87F0u16 as i16);
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            let up = _mm512_set1_ps(2f32.powi(64));
             let mut total = [[_mm512_setzero_ps(); 2]; R];
             for b in 0..k / super::BLOCK {
                 let mut sum = [[_mm512_setzero_ps(); 2]; R];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
                     crate::kernels::prefetch::ahead(line, crate::kernels::prefetch::distance());
+                    let v = _mm512_loadu_si512(line as *const __m512i);
+                    let halves = [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)];
+                    let mut x0 = [_mm512_setzero_ps(); R];
+                    let mut x1 = [_mm512_setzero_ps(); R];
+                    for r in 0..R {
+                        x0[r] = _mm512_mul_ps(_mm512_set1_ps(*a[r].add(2 * q)), up);
+                        x1[r] = _mm512_mul_ps(_mm512_set1_ps(*a[r].add(2 * q + 1)), up);
+                    }
                     for h in 0..2 {
                         // 16 outputs × (input 2q, 2q+1) as bf16 pairs in 32-bit lanes.
-                        let pairs = bf16x32(line.add(32 * h), table);
+                        let pairs = _mm512_and_si512(_mm512_srai_epi16(halves[h], 4), keep);
                         let w0 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
                         let w1 = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
                         for r in 0..R {
-                            let x0 = _mm512_set1_ps(*a[r].add(2 * q));
-                            let x1 = _mm512_set1_ps(*a[r].add(2 * q + 1));
-                            sum[r][h] = _mm512_fmadd_ps(w0, x0, sum[r][h]);
-                            sum[r][h] = _mm512_fmadd_ps(w1, x1, sum[r][h]);
+                            sum[r][h] = _mm512_fmadd_ps(w0, x0[r], sum[r][h]);
+                            sum[r][h] = _mm512_fmadd_ps(w1, x1[r], sum[r][h]);
                         }
                     }
                 }
-                let s = _mm512_set1_ps(*scales.add(b));
+                let s = _mm512_set1_ps(*scales.add(b) * 2f32.powi(56));
                 for r in 0..R {
                     for h in 0..2 {
                         total[r][h] = _mm512_fmadd_ps(sum[r][h], s, total[r][h]);
                     }
                 }
             }
+            let mut lanes = [0f32; 32];
             for r in 0..R {
-                for h in 0..2 {
-                    _mm512_storeu_ps(out.add(r * 32 + 16 * h), total[r][h]);
+                _mm512_storeu_ps(lanes.as_mut_ptr(), total[r][0]);
+                _mm512_storeu_ps(lanes.as_mut_ptr().add(16), total[r][1]);
+                for (i, v) in lanes.iter().enumerate() {
+                    *out.add(r * 32 + fused_lane_row(i)) = *v;
                 }
             }
         }
