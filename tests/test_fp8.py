@@ -1,4 +1,5 @@
-"""Method FP8 (block-quantized E4M3 checkpoints, DeepSeek-V3 style): the original's fixtures
+"""Methods FP8 (block-quantized E4M3 checkpoints, DeepSeek-V3 style) and FP8_PERCHANNEL (one
+scale per output channel): the original's fixtures
 reproduced, accuracy against a float64 model of the dequantized weights, quantization from
 tensors equal to a file load of the same quantization, and bad checkpoints refused."""
 
@@ -26,17 +27,22 @@ def _rel(a, b):
 
 
 def dequantize_checkpoint(path: Path, layer: int, experts: int):
-    """gate/up/down as float64 `[E, N, K]` from an FP8 checkpoint (code · block scale)."""
+    """gate/up/down as float64 `[E, N, K]` from an FP8 checkpoint (code · block scale, or code ·
+    channel scale)."""
     out = {}
     with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
         for proj in ("gate", "up", "down"):
             mats = []
             for e in range(experts):
                 name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
                 q = f.get_tensor(f"{name}.weight").double()
-                s = f.get_tensor(f"{name}.weight_scale_inv").double()
-                s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-                mats.append(q * s[: q.shape[0], : q.shape[1]])
+                if f"{name}.weight_scale_inv" in keys:
+                    s = f.get_tensor(f"{name}.weight_scale_inv").double()
+                    s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                    mats.append(q * s[: q.shape[0], : q.shape[1]])
+                else:
+                    mats.append(q * f.get_tensor(f"{name}.weight_scale").double().reshape(-1, 1))
             out[proj] = torch.stack(mats)
     return out["gate"], out["up"], out["down"]
 
@@ -52,6 +58,13 @@ def moe_reference(x, ids, weights, gate, up, down):
     return out
 
 
+def quantize_fp8_channels(w: torch.Tensor):
+    """`[N, K]` floats → E4M3 codes and `[N]` f32 scales (amax / 448 per row)."""
+    amax = w.float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
 def quantize_fp8_blocks(w: torch.Tensor):
     """`[N, K]` floats → E4M3 codes and `[N/128, K/128]` f32 scales (amax / 448 per block)."""
     n, k = w.shape
@@ -62,14 +75,18 @@ def quantize_fp8_blocks(w: torch.Tensor):
     return q, scale
 
 
-def write_fp8_checkpoint(folder: Path, layer: int, gate, up, down) -> None:
+def write_fp8_checkpoint(folder: Path, layer: int, gate, up, down, per_channel=False) -> None:
     tensors = {}
     for proj, mats in (("gate", gate), ("up", up), ("down", down)):
         for e in range(mats.shape[0]):
-            q, s = quantize_fp8_blocks(mats[e])
             name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+            if per_channel:
+                q, s = quantize_fp8_channels(mats[e])
+                tensors[f"{name}.weight_scale"] = s
+            else:
+                q, s = quantize_fp8_blocks(mats[e])
+                tensors[f"{name}.weight_scale_inv"] = s
             tensors[f"{name}.weight"] = q
-            tensors[f"{name}.weight_scale_inv"] = s
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
 
@@ -278,3 +295,62 @@ def test_physical_to_logical_map_works_for_fp8():
     wt = torch.rand(5, 2, generator=gen)
     # Physical slot p holds logical expert mapping[p].
     assert torch.equal(mapped.forward(x, ids, wt, None), plain.forward(x, mapping[ids], wt, None))
+
+
+@needs_fixtures
+@pytest.mark.parametrize("tp", [1, 2])
+def test_per_channel_fixture_reproduces_the_original_within_its_error(tp):
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_fp8 as t
+from conftest import make_wrapper
+from safetensors import safe_open
+path = t.FIXTURES / "native-more" / "fp8_perchannel" / "model.safetensors"
+with safe_open(str(t.FIXTURES / "native-more" / "io-fp8_perchannel.safetensors"), "pt") as f:
+    io = {{k: f.get_tensor(k) for k in f.keys()}}
+w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, chunk=16, threadpool_count={tp},
+                 weight_path=str(path.parent), method="FP8_PERCHANNEL")
+w.load_weights(torch.arange(4))
+g, u, d = t.dequantize_checkpoint(path, 1, 4)
+for n in (1, 7):
+    x, ids, wt = io[f"x.T{{n}}"], io[f"ids.T{{n}}"], io[f"weights.T{{n}}"]
+    out, orig = w.forward(x, ids, wt, None), io[f"out.tp{tp}.T{{n}}"]
+    ref = t.moe_reference(x, ids, wt, g, u, d)
+    ours, theirs = t._rel(out, ref), t._rel(orig, ref)
+    assert ours <= theirs * 1.05 + 1e-5, (ours, theirs)
+    assert t._rel(out, orig) < 1e-2, t._rel(out, orig)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_per_channel_tensors_quantize_like_a_file_and_refuse_bad_scales(tmp_path):
+    gen = torch.Generator().manual_seed(12)
+    e, h, i = 4, 256, 256
+    gate = (torch.randn(e, i, h, generator=gen) * 0.05).to(torch.bfloat16)
+    up = (torch.randn(e, i, h, generator=gen) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=gen) * 0.05).to(torch.bfloat16)
+    write_fp8_checkpoint(tmp_path / "ckpt", 0, gate, up, down, per_channel=True)
+    args = dict(layer_idx=0, e=e, k=2, h=h, i=i, chunk=64, method="FP8_PERCHANNEL")
+    online = make_wrapper(**args)
+    online.load_weights_from_tensors(gate, up, down, torch.arange(e))
+    loaded = make_wrapper(**args, weight_path=str(tmp_path / "ckpt"))
+    loaded.load_weights(torch.arange(e))
+    g64, u64, d64 = dequantize_checkpoint(tmp_path / "ckpt" / "model.safetensors", 0, e)
+    for t in (1, 64):
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(t)])
+        wt = torch.rand(t, 2, generator=gen)
+        a, b = online.forward(x, ids, wt, None), loaded.forward(x, ids, wt, None)
+        assert torch.equal(a, b), t
+        assert _rel(a, moe_reference(x, ids, wt, g64, u64, d64)) < 1e-2
+    path = tmp_path / "ckpt" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale"][3] = float("nan")
+    save_file(tensors, str(path))
+    bad = make_wrapper(**args, weight_path=str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="weight_scale"):
+        bad.load_weights(torch.arange(e))

@@ -193,16 +193,18 @@ pub struct MatrixView {
 }
 
 /// Block scales of a block-quantized matrix: the value at absolute `[r][c]` is the stored value
-/// times `scales[(r / block) * cols + c / block]` (DeepSeek-V3 FP8: `weight_scale_inv`,
-/// 128 × 128 blocks).
+/// times `scales[(r / block_rows) * cols + c / block_cols]` (DeepSeek-V3 FP8 `weight_scale_inv`:
+/// 128 × 128 blocks; per-channel FP8 `weight_scale`: 1 × K, one column).
 #[derive(Clone, Copy, Debug)]
 pub struct BlockScale {
-    /// Row-major `[ceil(rows/block)][cols]` f32 scales (unaligned reads).
+    /// Row-major `[ceil(rows/block_rows)][cols]` f32 scales (unaligned reads).
     pub scales: *const u8,
     /// Scale columns.
     pub cols: usize,
-    /// Block edge.
-    pub block: usize,
+    /// Rows of one block.
+    pub block_rows: usize,
+    /// Columns of one block.
+    pub block_cols: usize,
     /// Absolute position of this view's `[0][0]` in the scaled matrix (sub-views move it).
     pub row0: usize,
     /// See `row0`.
@@ -216,7 +218,7 @@ impl BlockScale {
     /// The scale memory is alive and covers the block.
     #[inline(always)]
     unsafe fn at(&self, r: usize, c: usize) -> f32 {
-        let i = ((self.row0 + r) / self.block) * self.cols + (self.col0 + c) / self.block;
+        let i = ((self.row0 + r) / self.block_rows) * self.cols + (self.col0 + c) / self.block_cols;
         // SAFETY: the contract above.
         unsafe { (self.scales as *const f32).add(i).read_unaligned() }
     }

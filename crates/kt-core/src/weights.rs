@@ -197,29 +197,49 @@ impl Checkpoint {
         Ok((&self.maps[t.file][t.offset..t.offset + t.len], &t.dtype))
     }
 
-    /// The `{name}_scale_inv` of an FP8 weight: F32 `[ceil(rows/128), ceil(cols/128)]`.
-    fn fp8_block_scale(&self, name: &str, rows: usize, cols: usize) -> Result<BlockScale> {
+    /// The scales of an FP8 weight: `{name}_scale_inv` F32 `[ceil(rows/128), ceil(cols/128)]`
+    /// (128 × 128 blocks, DeepSeek-V3), or `{name}_scale` F32 `[rows]` / `[rows, 1]` (one per
+    /// output channel).
+    fn fp8_scale(&self, name: &str, rows: usize, cols: usize) -> Result<BlockScale> {
         const BLOCK: usize = 128;
         let key = format!("{name}_scale_inv");
-        let Some(t) = self.tensors.get(&key) else {
+        let channel_key = format!("{name}_scale");
+        if let Some(t) = self.tensors.get(&key) {
+            let want = [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)];
+            kt_ensure!(
+                t.dtype == "F32" && t.shape == want && t.len == want[0] * want[1] * 4,
+                Format,
+                "{key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 {want:?} (128x128 blocks)",
+                t.dtype,
+                t.shape
+            );
+            return Ok(BlockScale {
+                scales: self.maps[t.file][t.offset..].as_ptr(),
+                cols: want[1],
+                block_rows: BLOCK,
+                block_cols: BLOCK,
+                row0: 0,
+                col0: 0,
+            });
+        }
+        let Some(t) = self.tensors.get(&channel_key) else {
             kt_bail!(
                 Format,
-                "{name} is FP8 but {key} (its 128x128 block scales) is missing; per-tensor or \
-                 other FP8 scalings are not supported"
+                "{name} is FP8 but neither {key} (128x128 block scales) nor {channel_key}                  (per-channel scales) is present; other FP8 scalings are not supported"
             );
         };
-        let want = [rows.div_ceil(BLOCK), cols.div_ceil(BLOCK)];
         kt_ensure!(
-            t.dtype == "F32" && t.shape == want && t.len == want[0] * want[1] * 4,
+            t.dtype == "F32" && (t.shape == [rows] || t.shape == [rows, 1]) && t.len == rows * 4,
             Format,
-            "{key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 {want:?} (128x128 blocks)",
+            "{channel_key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 [{rows}] (one scale              per output channel)",
             t.dtype,
             t.shape
         );
         Ok(BlockScale {
             scales: self.maps[t.file][t.offset..].as_ptr(),
-            cols: want[1],
-            block: BLOCK,
+            cols: 1,
+            block_rows: 1,
+            block_cols: cols.max(1),
             row0: 0,
             col0: 0,
         })
@@ -239,8 +259,8 @@ impl Checkpoint {
             "F8_E4M3" => FloatType::F8E4M3,
             other => kt_bail!(
                 Dtype,
-                "tensor {name} has dtype {other}; this method reads BF16, F16, F32 or block-FP8 \
-                 (F8_E4M3 + weight_scale_inv) weights"
+                "tensor {name} has dtype {other}; this method reads BF16, F16, F32 or FP8 \
+                 (F8_E4M3 + weight_scale_inv or weight_scale) weights"
             ),
         };
         let elems: usize = t.shape.iter().product();
@@ -256,7 +276,7 @@ impl Checkpoint {
         let rows = elems.checked_div(cols).unwrap_or(0);
         let mut view = MatrixView::from_bytes(bytes, dtype, rows, cols)?;
         if dtype == FloatType::F8E4M3 {
-            view.block_scale = Some(self.fp8_block_scale(name, rows, cols)?);
+            view.block_scale = Some(self.fp8_scale(name, rows, cols)?);
         }
         Ok((view, t.shape.clone()))
     }

@@ -229,6 +229,7 @@ const REGISTRY: &[(Method, Builder)] = &[
     (Method::AmxInt4, int4::experts),
     (Method::Llamafile, ggml::experts),
     (Method::Fp8, fp8::experts),
+    (Method::Fp8PerChannel, fp8::experts_per_channel),
 ];
 
 /// The methods [`build`] knows, in [`Method::ALL`] order.
@@ -317,8 +318,18 @@ mod tests {
     #[test]
     fn implemented_methods_are_the_registered_formats() {
         let names: Vec<_> = implemented().iter().map(|m| m.name()).collect();
-        assert_eq!(names, ["AMXINT4", "AMXINT8", "FP8", "BF16", "LLAMAFILE"]);
-        let e = ensure_registered(Method::Fp8PerChannel).unwrap_err();
+        assert_eq!(
+            names,
+            [
+                "AMXINT4",
+                "AMXINT8",
+                "FP8",
+                "BF16",
+                "FP8_PERCHANNEL",
+                "LLAMAFILE"
+            ]
+        );
+        let e = ensure_registered(Method::RawInt4).unwrap_err();
         assert!(matches!(e, crate::Error::Unsupported(_)), "{e}");
     }
 }

@@ -46,14 +46,45 @@ struct Part {
     scale_dst: [SyncPtr<f32>; 2],
 }
 
-/// The registry's builder ([`super::build`]).
+/// The registry's builder for FP8 ([`super::build`]).
 pub fn experts(
     config: &MoeConfig,
     parts: usize,
     kernels: KernelSet,
 ) -> Result<Box<dyn ExpertFormat>> {
-    Ok(Box::new(Fp8Experts::new(config, parts, kernels)?))
+    Ok(Box::new(Fp8Experts::new(
+        config,
+        parts,
+        kernels,
+        Scaling::Block,
+    )?))
 }
+
+/// The registry's builder for FP8_PERCHANNEL.
+pub fn experts_per_channel(
+    config: &MoeConfig,
+    parts: usize,
+    kernels: KernelSet,
+) -> Result<Box<dyn ExpertFormat>> {
+    Ok(Box::new(Fp8Experts::new(
+        config,
+        parts,
+        kernels,
+        Scaling::PerChannel,
+    )?))
+}
+
+/// How the codes of a projection are scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scaling {
+    /// One f32 per 128 × 128 block (method FP8; `weight_scale_inv`).
+    Block,
+    /// One f32 per output row (method FP8_PERCHANNEL; `weight_scale`).
+    PerChannel,
+}
+
+/// Values all 1: the block scales of a per-channel panel (its scales apply per row).
+static ONES: [f32; 1024] = [1.0; 1024];
 
 /// What an FP8 layer built with `kernels` reports as its kernel: the decoder, then the bf16
 /// panel kernels it feeds ("fp8-avx512+avx512-fma+bf16dot").
@@ -68,6 +99,7 @@ pub fn kernel_name(kernels: &KernelSet) -> String {
 
 /// The FP8 experts of one layer.
 pub struct Fp8Experts {
+    scaling: Scaling,
     kernels: KernelSet,
     decoder: Fp8Decoder,
     fused: Option<kernels::FusedFn>,
@@ -79,18 +111,36 @@ pub struct Fp8Experts {
 
 impl Fp8Experts {
     /// Room for `config.num_experts` experts in `parts` parts (whole 128-row scale blocks each).
-    pub fn new(config: &MoeConfig, parts: usize, kernels: KernelSet) -> Result<Fp8Experts> {
-        let ranges = super::split_in_units(config, parts, BLOCK, Method::Fp8)?;
+    pub fn new(
+        config: &MoeConfig,
+        parts: usize,
+        kernels: KernelSet,
+        scaling: Scaling,
+    ) -> Result<Fp8Experts> {
+        let method = match scaling {
+            Scaling::Block => Method::Fp8,
+            Scaling::PerChannel => Method::Fp8PerChannel,
+        };
+        crate::kt_ensure!(
+            config.hidden <= ONES.len() * BLOCK && config.intermediate <= ONES.len() * BLOCK,
+            Invalid,
+            "{method} supports projections of at most {} inputs",
+            ONES.len() * BLOCK
+        );
+        let ranges = super::split_in_units(config, parts, BLOCK, method)?;
         let (e, h) = (config.num_experts, config.hidden);
         let parts = ranges
             .iter()
             .map(|inter| {
                 let ip = inter.len();
-                let blocks = (h / BLOCK) * (ip / BLOCK);
+                let (gate_up_per, down_per) = match scaling {
+                    Scaling::Block => ((h / BLOCK) * (ip / BLOCK), (h / BLOCK) * (ip / BLOCK)),
+                    Scaling::PerChannel => (ip, h),
+                };
                 let mut gate_up = AlignedBuf::zeroed(e * 2 * ip * h)?;
                 let mut down = AlignedBuf::zeroed(e * h * ip)?;
-                let mut gate_up_scales = AlignedBuf::zeroed(e * 2 * blocks)?;
-                let mut down_scales = AlignedBuf::zeroed(e * blocks)?;
+                let mut gate_up_scales = AlignedBuf::zeroed(e * 2 * gate_up_per)?;
+                let mut down_scales = AlignedBuf::zeroed(e * down_per)?;
                 Ok(Part {
                     dst: [
                         SyncPtr::new(gate_up.as_mut_ptr()),
@@ -108,6 +158,7 @@ impl Fp8Experts {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Fp8Experts {
+            scaling,
             decoder: kernels::decoder_for(kernels.level()),
             fused: kernels::fused_for(kernels.level()),
             kernels,
@@ -119,21 +170,25 @@ impl Fp8Experts {
     }
 
     /// Byte offset of the panel holding row `row` of `proj` of `slot` in its part buffer, and
-    /// the offset of the scale row (k/128 scales) that covers it.
+    /// the index of the first scale of the row (block scaling: its row block's `k/128` scales;
+    /// per-channel: its own).
     fn offsets(&self, part: usize, slot: usize, proj: Proj, row: usize) -> (usize, usize) {
         let (h, ip) = (self.hidden, self.ranges[part].len());
-        let blocks = (h / BLOCK) * (ip / BLOCK);
+        let k = if proj == Proj::Down { ip } else { h };
+        let (per_expert, scale_row) = match self.scaling {
+            Scaling::Block => ((h / BLOCK) * (ip / BLOCK), (row / BLOCK) * (k / BLOCK)),
+            Scaling::PerChannel => (if proj == Proj::Down { h } else { ip }, row),
+        };
         let p = row / PANEL;
         match proj {
             Proj::Gate | Proj::Up => {
                 let which = (proj == Proj::Up) as usize;
                 let bytes = ((slot * ip / PANEL + p) * 2 + which) * PANEL * h;
-                let scales = (slot * 2 + which) * blocks + (row / BLOCK) * (h / BLOCK);
-                (bytes, scales)
+                (bytes, (slot * 2 + which) * per_expert + scale_row)
             }
             Proj::Down => (
                 (slot * h / PANEL + p) * PANEL * ip,
-                slot * blocks + (row / BLOCK) * (ip / BLOCK),
+                slot * per_expert + scale_row,
             ),
         }
     }
@@ -179,7 +234,17 @@ impl Fp8Experts {
             for (c, &b) in src.iter().enumerate() {
                 out[Self::in_panel(r, c)] = b;
             }
-            if r % BLOCK == 0 {
+            if self.scaling == Scaling::PerChannel {
+                // SAFETY: (r, 0) is inside the view; its scales are alive.
+                let s = unsafe { view.block_scale_at(r, 0) }.unwrap_or(1.0);
+                kt_ensure!(
+                    s.is_finite(),
+                    Invalid,
+                    "FP8 weight_scale of expert slot {slot} {proj:?} is {s} at row {r} of this part"
+                );
+                // SAFETY: row r's scale, this (part, slot, proj)'s alone.
+                unsafe { *scale_dst.get().add(scale_at) = s };
+            } else if r % BLOCK == 0 {
                 for b in 0..k / BLOCK {
                     // SAFETY: (r, 128·b) is inside the view; its scales are alive.
                     let s = unsafe { view.block_scale_at(r, b * BLOCK) }.unwrap_or(1.0);
@@ -212,6 +277,28 @@ impl Fp8Experts {
         let (n, k) = (view.rows, view.cols);
         let idx = (proj == Proj::Down) as usize;
         let (dst, scale_dst) = (self.parts[part].dst[idx], self.parts[part].scale_dst[idx]);
+        if self.scaling == Scaling::PerChannel {
+            let mut row = vec![0f32; k];
+            for r in 0..n {
+                // SAFETY: row r < n of the live view; `row` has k values.
+                unsafe { view.row_f32(r, &mut row) };
+                let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                kt_ensure!(
+                    amax.is_finite(),
+                    Invalid,
+                    "expert slot {slot} {proj:?} holds a non-finite weight in row {r}"
+                );
+                let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+                let (at, scale_at) = self.offsets(part, slot, proj, r);
+                for (c, v) in row.iter().enumerate() {
+                    // SAFETY: W[r][c]'s byte in a panel of this (part, slot, proj); its scale.
+                    unsafe { *dst.get().add(at + Self::in_panel(r, c)) = f32_to_e4m3(v / scale) };
+                }
+                // SAFETY: row r's scale, this (part, slot, proj)'s alone.
+                unsafe { *scale_dst.get().add(scale_at) = scale };
+            }
+            return Ok(());
+        }
         let mut rows = vec![0f32; BLOCK * k];
         for rb in 0..n / BLOCK {
             for (i, row) in rows.chunks_exact_mut(k).enumerate() {
@@ -249,7 +336,8 @@ impl Fp8Experts {
     }
 
     /// The codes and scales of `slot`'s `proj` in `part` as a checkpoint holds them: `[n][k]`
-    /// E4M3 bytes and `[n/128][k/128]` scales (for tests and the GPU write path).
+    /// E4M3 bytes and `[n/128][k/128]` (block) or `[n]` (per-channel) scales (for tests and the
+    /// GPU write path).
     pub fn expert_codes(&self, part: usize, slot: usize, proj: Proj) -> (Vec<u8>, Vec<f32>) {
         let (h, ip) = (self.hidden, self.ranges[part].len());
         let (n, k) = match proj {
@@ -266,7 +354,9 @@ impl Fp8Experts {
         for r in 0..n {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
             codes.extend((0..k).map(|c| bytes[at + Self::in_panel(r, c)]));
-            if r % BLOCK == 0 {
+            if self.scaling == Scaling::PerChannel {
+                s.push(scales[scale_at]);
+            } else if r % BLOCK == 0 {
                 s.extend_from_slice(&scales[scale_at..scale_at + k / BLOCK]);
             }
         }
@@ -275,6 +365,35 @@ impl Fp8Experts {
 }
 
 impl Fp8Experts {
+    /// [`Fp8Experts::panel`] with the panel's scales as stored from its first one on: the
+    /// next `k/128` block scales, or 32 row scales applied to the results.
+    ///
+    /// # Safety
+    /// As [`Fp8Experts::panel`].
+    unsafe fn scaled_panel(
+        &self,
+        rows: &RowBlock,
+        k: usize,
+        codes: &[u8],
+        scales: &[f32],
+        out: &mut [f32],
+    ) {
+        match self.scaling {
+            // SAFETY: forwarded.
+            Scaling::Block => unsafe { self.panel(rows, k, codes, &scales[..k / BLOCK], out) },
+            Scaling::PerChannel => {
+                // SAFETY: forwarded.
+                unsafe { self.panel(rows, k, codes, &ONES[..k / BLOCK], out) };
+                let row_scales = &scales[..PANEL];
+                for row in out[..rows.len() * PANEL].chunks_exact_mut(PANEL) {
+                    for (o, s) in row.iter_mut().zip(row_scales) {
+                        *o *= s;
+                    }
+                }
+            }
+        }
+    }
+
     /// `out` (32 per row) = one panel's codes (`32·k` bytes in panel order) with their `k/128`
     /// block scales against `rows`: per 128-input block, decode to a bf16 panel once, run the
     /// bf16 panel kernel the expert's row count picks over every row, add `scale · result`.
@@ -369,7 +488,10 @@ impl Fp8Experts {
 
 impl ExpertFormat for Fp8Experts {
     fn method(&self) -> Method {
-        Method::Fp8
+        match self.scaling {
+            Scaling::Block => Method::Fp8,
+            Scaling::PerChannel => Method::Fp8PerChannel,
+        }
     }
 
     fn kernel_name(&self) -> String {
@@ -446,9 +568,16 @@ impl ExpertFormat for Fp8Experts {
         for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
             let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
             let codes = &p.gate_up.as_slice()[at..at + PANEL * h];
-            let scales = &p.gate_up_scales.as_slice()[scale_at..scale_at + h / BLOCK];
             // SAFETY: the trait's contract, forwarded for rows of H values.
-            unsafe { self.panel(rows, h, codes, scales, out) };
+            unsafe {
+                self.scaled_panel(
+                    rows,
+                    h,
+                    codes,
+                    &p.gate_up_scales.as_slice()[scale_at..],
+                    out,
+                )
+            };
         }
     }
 
@@ -464,9 +593,8 @@ impl ExpertFormat for Fp8Experts {
         let p = &self.parts[part];
         let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
         let codes = &p.down.as_slice()[at..at + PANEL * ip];
-        let scales = &p.down_scales.as_slice()[scale_at..scale_at + ip / BLOCK];
         // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
-        unsafe { self.panel(rows, ip, codes, scales, o) };
+        unsafe { self.scaled_panel(rows, ip, codes, &p.down_scales.as_slice()[scale_at..], o) };
     }
 
     fn packs_from_source(&self) -> bool {
@@ -480,21 +608,28 @@ impl ExpertFormat for Fp8Experts {
             Proj::Down => (h, ip),
         };
         assert!(slot < self.experts && view.rows == n && view.cols == k);
-        match (view.dtype, view.block_scale) {
-            (FloatType::F8E4M3, Some(b)) => {
+        match (view.dtype, view.block_scale, self.scaling) {
+            (FloatType::F8E4M3, Some(b), Scaling::Block)
+                if b.block_rows == BLOCK && b.block_cols == BLOCK =>
+            {
                 kt_ensure!(
-                    b.block == BLOCK && b.row0 % BLOCK == 0 && b.col0 % BLOCK == 0,
+                    b.row0 % BLOCK == 0 && b.col0 % BLOCK == 0,
                     Invalid,
-                    "FP8 weights need {BLOCK}x{BLOCK} scale blocks aligned with this layer's \
-                     split; got blocks of {} at ({}, {})",
-                    b.block,
+                    "FP8 scale blocks must align with this layer's split; this part starts at \
+                     ({}, {})",
                     b.row0,
                     b.col0
                 );
                 // SAFETY: forwarded (the view is E4M3 with aligned 128-blocks, checked).
                 unsafe { self.copy_codes(part, slot, proj, view) }
             }
-            // Codes without scales (or scaled otherwise) and plain floats: quantize the values.
+            (FloatType::F8E4M3, Some(b), Scaling::PerChannel)
+                if b.block_rows == 1 && b.cols == 1 =>
+            {
+                // SAFETY: forwarded (the view is E4M3 with one scale per row).
+                unsafe { self.copy_codes(part, slot, proj, view) }
+            }
+            // Plain floats, or codes scaled the other way: quantize the values they stand for.
             // SAFETY: forwarded.
             _ => unsafe { self.quantize(part, slot, proj, view) },
         }
