@@ -192,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         "AMXINT8": int8_bytes_per_expert,
         "AMXINT4": int4_bytes_per_expert,
         "FP8": fp8_bytes_per_expert,
+        # FP8_PERCHANNEL: one byte per weight plus an f32 scale per output row.
+        "FP8_PERCHANNEL": 3 * hidden * inter + (2 * inter + hidden) * 4,
     }
     for name, _, types in variants:
         if types is not None:

@@ -70,9 +70,13 @@ impl Bf16Experts {
         })
     }
 
-    /// Whether these kernels can stage bf16 activations at all.
-    fn stages(&self) -> bool {
-        stages(&self.kernels)
+    /// This format's activation staging.
+    fn staging(&self) -> Staging<'_> {
+        Staging {
+            kernels: &self.kernels,
+            hidden: self.hidden,
+            ranges: &self.ranges,
+        }
     }
 
     /// See [`path_for`].
@@ -126,6 +130,61 @@ pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf1
         .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
 }
 
+/// The activation side of a format that feeds the bf16 panel kernels: x and SwiGLU rows staged
+/// as bf16 pairs for the experts whose row count picks a bf16 path ([`path_for`]), SwiGLU rows
+/// panel by panel while in cache. BF16 and FP8 answer these trait questions through it.
+pub(crate) struct Staging<'a> {
+    pub kernels: &'a KernelSet,
+    pub hidden: usize,
+    pub ranges: &'a [Range<usize>],
+}
+
+impl Staging<'_> {
+    /// [`ExpertFormat::x_stride`].
+    pub fn x_stride(&self) -> usize {
+        if stages(self.kernels) {
+            2 * self.hidden
+        } else {
+            0
+        }
+    }
+
+    /// [`ExpertFormat::act_stride`].
+    pub fn act_stride(&self, part: usize) -> usize {
+        if stages(self.kernels) {
+            2 * self.ranges[part].len()
+        } else {
+            0
+        }
+    }
+
+    /// [`ExpertFormat::prepares_x`].
+    pub fn prepares_x(&self, max_rows: usize) -> bool {
+        path_for(self.kernels, max_rows, self.hidden).is_some()
+    }
+
+    /// [`ExpertFormat::prepares_act`].
+    pub fn prepares_act(&self, max_rows: usize) -> bool {
+        self.ranges
+            .iter()
+            .any(|r| path_for(self.kernels, max_rows, r.len()).is_some())
+    }
+
+    /// [`ExpertFormat::prepare_x`] and [`ExpertFormat::prepare_act`]: bf16 pairs, scale 1.
+    pub fn stage(&self, values: &[f32], out: &mut [u8]) -> f32 {
+        self.kernels.stage_bf16(values, as_pairs(out));
+        1.0
+    }
+
+    /// [`ExpertFormat::prepare_act_panel`]: only the experts whose down panels take a bf16
+    /// path read staged rows.
+    pub fn stage_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+        if path_for(self.kernels, expert_rows, self.ranges[part].len()).is_some() {
+            self.kernels.stage_bf16(act, as_pairs(out));
+        }
+    }
+}
+
 /// `[u8]` scratch as the `u32` pairs the staging kernel writes.
 pub(crate) fn as_pairs(out: &mut [u8]) -> &mut [u32] {
     assert!(
@@ -154,39 +213,27 @@ impl ExpertFormat for Bf16Experts {
     }
 
     fn x_stride(&self, _part: usize) -> usize {
-        if self.stages() {
-            2 * self.hidden
-        } else {
-            0
-        }
+        self.staging().x_stride()
     }
 
     fn act_stride(&self, part: usize) -> usize {
-        if self.stages() {
-            2 * self.ranges[part].len()
-        } else {
-            0
-        }
+        self.staging().act_stride(part)
     }
 
     fn prepares_x(&self, max_rows: usize) -> bool {
-        self.bf16_for(max_rows, self.hidden).is_some()
+        self.staging().prepares_x(max_rows)
     }
 
     fn prepares_act(&self, max_rows: usize) -> bool {
-        self.ranges
-            .iter()
-            .any(|r| self.bf16_for(max_rows, r.len()).is_some())
+        self.staging().prepares_act(max_rows)
     }
 
     fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(x, as_pairs(out));
-        1.0
+        self.staging().stage(x, out)
     }
 
     fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(act, as_pairs(out));
-        1.0
+        self.staging().stage(act, out)
     }
 
     fn prepares_act_per_panel(&self) -> bool {
@@ -194,13 +241,7 @@ impl ExpertFormat for Bf16Experts {
     }
 
     fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
-        // Only the experts whose down panels take a bf16 path read staged rows.
-        if self
-            .bf16_for(expert_rows, self.ranges[part].len())
-            .is_some()
-        {
-            self.kernels.stage_bf16(act, as_pairs(out));
-        }
+        self.staging().stage_panel(part, expert_rows, act, out)
     }
 
     fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize {

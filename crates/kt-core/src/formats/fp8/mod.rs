@@ -365,6 +365,15 @@ impl Fp8Experts {
 }
 
 impl Fp8Experts {
+    /// This format's activation staging (as method BF16's).
+    fn staging(&self) -> bf16::Staging<'_> {
+        bf16::Staging {
+            kernels: &self.kernels,
+            hidden: self.hidden,
+            ranges: &self.ranges,
+        }
+    }
+
     /// [`Fp8Experts::panel`] with the panel's scales as stored from its first one on: the
     /// next `k/128` block scales, or 32 row scales applied to the results.
     ///
@@ -503,39 +512,27 @@ impl ExpertFormat for Fp8Experts {
     }
 
     fn x_stride(&self, _part: usize) -> usize {
-        if bf16::stages(&self.kernels) {
-            2 * self.hidden
-        } else {
-            0
-        }
+        self.staging().x_stride()
     }
 
     fn act_stride(&self, part: usize) -> usize {
-        if bf16::stages(&self.kernels) {
-            2 * self.ranges[part].len()
-        } else {
-            0
-        }
+        self.staging().act_stride(part)
     }
 
     fn prepares_x(&self, max_rows: usize) -> bool {
-        bf16::path_for(&self.kernels, max_rows, self.hidden).is_some()
+        self.staging().prepares_x(max_rows)
     }
 
     fn prepares_act(&self, max_rows: usize) -> bool {
-        self.ranges
-            .iter()
-            .any(|r| bf16::path_for(&self.kernels, max_rows, r.len()).is_some())
+        self.staging().prepares_act(max_rows)
     }
 
     fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(x, bf16::as_pairs(out));
-        1.0
+        self.staging().stage(x, out)
     }
 
     fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
-        self.kernels.stage_bf16(act, bf16::as_pairs(out));
-        1.0
+        self.staging().stage(act, out)
     }
 
     fn prepares_act_per_panel(&self) -> bool {
@@ -543,10 +540,7 @@ impl ExpertFormat for Fp8Experts {
     }
 
     fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
-        // Only the experts whose down panels take a bf16 path read staged rows.
-        if bf16::path_for(&self.kernels, expert_rows, self.ranges[part].len()).is_some() {
-            self.kernels.stage_bf16(act, bf16::as_pairs(out));
-        }
+        self.staging().stage_panel(part, expert_rows, act, out)
     }
 
     fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
