@@ -403,6 +403,36 @@ class BaseMoEWrapper:
             self.gpu_experts_mask.data_ptr(),
         )
 
+    def submit_write_weight_scale_to_buffer(
+        self,
+        gpu_tp_count: int,
+        expert_id: int,
+        w13_weight_ptrs,
+        w13_scale_ptrs,
+        w2_weight_ptrs,
+        w2_scale_ptrs,
+    ) -> None:
+        """Queue the write of expert ``expert_id`` (a physical slot) into each GPU
+        tensor-parallel rank's buffers: ``w13`` = the rank's gate rows then its up rows, ``w2`` =
+        down cut to the rank's intermediate columns, with their scales, in the byte layout of
+        the method's GPU kernels (the original's). Each list holds one address per rank; the
+        buffers must hold ``self.moe.gpu_rank_bytes(gpu_tp_count)`` bytes and stay alive and
+        untouched until ``sync_write_weight_scale_to_buffer``. Methods without a GPU layout
+        (AMXINT8, AMXINT4, LLAMAFILE) raise NotImplementedError, as in the original."""
+        lists = [w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs]
+        ptrs = [[int(p) for p in lst] for lst in lists]
+        ticket = self.moe.submit_write_weight_scale_to_buffer(
+            int(gpu_tp_count), int(expert_id), *ptrs
+        )
+        self.__dict__.setdefault("_write_tickets", []).append(ticket)
+
+    def sync_write_weight_scale_to_buffer(self) -> None:
+        """Wait for every queued ``submit_write_weight_scale_to_buffer``; raises the first
+        error one of them met."""
+        tickets = self.__dict__.pop("_write_tickets", [])
+        for ticket in tickets:
+            self.cpu_infer.engine.wait(ticket)
+
     def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> None:
         """Queue this layer's CPU experts for ``hidden_states`` and return at once.
 

@@ -5,6 +5,7 @@
 use kt_core::convert::{ConversionJob, ConvertOptions, ConvertReport, InputType};
 use kt_core::dtype::FloatType;
 use kt_core::engine::{Engine as CoreEngine, Task};
+use kt_core::formats::GpuRankDst;
 use kt_core::ggml::{self, GgmlType};
 use kt_core::isa;
 use kt_core::kernels::KernelSet;
@@ -518,6 +519,57 @@ impl MoeLayer {
             [hidden_dtype, ids_dtype, out_dtype, residual_dtype],
         )?;
         Ok(self.engine.submit(task))
+    }
+
+    /// Bytes of each GPU rank's (w13, w13 scales, w2, w2 scales) buffers for one expert at
+    /// `gpu_tp_count` ranks; NotImplementedError for methods without a GPU layout.
+    fn gpu_rank_bytes(&self, gpu_tp_count: usize) -> PyResult<[usize; 4]> {
+        self.layer.read().unwrap().gpu_rank_bytes(gpu_tp_count).py()
+    }
+
+    /// Queue the write of one expert into every GPU rank's buffers (the original's
+    /// `write_weight_scale_to_buffer`); returns the engine ticket. Counts, the expert id, the
+    /// method and null pointers are checked here, before anything is queued.
+    fn submit_write_weight_scale_to_buffer(
+        &self,
+        gpu_tp_count: usize,
+        expert_id: i64,
+        w13_weight_ptrs: Vec<usize>,
+        w13_scale_ptrs: Vec<usize>,
+        w2_weight_ptrs: Vec<usize>,
+        w2_scale_ptrs: Vec<usize>,
+    ) -> PyResult<u64> {
+        let lists = [
+            &w13_weight_ptrs,
+            &w13_scale_ptrs,
+            &w2_weight_ptrs,
+            &w2_scale_ptrs,
+        ];
+        let counts: Vec<usize> = lists.iter().map(|l| l.len()).collect();
+        if gpu_tp_count == 0 || counts.iter().any(|&n| n != gpu_tp_count) {
+            return Err(kt_core::Error::Invalid(format!(
+                "gpu_tp_count={gpu_tp_count} but the pointer lists hold {counts:?} entries"
+            )))
+            .py();
+        }
+        let dst: Vec<GpuRankDst> = (0..gpu_tp_count)
+            .map(|r| GpuRankDst {
+                w13: w13_weight_ptrs[r] as *mut u8,
+                w13_scale: w13_scale_ptrs[r] as *mut u8,
+                w2: w2_weight_ptrs[r] as *mut u8,
+                w2_scale: w2_scale_ptrs[r] as *mut u8,
+            })
+            .collect();
+        let slot = usize::try_from(expert_id).unwrap_or(usize::MAX);
+        let layer = self.layer.clone();
+        layer.read().unwrap().check_gpu_write(slot, &dst).py()?;
+        Ok(self.engine.submit(Box::new(move |ctx| {
+            let l = layer.read().unwrap();
+            // SAFETY: the caller (the Python wrapper's documented contract, as the
+            // original's) keeps each rank's buffers of `gpu_rank_bytes` bytes alive and
+            // untouched until the matching sync.
+            unsafe { l.write_weight_scale_to_buffer(ctx.pool, slot, &dst) }
+        })))
     }
 
     /// Run a forward now and return when it is done (arguments as `submit_forward`): on the

@@ -90,6 +90,34 @@ pub struct PanelAcc {
     pub acc: [i32; MAX_ROWS * PANEL],
 }
 
+/// The buffers of one GPU tensor-parallel rank that [`ExpertFormat::write_gpu_rank`] fills.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuRankDst {
+    /// gate‖up: the rank's slice of gate's rows, then up's.
+    pub w13: *mut u8,
+    /// Their scales (empty for BF16).
+    pub w13_scale: *mut u8,
+    /// down: every output row, cut to the rank's slice of the intermediate columns.
+    pub w2: *mut u8,
+    /// Its scales.
+    pub w2_scale: *mut u8,
+}
+
+// SAFETY: plain addresses; `write_gpu_rank`'s contract gives each rank's buffers to one task.
+unsafe impl Send for GpuRankDst {}
+// SAFETY: as above.
+unsafe impl Sync for GpuRankDst {}
+
+/// The part holding intermediate row `row` of a layer split into `ranges`, and the row's index
+/// in it.
+pub(crate) fn locate(ranges: &[Range<usize>], row: usize) -> (usize, usize) {
+    let part = ranges
+        .iter()
+        .position(|r| r.contains(&row))
+        .expect("row inside the layer");
+    (part, row - ranges[part].start)
+}
+
 /// One method's experts of one layer: storage in every NUMA part and the kernels that read it.
 ///
 /// Concurrency: the forward calls the `&self` methods from many threads at once, each with its
@@ -211,6 +239,37 @@ pub trait ExpertFormat: Send + Sync + Any {
             config.layer_idx,
             self.method()
         )
+    }
+
+    /// Bytes that [`ExpertFormat::write_gpu_rank`] writes into each of a rank's buffers (w13,
+    /// w13 scales, w2, w2 scales) for one expert at `gpu_tp` ranks; refuses a split the method's
+    /// blocks do not allow, and methods without a GPU layout.
+    fn gpu_rank_bytes(&self, gpu_tp: usize) -> Result<[usize; 4]> {
+        let _ = gpu_tp;
+        kt_bail!(
+            Unsupported,
+            "write_weight_scale_to_buffer is not implemented for {} weights",
+            self.method()
+        )
+    }
+
+    /// Write physical `slot`'s weights and scales for GPU tensor-parallel rank `rank` of
+    /// `gpu_tp` into `dst`, in the bytes that method's GPU kernels read (the original's
+    /// `write_weight_scale_to_buffer`).
+    ///
+    /// # Safety
+    /// `slot < num_experts`, `rank < gpu_tp`, [`ExpertFormat::gpu_rank_bytes`] succeeded for
+    /// `gpu_tp`, and each buffer of `dst` has that many writable bytes that nothing else reads
+    /// or writes meanwhile.
+    unsafe fn write_gpu_rank(
+        &self,
+        slot: usize,
+        gpu_tp: usize,
+        rank: usize,
+        dst: &GpuRankDst,
+    ) -> Result<()> {
+        let _ = (slot, rank, dst);
+        self.gpu_rank_bytes(gpu_tp).map(|_| ())
     }
 
     /// The format as [`Any`], for callers that need its own API (e.g. the converter reading

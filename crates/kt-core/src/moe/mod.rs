@@ -148,6 +148,71 @@ impl MoeLayer {
         self.load_files(pool, &LayerFiles::Converted(files), map)
     }
 
+    /// The bytes each GPU rank's four buffers receive from
+    /// [`MoeLayer::write_weight_scale_to_buffer`] at `gpu_tp` ranks (w13, w13 scales, w2, w2
+    /// scales); an error for methods without a GPU layout.
+    pub fn gpu_rank_bytes(&self, gpu_tp: usize) -> Result<[usize; 4]> {
+        self.experts.gpu_rank_bytes(gpu_tp)
+    }
+
+    /// Check a [`MoeLayer::write_weight_scale_to_buffer`] call before it runs: weights loaded,
+    /// `slot` in range, a split the method allows, no null buffer that would receive bytes.
+    pub fn check_gpu_write(&self, slot: usize, dst: &[crate::formats::GpuRankDst]) -> Result<()> {
+        let c = &self.config;
+        kt_ensure!(
+            self.loaded,
+            Runtime,
+            "layer {}: write_weight_scale_to_buffer before the weights were loaded",
+            c.layer_idx
+        );
+        kt_ensure!(
+            slot < c.num_experts,
+            Invalid,
+            "expert_id {slot} is out of range for {} experts",
+            c.num_experts
+        );
+        let bytes = self.experts.gpu_rank_bytes(dst.len())?;
+        for (rank, d) in dst.iter().enumerate() {
+            for (name, ptr, n) in [
+                ("w13_weight", d.w13, bytes[0]),
+                ("w13_scale", d.w13_scale, bytes[1]),
+                ("w2_weight", d.w2, bytes[2]),
+                ("w2_scale", d.w2_scale, bytes[3]),
+            ] {
+                kt_ensure!(
+                    n == 0 || !ptr.is_null(),
+                    Invalid,
+                    "{name} pointer of GPU rank {rank} is null"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Write physical expert `slot`'s weights and scales into each GPU tensor-parallel rank's
+    /// buffers (`dst[rank]`), ranks in parallel on `pool` (the original's
+    /// `write_weight_scale_to_buffer`: w13 = the rank's gate‖up rows, w2 = down cut to its
+    /// columns, in the method's GPU layout, whatever the NUMA split of this layer).
+    ///
+    /// # Safety
+    /// Each buffer of `dst[rank]` has the bytes [`MoeLayer::gpu_rank_bytes`] gives, writable
+    /// and not touched by anyone else until this returns (null buffers are refused).
+    pub unsafe fn write_weight_scale_to_buffer(
+        &self,
+        pool: &Pool,
+        slot: usize,
+        dst: &[crate::formats::GpuRankDst],
+    ) -> Result<()> {
+        self.check_gpu_write(slot, dst)?;
+        let gpu_tp = dst.len();
+        let first = crate::error::FirstError::new();
+        pool.parallel_for_all(gpu_tp, &|rank| {
+            // SAFETY: the caller's contract; rank `rank`'s buffers belong to this task.
+            first.record(unsafe { self.experts.write_gpu_rank(slot, gpu_tp, rank, &dst[rank]) });
+        })?;
+        first.into_result()
+    }
+
     /// Copy layer `layer`'s experts from a GGUF model (`blk.{layer}.ffn_{gate,up,down}_exps.weight`)
     /// into this LLAMAFILE layer; the file decides the ggml types. Physical slot `p` receives
     /// file expert `map[p]`; without a map slot `p` takes file expert `p` (the file holds at

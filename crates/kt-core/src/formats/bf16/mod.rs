@@ -7,13 +7,13 @@
 //! Kernels, per expert and forward: the exact fp32 FMA kernel on fp32 activations, or, for
 //! experts with enough rows to be compute-bound, a bf16 dot product (AMX tiles or
 //! `vdpbf16ps`) on activations staged as bf16 pairs.
-use super::{ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
+use super::{locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{Bf16Path, KernelSet};
 use crate::method::Method;
-use crate::pack::{pack_panel, panel_len, AlignedBuf, MatrixView, PANEL};
+use crate::pack::{pack_panel, packed_index, panel_len, AlignedBuf, MatrixView, PANEL};
 use crate::sync_ptr::SyncPtr;
-use crate::Result;
+use crate::{kt_ensure, Result};
 use std::any::Any;
 use std::ops::Range;
 
@@ -298,6 +298,64 @@ impl ExpertFormat for Bf16Experts {
 
     fn packs_from_source(&self) -> bool {
         true
+    }
+
+    fn gpu_rank_bytes(&self, gpu_tp: usize) -> Result<[usize; 4]> {
+        let (h, i) = (self.hidden, self.ranges.last().map_or(0, |r| r.end));
+        kt_ensure!(
+            gpu_tp >= 1 && i.is_multiple_of(gpu_tp),
+            Invalid,
+            "BF16: moe_intermediate_size {i} does not split into {gpu_tp} GPU ranks"
+        );
+        let ir = i / gpu_tp;
+        Ok([2 * ir * h * 2, 0, h * ir * 2, 0])
+    }
+
+    unsafe fn write_gpu_rank(
+        &self,
+        slot: usize,
+        gpu_tp: usize,
+        rank: usize,
+        dst: &GpuRankDst,
+    ) -> Result<()> {
+        let h = self.hidden;
+        let ir = self.ranges.last().map_or(0, |r| r.end) / gpu_tp;
+        let r0 = rank * ir;
+        // SAFETY: the caller's contract: 2·ir·h and h·ir bf16 values.
+        let (w13, w2) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(dst.w13 as *mut u16, 2 * ir * h),
+                std::slice::from_raw_parts_mut(dst.w2 as *mut u16, h * ir),
+            )
+        };
+        // w13: the rank's gate rows then its up rows, row-major bf16.
+        for (which, rows) in w13.chunks_exact_mut(ir * h).enumerate() {
+            for (row, out) in rows.chunks_exact_mut(h).enumerate() {
+                let (part, local) = locate(&self.ranges, r0 + row);
+                let ip = self.ranges[part].len();
+                let (p, j) = (local / PANEL, local % PANEL);
+                let off = slot * 2 * ip * h + (2 * p + which) * panel_len(h);
+                let panel = &self.parts[part].gate_up.as_slice()[off..off + panel_len(h)];
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = panel[packed_index(j, c, h)];
+                }
+            }
+        }
+        // w2: every output row over the rank's columns, row-major bf16, part by part.
+        for (part, range) in self.ranges.iter().enumerate() {
+            let (g0, g1) = (range.start.max(r0), range.end.min(r0 + ir));
+            if g0 >= g1 {
+                continue;
+            }
+            let (l0, l1, c0, ip) = (g0 - range.start, g1 - range.start, g0 - r0, range.len());
+            let down = &self.parts[part].down.as_slice()[slot * h * ip..(slot + 1) * h * ip];
+            for (hrow, out) in w2.chunks_exact_mut(ir).enumerate() {
+                for (o, lc) in out[c0..c0 + l1 - l0].iter_mut().zip(l0..l1) {
+                    *o = down[packed_index(hrow, lc, ip)];
+                }
+            }
+        }
+        Ok(())
     }
 
     unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {

@@ -18,7 +18,7 @@
 //!
 //! Loading from an FP8 checkpoint copies codes and scales; from bf16/fp16/fp32 tensors or
 //! checkpoints it quantizes each 128 × 128 block to `amax / 448` (the usual FP8 block recipe).
-use super::{bf16, ExpertFormat, PanelAcc, PanelAt, RowBlock, Stage};
+use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::dtype::{f32_to_e4m3, FloatType};
 use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{KernelSet, MAX_ROWS};
@@ -365,6 +365,11 @@ impl Fp8Experts {
 }
 
 impl Fp8Experts {
+    /// The layer's intermediate size (all parts).
+    fn intermediate(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
     /// This format's activation staging (as method BF16's).
     fn staging(&self) -> bf16::Staging<'_> {
         bf16::Staging {
@@ -593,6 +598,126 @@ impl ExpertFormat for Fp8Experts {
 
     fn packs_from_source(&self) -> bool {
         true
+    }
+
+    fn gpu_rank_bytes(&self, gpu_tp: usize) -> Result<[usize; 4]> {
+        let (h, i) = (self.hidden, self.intermediate());
+        let unit = match self.scaling {
+            Scaling::Block => BLOCK,
+            Scaling::PerChannel => 1,
+        };
+        kt_ensure!(
+            gpu_tp >= 1 && i.is_multiple_of(gpu_tp) && (i / gpu_tp).is_multiple_of(unit),
+            Invalid,
+            "{}: moe_intermediate_size {i} does not split into {gpu_tp} GPU ranks of whole \
+             {unit}-row scale blocks",
+            self.method()
+        );
+        let ir = i / gpu_tp;
+        Ok(match self.scaling {
+            Scaling::Block => [
+                2 * ir * h,
+                2 * (ir / BLOCK) * (h / BLOCK) * 4,
+                h * ir,
+                (h / BLOCK) * (ir / BLOCK) * 4,
+            ],
+            Scaling::PerChannel => [2 * ir * h, 2 * ir * 4, h * ir, h * 4],
+        })
+    }
+
+    unsafe fn write_gpu_rank(
+        &self,
+        slot: usize,
+        gpu_tp: usize,
+        rank: usize,
+        dst: &GpuRankDst,
+    ) -> Result<()> {
+        let (h, ir) = (self.hidden, self.intermediate() / gpu_tp);
+        let r0 = rank * ir;
+        let put_scale = |base: *mut u8, index: usize, v: f32| {
+            // SAFETY: the caller's contract: index < the buffer's scales (gpu_rank_bytes).
+            unsafe { (base as *mut f32).add(index).write_unaligned(v) };
+        };
+        // w13: the rank's gate rows then its up rows, row-major codes; their scales likewise.
+        for (which, proj) in [(0, Proj::Gate), (1, Proj::Up)] {
+            for row in 0..ir {
+                let (part, local) = locate(&self.ranges, r0 + row);
+                let (at, scale_at) = self.offsets(part, slot, proj, local);
+                let (codes, scales) = (
+                    self.parts[part].gate_up.as_slice(),
+                    self.parts[part].gate_up_scales.as_slice(),
+                );
+                // SAFETY: row (which·ir + row) of the w13 buffer: 2·ir·h bytes (the contract).
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst.w13.add((which * ir + row) * h), h)
+                };
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = codes[at + Self::in_panel(local, c)];
+                }
+                match self.scaling {
+                    Scaling::Block if row % BLOCK == 0 => {
+                        let first = (which * ir / BLOCK + row / BLOCK) * (h / BLOCK);
+                        for b in 0..h / BLOCK {
+                            put_scale(dst.w13_scale, first + b, scales[scale_at + b]);
+                        }
+                    }
+                    Scaling::Block => {}
+                    Scaling::PerChannel => {
+                        put_scale(dst.w13_scale, which * ir + row, scales[scale_at])
+                    }
+                }
+            }
+        }
+        // w2: every output row over the rank's columns, row-major; block scales per 128 × 128,
+        // per-channel scales per output row (one value per row across the rank's columns).
+        let mut row_scales: Vec<Option<f32>> = vec![None; h];
+        for (part, range) in self.ranges.iter().enumerate() {
+            // The rank's columns this part holds, as local columns and an offset in the rank.
+            let (g0, g1) = (range.start.max(r0), range.end.min(r0 + ir));
+            if g0 >= g1 {
+                continue;
+            }
+            let (l0, l1, c0) = (g0 - range.start, g1 - range.start, g0 - r0);
+            let (codes, scales) = (
+                self.parts[part].down.as_slice(),
+                self.parts[part].down_scales.as_slice(),
+            );
+            for hrow in 0..h {
+                let (at, scale_at) = self.offsets(part, slot, Proj::Down, hrow);
+                // SAFETY: columns c0.. of row hrow of the w2 buffer (h·ir bytes, the contract).
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(dst.w2.add(hrow * ir + c0), l1 - l0) };
+                for (o, lc) in out.iter_mut().zip(l0..l1) {
+                    *o = codes[at + Self::in_panel(hrow, lc)];
+                }
+                match self.scaling {
+                    Scaling::Block if hrow % BLOCK == 0 => {
+                        for lc in (l0..l1).step_by(BLOCK) {
+                            let index = (hrow / BLOCK) * (ir / BLOCK) + (c0 + lc - l0) / BLOCK;
+                            put_scale(dst.w2_scale, index, scales[scale_at + lc / BLOCK]);
+                        }
+                    }
+                    Scaling::Block => {}
+                    Scaling::PerChannel => {
+                        let s = scales[scale_at];
+                        kt_ensure!(
+                            row_scales[hrow].is_none_or(|r| r == s),
+                            Invalid,
+                            "FP8_PERCHANNEL down row {hrow} of expert slot {slot} has different \
+                             scales in the NUMA parts that GPU rank {rank} spans (weights \
+                             quantized per part); load them from a per-channel checkpoint"
+                        );
+                        row_scales[hrow] = Some(s);
+                    }
+                }
+            }
+        }
+        for (hrow, s) in row_scales.iter().enumerate() {
+            if let Some(s) = s {
+                put_scale(dst.w2_scale, hrow, *s);
+            }
+        }
+        Ok(())
     }
 
     unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {
