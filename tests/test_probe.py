@@ -1,6 +1,7 @@
 """The yardstick: our in-process probes (DRAM read bandwidth, fp32 FMA, int8 multiply-add and
 bf16 dot peaks) use the widest instructions the CPU has and agree with the project's reference
-program (`shared/limits/limits.c`, built with gcc -march=native) measured in the same minute."""
+program (`shared/limits/limits.c`, built with gcc -march=native) measured in the same minute:
+the peaks within 5%, DRAM within 15% (this VM's DRAM noise; see the test)."""
 
 import os
 import shutil
@@ -83,21 +84,27 @@ def _ours(engine) -> dict[str, float]:
     not LIMITS_C.exists() or shutil.which("gcc") is None,
     reason="the reference limits.c or gcc is not here",
 )
-def test_probes_agree_with_the_reference_within_5_percent(engine, tmp_path):
+def test_probes_agree_with_the_reference(engine, tmp_path):
     binary = str(tmp_path / "limits")
     build = ["gcc", "-O3", "-march=native", "-fopenmp", "-o", binary, str(LIMITS_C)]
     subprocess.run(build, check=True)
-    # A shared VM has bursts that move either program by 10-25% for a second; a systematic
-    # gap (e.g. a narrow read loop) shows in every attempt, a burst in one. Each figure
-    # must agree within 5% in at least one of four back-to-back attempts.
+    # The compute peaks are steady: within 5%. This shared VM's DRAM rate moves by 0.7-1.25x
+    # between back-to-back runs of the same program (measured), so DRAM must agree within 15%
+    # in at least one of six back-to-back attempts: a systematic gap like the old narrow read
+    # loop's 25% fails every attempt, a neighbour's burst only some.
+    tolerance = {"dram_read": 0.15}
     ratios: dict[str, list[float]] = {}
-    for _ in range(4):
+
+    def agrees(name):
+        return any(abs(r - 1) <= tolerance.get(name, 0.05) for r in ratios[name])
+
+    for _ in range(6):
         ours, ref = _ours(engine), _reference(binary)
         for name, value in ours.items():
             if name in ref:
                 ratios.setdefault(name, []).append(value / ref[name])
-        if all(any(abs(r - 1) <= 0.05 for r in rs) for rs in ratios.values()):
+        if all(agrees(name) for name in ratios):
             break
     assert {"dram_read", "peak_fp32_fma", "peak_int8_madd"} <= set(ratios)
     for name, rs in ratios.items():
-        assert any(abs(r - 1) <= 0.05 for r in rs), (name, [round(r, 3) for r in rs])
+        assert agrees(name), (name, [round(r, 3) for r in rs])
