@@ -185,6 +185,45 @@ impl Staging<'_> {
     }
 }
 
+/// The activation methods of [`ExpertFormat`] for a format staged as BF16 is ([`Staging`]):
+/// expands inside its `impl ExpertFormat`, whose type has `fn staging(&self) -> Staging<'_>`.
+macro_rules! staged_activations {
+    () => {
+        fn x_stride(&self, _part: usize) -> usize {
+            self.staging().x_stride()
+        }
+
+        fn act_stride(&self, part: usize) -> usize {
+            self.staging().act_stride(part)
+        }
+
+        fn prepares_x(&self, max_rows: usize) -> bool {
+            self.staging().prepares_x(max_rows)
+        }
+
+        fn prepares_act(&self, max_rows: usize) -> bool {
+            self.staging().prepares_act(max_rows)
+        }
+
+        fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+            self.staging().stage(x, out)
+        }
+
+        fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+            self.staging().stage(act, out)
+        }
+
+        fn prepares_act_per_panel(&self) -> bool {
+            true
+        }
+
+        fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+            self.staging().stage_panel(part, expert_rows, act, out)
+        }
+    };
+}
+pub(crate) use staged_activations;
+
 /// `[u8]` scratch as the `u32` pairs the staging kernel writes.
 pub(crate) fn as_pairs(out: &mut [u8]) -> &mut [u32] {
     assert!(
@@ -212,37 +251,7 @@ impl ExpertFormat for Bf16Experts {
         &self.ranges
     }
 
-    fn x_stride(&self, _part: usize) -> usize {
-        self.staging().x_stride()
-    }
-
-    fn act_stride(&self, part: usize) -> usize {
-        self.staging().act_stride(part)
-    }
-
-    fn prepares_x(&self, max_rows: usize) -> bool {
-        self.staging().prepares_x(max_rows)
-    }
-
-    fn prepares_act(&self, max_rows: usize) -> bool {
-        self.staging().prepares_act(max_rows)
-    }
-
-    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
-        self.staging().stage(x, out)
-    }
-
-    fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
-        self.staging().stage(act, out)
-    }
-
-    fn prepares_act_per_panel(&self) -> bool {
-        true
-    }
-
-    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
-        self.staging().stage_panel(part, expert_rows, act, out)
-    }
+    staged_activations!();
 
     fn block_rows(&self, part: usize, expert_rows: usize, stage: Stage) -> usize {
         let k = match stage {

@@ -516,37 +516,7 @@ impl ExpertFormat for Fp8Experts {
         &self.ranges
     }
 
-    fn x_stride(&self, _part: usize) -> usize {
-        self.staging().x_stride()
-    }
-
-    fn act_stride(&self, part: usize) -> usize {
-        self.staging().act_stride(part)
-    }
-
-    fn prepares_x(&self, max_rows: usize) -> bool {
-        self.staging().prepares_x(max_rows)
-    }
-
-    fn prepares_act(&self, max_rows: usize) -> bool {
-        self.staging().prepares_act(max_rows)
-    }
-
-    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
-        self.staging().stage(x, out)
-    }
-
-    fn prepare_act(&self, _part: usize, act: &[f32], out: &mut [u8]) -> f32 {
-        self.staging().stage(act, out)
-    }
-
-    fn prepares_act_per_panel(&self) -> bool {
-        true
-    }
-
-    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
-        self.staging().stage_panel(part, expert_rows, act, out)
-    }
+    bf16::staged_activations!();
 
     fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
         // Every row of a block shares each decoded 128-input block (see `panel`).
