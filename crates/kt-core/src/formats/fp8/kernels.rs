@@ -47,11 +47,32 @@ pub const FUSED_ROWS: usize = 4;
 pub type FusedFn =
     unsafe fn(a: &[*const f32], k: usize, codes: *const u8, scales: *const f32, out: *mut f32);
 
-/// The fused kernel `level` allows, if any (AVX-512; other levels decode into bf16 panels).
-pub fn fused_for(level: Level) -> Option<FusedFn> {
+/// A fused kernel and the rows it takes per call (at most [`FUSED_ROWS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Fused {
+    /// The kernel ([`FusedFn`] contract; the level's ISA is guaranteed by who chose it).
+    pub run: FusedFn,
+    /// Rows per call.
+    pub rows: usize,
+}
+
+/// The fused kernel `level` allows, if any (AVX-512 or AVX2; scalar CPUs decode into bf16
+/// panels).
+pub fn fused_for(level: Level) -> Option<Fused> {
     #[cfg(target_arch = "x86_64")]
-    if level >= Level::Avx512Base {
-        return Some(x86::fused_avx512);
+    {
+        if level >= Level::Avx512Base {
+            return Some(Fused {
+                run: x86::fused_avx512,
+                rows: FUSED_ROWS,
+            });
+        }
+        if level >= Level::Avx2 {
+            return Some(Fused {
+                run: x86::fused_avx2,
+                rows: 2,
+            });
+        }
     }
     let _ = level;
     None
@@ -244,6 +265,90 @@ mod x86 {
         }
     }
 
+    /// 256-bit fused kernel: the decode of `fused512` on 32-byte halves; the block scale goes
+    /// into the broadcast activations (`x · scale · 2⁶⁴`), so one accumulator set per row fits
+    /// the 16 registers.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn fused256<const R: usize>(
+        a: &[*const f32],
+        k: usize,
+        codes: *const u8,
+        scales: *const f32,
+        out: *mut f32,
+    ) {
+        // SAFETY: as in `fused512`.
+        unsafe {
+            let zero = _mm256_setzero_si256();
+            let keep = _mm256_set1_epi16(0x87F0u16 as i16);
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            // acc[r][2h + u]: outputs of half h fed by vpunpcklbw (u = 0) or vpunpckhbw (u = 1).
+            let mut acc = [[_mm256_setzero_ps(); 4]; R];
+            for b in 0..k / super::BLOCK {
+                let scale = *scales.add(b) * 2f32.powi(64);
+                for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
+                    let line = codes.add(q * 64);
+                    crate::kernels::prefetch::ahead(line, crate::kernels::prefetch::distance());
+                    let mut x0 = [_mm256_setzero_ps(); R];
+                    let mut x1 = [_mm256_setzero_ps(); R];
+                    for r in 0..R {
+                        x0[r] = _mm256_set1_ps(*a[r].add(2 * q) * scale);
+                        x1[r] = _mm256_set1_ps(*a[r].add(2 * q + 1) * scale);
+                    }
+                    for h in 0..2 {
+                        let v = _mm256_loadu_si256(line.add(32 * h) as *const __m256i);
+                        let halves = [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)];
+                        for (u, half) in halves.into_iter().enumerate() {
+                            let pairs = _mm256_and_si256(_mm256_srai_epi16(half, 4), keep);
+                            let w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                            let w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+                            for r in 0..R {
+                                acc[r][2 * h + u] = _mm256_fmadd_ps(w0, x0[r], acc[r][2 * h + u]);
+                                acc[r][2 * h + u] = _mm256_fmadd_ps(w1, x1[r], acc[r][2 * h + u]);
+                            }
+                        }
+                    }
+                }
+            }
+            let down = _mm256_set1_ps(2f32.powi(56));
+            let mut lanes = [0f32; 8];
+            for r in 0..R {
+                for (slot, v) in acc[r].iter().enumerate() {
+                    let (h, u) = (slot / 2, slot % 2);
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(*v, down));
+                    for (i, x) in lanes.iter().enumerate() {
+                        // Lane i: 128-bit lane i/4, byte pair 4u + i%4 of it.
+                        let row = 16 * h + 8 * (i / 4) + 4 * u + i % 4;
+                        *out.add(r * 32 + row) = *x;
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fused_rows256<const R: usize>(
+        a: &[*const f32],
+        k: usize,
+        c: *const u8,
+        s: *const f32,
+        o: *mut f32,
+    ) {
+        // SAFETY: forwarded; the features are enabled here.
+        unsafe { fused256::<R>(a, k, c, s, o) }
+    }
+
+    /// AVX2 fused decode kernel, 1 or 2 rows.
+    ///
+    /// # Safety
+    /// The [`super::FusedFn`] contract with at most 2 rows; AVX2 and FMA available.
+    pub unsafe fn fused_avx2(a: &[*const f32], k: usize, c: *const u8, s: *const f32, o: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(fused_rows256, "fp8 avx2 fused panel", a, (a, k, c, s, o); 1 2)
+        }
+    }
+
     /// 8 codes at `p` as 8 floats (exact values).
     ///
     /// # Safety
@@ -334,9 +439,18 @@ mod tests {
 
     #[test]
     fn fused_kernels_match_the_scalar_model() {
-        let Some(fused) = fused_for(crate::isa::global().unwrap().chosen) else {
-            return; // below AVX-512 the decode path is the bf16 panel kernels (tested there)
-        };
+        let mut variants = Vec::new();
+        for level in [Level::Avx2, Level::Avx512Base] {
+            if crate::isa::allows(level) {
+                variants.push(fused_for(level).expect("a fused kernel from AVX2 up"));
+            }
+        }
+        for fused in variants {
+            check_fused(fused);
+        }
+    }
+
+    fn check_fused(fused: Fused) {
         let mut rng = crate::rng::Rng::new(9);
         for k in [128usize, 384, 2048] {
             let codes: Vec<u8> = (0..32 * k)
@@ -350,7 +464,7 @@ mod tests {
                 })
                 .collect();
             let scales: Vec<f32> = (0..k / BLOCK).map(|b| 0.01 * (b + 1) as f32).collect();
-            for rows in 1..=FUSED_ROWS {
+            for rows in 1..=fused.rows {
                 let xs: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
                 let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
                 // Σ |w · x| per output bounds the rounding of either summation order.
@@ -366,7 +480,7 @@ mod tests {
                 // SAFETY: buffers sized as the contract asks; the level allows the kernel.
                 unsafe {
                     fused_scalar(&ptrs, k, codes.as_ptr(), scales.as_ptr(), want.as_mut_ptr());
-                    fused(&ptrs, k, codes.as_ptr(), scales.as_ptr(), got.as_mut_ptr());
+                    (fused.run)(&ptrs, k, codes.as_ptr(), scales.as_ptr(), got.as_mut_ptr());
                     let (c, s) = (abs_codes.as_ptr(), scales.as_ptr());
                     fused_scalar(&abs_ptrs, k, c, s, bound.as_mut_ptr());
                 }

@@ -102,7 +102,7 @@ pub struct Fp8Experts {
     scaling: Scaling,
     kernels: KernelSet,
     decoder: Fp8Decoder,
-    fused: Option<kernels::FusedFn>,
+    fused: Option<kernels::Fused>,
     hidden: usize,
     experts: usize,
     ranges: Vec<Range<usize>>,
@@ -431,10 +431,10 @@ impl Fp8Experts {
         assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         if let (None, Some(fused)) = (path, self.fused) {
-            if n <= kernels::FUSED_ROWS {
+            if n <= fused.rows {
                 // SAFETY: rows of k floats, 32·k codes, k/128 scales, 32 outputs per row.
                 unsafe {
-                    fused(
+                    (fused.run)(
                         rows.f32_rows,
                         k,
                         codes.as_ptr(),
