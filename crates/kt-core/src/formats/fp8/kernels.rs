@@ -10,6 +10,11 @@
 //!   `s 0eeee mmm0000000` is the value times 2⁻⁸ (bias 15 instead of 7, subnormals included);
 //!   `vcvtph2ps`, times 2⁸, and the upper 16 bits of the float are the bf16.
 //!
+//! For one to four rows (two on AVX2) the fused kernels skip the decoded copy: a code moved to
+//! the top of a 16-bit lane, shifted right arithmetically by 4 and masked is the bf16 of its
+//! value times 2⁻¹²⁰ (subnormals included), multiplied in fp32 with activations taken times
+//! 2⁶⁴ and rescaled at the end; [`fused_scalar`] is their model.
+//!
 //! NaN codes (`0x7F`, `0xFF`) are refused at load and never reach these kernels.
 use crate::dtype::e4m3_to_f32;
 use crate::isa::Level;
