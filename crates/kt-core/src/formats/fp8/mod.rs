@@ -97,6 +97,25 @@ pub fn kernel_name(kernels: &KernelSet) -> String {
     }
 }
 
+/// Copy columns `cols` (even bounds) of a panel's 32 rows (`panel`: their codes in panel order)
+/// into row-major memory: row j at `dst + j·stride`, column c at offset `c − cols.start`. Each
+/// 64-byte line of the panel holds one input pair of every row, so it becomes 32 two-byte
+/// stores.
+///
+/// # Safety
+/// `dst` has 32 rows of `stride` bytes, each with room for `cols.len()` bytes, writable.
+unsafe fn unpanel(panel: &[u8], cols: Range<usize>, dst: *mut u8, stride: usize) {
+    debug_assert!(cols.start.is_multiple_of(2) && cols.end.is_multiple_of(2));
+    for q in cols.start / 2..cols.end / 2 {
+        let at = 2 * q - cols.start;
+        // Pair i of the line (byte 2i) is row i: half i/16, lane i%16 (the bf16 panel order).
+        for (row, pair) in panel[q * 64..q * 64 + 64].chunks_exact(2).enumerate() {
+            // SAFETY: row < 32 and at + 2 ≤ cols.len() (the contract).
+            unsafe { std::ptr::copy_nonoverlapping(pair.as_ptr(), dst.add(row * stride + at), 2) };
+        }
+    }
+}
+
 /// The FP8 experts of one layer.
 pub struct Fp8Experts {
     scaling: Scaling,
@@ -574,7 +593,7 @@ impl ExpertFormat for Fp8Experts {
         let (h, i) = (self.hidden, self.intermediate());
         let unit = match self.scaling {
             Scaling::Block => BLOCK,
-            Scaling::PerChannel => 1,
+            Scaling::PerChannel => PANEL,
         };
         kt_ensure!(
             gpu_tp >= 1 && i.is_multiple_of(gpu_tp) && (i / gpu_tp).is_multiple_of(unit),
@@ -617,12 +636,17 @@ impl ExpertFormat for Fp8Experts {
                     self.parts[part].gate_up.as_slice(),
                     self.parts[part].gate_up_scales.as_slice(),
                 );
-                // SAFETY: row (which·ir + row) of the w13 buffer: 2·ir·h bytes (the contract).
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(dst.w13.add((which * ir + row) * h), h)
-                };
-                for (c, o) in out.iter_mut().enumerate() {
-                    *o = codes[at + Self::in_panel(local, c)];
+                if row % PANEL == 0 {
+                    // SAFETY: rows which·ir + row .. +32 of the w13 buffer (2·ir·h bytes, the
+                    // contract; ir is a multiple of 32, checked by gpu_rank_bytes).
+                    unsafe {
+                        unpanel(
+                            &codes[at..at + PANEL * h],
+                            0..h,
+                            dst.w13.add((which * ir + row) * h),
+                            h,
+                        )
+                    };
                 }
                 match self.scaling {
                     Scaling::Block if row % BLOCK == 0 => {
@@ -652,13 +676,20 @@ impl ExpertFormat for Fp8Experts {
                 self.parts[part].down.as_slice(),
                 self.parts[part].down_scales.as_slice(),
             );
-            for hrow in 0..h {
+            for (hrow, row_scale) in row_scales.iter_mut().enumerate() {
                 let (at, scale_at) = self.offsets(part, slot, Proj::Down, hrow);
-                // SAFETY: columns c0.. of row hrow of the w2 buffer (h·ir bytes, the contract).
-                let out =
-                    unsafe { std::slice::from_raw_parts_mut(dst.w2.add(hrow * ir + c0), l1 - l0) };
-                for (o, lc) in out.iter_mut().zip(l0..l1) {
-                    *o = codes[at + Self::in_panel(hrow, lc)];
+                if hrow % PANEL == 0 {
+                    let ip = range.len();
+                    // SAFETY: columns c0 .. c0 + l1 − l0 of rows hrow .. +32 of the w2 buffer
+                    // (h·ir bytes, the contract); l0 and l1 are even (ir is a multiple of 32).
+                    unsafe {
+                        unpanel(
+                            &codes[at..at + PANEL * ip],
+                            l0..l1,
+                            dst.w2.add(hrow * ir + c0),
+                            ir,
+                        )
+                    };
                 }
                 match self.scaling {
                     Scaling::Block if hrow % BLOCK == 0 => {
@@ -671,13 +702,13 @@ impl ExpertFormat for Fp8Experts {
                     Scaling::PerChannel => {
                         let s = scales[scale_at];
                         kt_ensure!(
-                            row_scales[hrow].is_none_or(|r| r == s),
+                            row_scale.is_none_or(|r| r == s),
                             Invalid,
                             "FP8_PERCHANNEL down row {hrow} of expert slot {slot} has different \
                              scales in the NUMA parts that GPU rank {rank} spans (weights \
                              quantized per part); load them from a per-channel checkpoint"
                         );
-                        row_scales[hrow] = Some(s);
+                        *row_scale = Some(s);
                     }
                 }
             }
