@@ -183,29 +183,23 @@ def test_nan_codes_and_bad_scales_are_refused(tmp_path):
         q[5, 17] = 0x7F
         t[f"{name}.weight"] = q.view(torch.float8_e4m3fn)
 
-    folder = _copy_fixture(tmp_path / "a")
-    _rewrite(folder, nan_code)
-    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
-    with pytest.raises(ValueError, match="NaN code"):
-        w.load_weights(torch.arange(4))
-
     def inf_scale(t):
         t[f"{name}.weight_scale_inv"][0, 0] = float("inf")
-
-    folder = _copy_fixture(tmp_path / "b")
-    _rewrite(folder, inf_scale)
-    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
-    with pytest.raises(ValueError, match="weight_scale_inv"):
-        w.load_weights(torch.arange(4))
 
     def missing_scale(t):
         del t[f"{name}.weight_scale_inv"]
 
-    folder = _copy_fixture(tmp_path / "c")
-    _rewrite(folder, missing_scale)
-    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
-    with pytest.raises(ValueError, match="weight_scale_inv"):
-        w.load_weights(torch.arange(4))
+    cases = [
+        (nan_code, "NaN code"),
+        (inf_scale, "weight_scale_inv"),
+        (missing_scale, "weight_scale_inv"),
+    ]
+    for n, (change, message) in enumerate(cases):
+        folder = _copy_fixture(tmp_path / str(n))
+        _rewrite(folder, change)
+        w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="FP8", weight_path=str(folder))
+        with pytest.raises(ValueError, match=message):
+            w.load_weights(torch.arange(4))
 
 
 def test_shapes_that_do_not_split_into_128_blocks_are_refused():
