@@ -233,6 +233,7 @@ impl ExpertSource for TensorSource {
             cols,
             row_stride: cols,
             block_scale: None,
+            coded: None,
         })
     }
 }

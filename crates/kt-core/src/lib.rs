@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 pub mod affinity;
+pub mod codes;
 pub mod convert;
 pub mod converted;
 pub mod dtype;

@@ -190,6 +190,9 @@ pub struct MatrixView {
     pub row_stride: usize,
     /// Per-block scales that multiply the stored values (block-quantized FP8 checkpoints).
     pub block_scale: Option<BlockScale>,
+    /// Group-scaled codes (MXFP8, MXFP4, NVFP4, RAWINT4, GPTQ checkpoints): when present the
+    /// values are read through it, and `ptr`/`dtype`/`row_stride` describe nothing.
+    pub coded: Option<crate::codes::CodedMatrix>,
 }
 
 /// Block scales of a block-quantized matrix: the value at absolute `[r][c]` is the stored value
@@ -247,6 +250,7 @@ impl MatrixView {
             cols,
             row_stride: cols,
             block_scale: None,
+            coded: None,
         })
     }
 
@@ -262,17 +266,21 @@ impl MatrixView {
             )));
         }
         Ok(MatrixView {
-            // SAFETY: offset stays inside the original view (checked above).
-            ptr: unsafe {
-                self.ptr
-                    .add((r0 * self.row_stride + c0) * self.dtype.size())
-            },
+            // Coded views keep their position in `coded`; `ptr` only moves along (unused).
+            ptr: self
+                .ptr
+                .wrapping_add((r0 * self.row_stride + c0) * self.dtype.size()),
             rows: nr,
             cols: nc,
             block_scale: self.block_scale.map(|b| BlockScale {
                 row0: b.row0 + r0,
                 col0: b.col0 + c0,
                 ..b
+            }),
+            coded: self.coded.map(|m| crate::codes::CodedMatrix {
+                row0: m.row0 + r0,
+                col0: m.col0 + c0,
+                ..m
             }),
             ..*self
         })
@@ -293,6 +301,10 @@ impl MatrixView {
     /// The view's memory must still be alive; r < rows, c < cols.
     #[inline(always)]
     pub unsafe fn get(&self, r: usize, c: usize) -> f32 {
+        if let Some(m) = &self.coded {
+            // SAFETY: forwarded.
+            return unsafe { m.value(r, c) };
+        }
         // SAFETY: forwarded.
         unsafe {
             let v = crate::dtype::load_f32(self.ptr, self.dtype, r * self.row_stride + c);
@@ -309,6 +321,13 @@ impl MatrixView {
     /// The view's memory must still be alive; r < rows; `dst.len() == cols`.
     #[inline(always)]
     pub unsafe fn row_f32(&self, r: usize, dst: &mut [f32]) {
+        if let Some(m) = &self.coded {
+            for (c, d) in dst.iter_mut().enumerate() {
+                // SAFETY: forwarded (c < cols).
+                *d = unsafe { m.value(r, c) };
+            }
+            return;
+        }
         // SAFETY: forwarded.
         unsafe {
             crate::dtype::row_to_f32(

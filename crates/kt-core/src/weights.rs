@@ -1,6 +1,7 @@
 //! Expert weights from Hugging Face safetensors checkpoints (one file, or shards with or without
 //! `model.safetensors.index.json`). Files are memory-mapped; the maps are released when the
 //! source is dropped, right after the layer has packed its own copy.
+use crate::codes::{CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
 use crate::dtype::FloatType;
 use crate::expert::{ExpertSource, Proj};
 use crate::pack::{BlockScale, MatrixView};
@@ -245,6 +246,315 @@ impl Checkpoint {
         })
     }
 
+    /// The tensor `name` (its location), or a Format error naming what the matrix needs.
+    fn tensor(&self, name: &str, wanted: &str) -> Result<&TensorLoc> {
+        self.tensors.get(name).ok_or_else(|| {
+            Error::Format(format!(
+                "tensor {name} is missing from {} ({wanted})",
+                self.dir.display()
+            ))
+        })
+    }
+
+    /// The expert matrix whose tensors start with `prefix` (e.g.
+    /// `model.layers.3.mlp.experts.7.up_proj`), in whichever format the file stores it: plain
+    /// floats, block/channel FP8, or one of the group-scaled formats ([`crate::codes`]).
+    pub fn expert_matrix(&self, prefix: &str) -> Result<MatrixView> {
+        if self.has(&format!("{prefix}.weight_packed")) {
+            return self.rawint4_view(prefix);
+        }
+        if self.has(&format!("{prefix}.qweight")) {
+            return self.gptq_view(prefix);
+        }
+        let name = format!("{prefix}.weight");
+        let t = self.tensor(&name, "the expert's weight")?;
+        match t.dtype.as_str() {
+            "U8" | "I8" => self.fp4_view(prefix),
+            "F8_E4M3" if self.has(&format!("{prefix}.weight_scale_inv")) => {
+                let scale = self.tensor(&format!("{prefix}.weight_scale_inv"), "")?;
+                if matches!(scale.dtype.as_str(), "U8" | "F8_E8M0") {
+                    let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(0));
+                    return self.coded_view(
+                        &name,
+                        CodeKind::E4M3,
+                        (rows, cols),
+                        CodeLayout::RowMajor,
+                        &format!("{prefix}.weight_scale_inv"),
+                        ScaleType::E8M0,
+                        ScaleLayout::RowMajor,
+                        1.0,
+                    );
+                }
+                Ok(self.float_view(&name)?.0)
+            }
+            _ => Ok(self.float_view(&name)?.0),
+        }
+    }
+
+    /// A group-scaled view of `codes` (a `[rows][cols]` matrix in `layout`) with the scales in
+    /// `scale_name`; the group size is what the scale shape implies, and must divide `cols`.
+    #[allow(clippy::too_many_arguments)] // one call per format, every argument a fact of it
+    fn coded_view(
+        &self,
+        codes: &str,
+        kind: CodeKind,
+        (rows, cols): (usize, usize),
+        layout: CodeLayout,
+        scale_name: &str,
+        scale_type: ScaleType,
+        scale_layout: ScaleLayout,
+        global: f32,
+    ) -> Result<MatrixView> {
+        let t = self.tensor(codes, "the expert's codes")?;
+        let code_bytes = rows * cols * kind.bits() / 8;
+        kt_ensure!(
+            rows > 0 && cols > 0 && cols.is_multiple_of(8) && t.len == code_bytes,
+            Format,
+            "{codes} is {} {:?} ({} bytes); a {rows}x{cols} matrix of {kind:?} codes needs \
+             {code_bytes} bytes",
+            t.dtype,
+            t.shape,
+            t.len
+        );
+        let st = self.tensor(scale_name, "the group scales")?;
+        let dtype_ok = match scale_type {
+            ScaleType::E8M0 => matches!(st.dtype.as_str(), "U8" | "F8_E8M0"),
+            ScaleType::E4M3 => st.dtype == "F8_E4M3",
+            ScaleType::Bf16 => st.dtype == "BF16",
+            ScaleType::F16 => st.dtype == "F16",
+        };
+        let (scale_rows, groups) = match (scale_layout, st.shape.as_slice()) {
+            (ScaleLayout::RowMajor, [r, g]) => (*r, *g),
+            (ScaleLayout::Transposed, [g, r]) => (*r, *g),
+            _ => (0, 0),
+        };
+        let want = match scale_layout {
+            ScaleLayout::RowMajor => format!("[{rows}, {cols}/group]"),
+            ScaleLayout::Transposed => format!("[{cols}/group, {rows}]"),
+        };
+        kt_ensure!(
+            dtype_ok
+                && scale_rows == rows
+                && groups > 0
+                && cols.is_multiple_of(groups)
+                && st.len == rows * groups * scale_type.size(),
+            Format,
+            "{scale_name} is {} {:?}; the scales of a {rows}x{cols} {kind:?} weight must be \
+             {scale_type:?} {want} with a group size that divides {cols}",
+            st.dtype,
+            st.shape
+        );
+        let group = cols / groups;
+        kt_ensure!(
+            group.is_multiple_of(2) || kind.bits() == 8,
+            Format,
+            "{scale_name}: group size {group} splits a byte of 4-bit codes"
+        );
+        let coded = CodedMatrix {
+            kind,
+            codes: self.maps[t.file][t.offset..].as_ptr(),
+            layout,
+            scales: self.maps[st.file][st.offset..].as_ptr(),
+            scale_type,
+            scale_layout,
+            group,
+            global,
+            rows,
+            cols,
+            row0: 0,
+            col0: 0,
+        };
+        Ok(MatrixView {
+            ptr: coded.codes,
+            dtype: FloatType::F8E4M3,
+            rows,
+            cols,
+            row_stride: cols,
+            block_scale: None,
+            coded: Some(coded),
+        })
+    }
+
+    /// Kimi-K2 compressed-tensors int4: `weight_packed` I32 `[N, K/8]` or U8 `[N, K/2]`
+    /// (nibble = q + 8, even input low), `weight_scale` BF16 `[N, K/group]`, optional
+    /// `weight_shape` `[N, K]`.
+    fn rawint4_view(&self, prefix: &str) -> Result<MatrixView> {
+        let name = format!("{prefix}.weight_packed");
+        let t = self.tensor(&name, "")?;
+        let (rows, cols) = match (t.dtype.as_str(), t.shape.as_slice()) {
+            ("I32", [n, w]) => (*n, w * 8),
+            ("U8" | "I8", [n, b]) => (*n, b * 2),
+            _ => kt_bail!(
+                Format,
+                "{name} is {} {:?}; RAWINT4 packs 4-bit codes as I32 [N, K/8] or U8 [N, K/2]",
+                t.dtype,
+                t.shape
+            ),
+        };
+        let shape_name = format!("{prefix}.weight_shape");
+        if let Some(st) = self.tensors.get(&shape_name) {
+            let bytes = &self.maps[st.file][st.offset..st.offset + st.len];
+            let dims: Vec<i64> = match st.dtype.as_str() {
+                "I32" => bytes
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as i64)
+                    .collect(),
+                "I64" => bytes
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+                _ => vec![],
+            };
+            kt_ensure!(
+                dims == [rows as i64, cols as i64],
+                Format,
+                "{shape_name} says {dims:?} but {name} holds a {rows}x{cols} matrix"
+            );
+        }
+        self.coded_view(
+            &name,
+            CodeKind::Int4,
+            (rows, cols),
+            CodeLayout::RowMajor,
+            &format!("{prefix}.weight_scale"),
+            ScaleType::Bf16,
+            ScaleLayout::RowMajor,
+            1.0,
+        )
+    }
+
+    /// GPTQ (symmetric, `desc_act` false, 4 bits): `qweight` I32 `[K/8, N]`, `scales` F16
+    /// `[K/group, N]`; `config.json`'s quantization_config is checked when present.
+    fn gptq_view(&self, prefix: &str) -> Result<MatrixView> {
+        self.check_gptq_config()?;
+        let name = format!("{prefix}.qweight");
+        let t = self.tensor(&name, "")?;
+        let (rows, cols) = match (t.dtype.as_str(), t.shape.as_slice()) {
+            ("I32", [w, n]) => (*n, w * 8),
+            _ => kt_bail!(
+                Format,
+                "{name} is {} {:?}; GPTQ qweight must be I32 [K/8, N]",
+                t.dtype,
+                t.shape
+            ),
+        };
+        self.coded_view(
+            &name,
+            CodeKind::Int4,
+            (rows, cols),
+            CodeLayout::GptqColumns,
+            &format!("{prefix}.scales"),
+            ScaleType::F16,
+            ScaleLayout::Transposed,
+            1.0,
+        )
+    }
+
+    /// Refuse GPTQ checkpoints we would read wrongly: `desc_act` (activation-order groups with
+    /// `g_idx`), asymmetric (`sym` false: zero points) or other than 4 bits.
+    fn check_gptq_config(&self) -> Result<()> {
+        let dir = if self.dir.is_dir() {
+            self.dir.clone()
+        } else {
+            self.dir.parent().map(Path::to_path_buf).unwrap_or_default()
+        };
+        for file in ["config.json", "quantize_config.json"] {
+            let path = dir.join(file);
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+            let q = json.get("quantization_config").unwrap_or(&json);
+            let flag = |k: &str| q.get(k).and_then(|v| v.as_bool());
+            kt_ensure!(
+                flag("desc_act") != Some(true),
+                Unsupported,
+                "{}: GPTQ with desc_act=true (activation-order groups, g_idx) is not supported; \
+                 re-quantize with desc_act=false",
+                path.display()
+            );
+            kt_ensure!(
+                flag("sym") != Some(false),
+                Unsupported,
+                "{}: asymmetric GPTQ (sym=false, zero points) is not supported; GPTQ_INT4 reads \
+                 symmetric 4-bit weights",
+                path.display()
+            );
+            let bits = q.get("bits").and_then(|v| v.as_u64());
+            kt_ensure!(
+                bits.is_none_or(|b| b == 4),
+                Unsupported,
+                "{}: GPTQ with {} bits; GPTQ_INT4 reads 4-bit weights",
+                path.display(),
+                bits.unwrap_or(0)
+            );
+        }
+        Ok(())
+    }
+
+    /// FP4 (E2M1 nibbles, U8/I8 `[N, K/2]`): MXFP4 with E8M0 scales `scale` or `weight_scale`
+    /// (U8/F8_E8M0 `[N, K/32]`), or NVFP4 with `weight_scale` F8_E4M3 `[N, K/16]` and the
+    /// per-tensor f32 `weight_scale_2`.
+    fn fp4_view(&self, prefix: &str) -> Result<MatrixView> {
+        let name = format!("{prefix}.weight");
+        let t = self.tensor(&name, "")?;
+        let (rows, cols) = match t.shape.as_slice() {
+            [n, b] => (*n, b * 2),
+            _ => (0, 0),
+        };
+        let nv = format!("{prefix}.weight_scale");
+        if self.tensors.get(&nv).is_some_and(|s| s.dtype == "F8_E4M3") {
+            let g2 = format!("{prefix}.weight_scale_2");
+            let gt = self.tensor(&g2, "the NVFP4 per-tensor scale")?;
+            kt_ensure!(
+                gt.dtype == "F32" && gt.len == 4,
+                Format,
+                "{g2} is {} {:?}; NVFP4 needs one F32 value",
+                gt.dtype,
+                gt.shape
+            );
+            let bytes = &self.maps[gt.file][gt.offset..gt.offset + 4];
+            let global = f32::from_le_bytes(bytes.try_into().unwrap());
+            kt_ensure!(
+                global.is_finite(),
+                Invalid,
+                "{g2} is {global}; NVFP4 needs a finite per-tensor scale"
+            );
+            return self.coded_view(
+                &name,
+                CodeKind::E2M1,
+                (rows, cols),
+                CodeLayout::RowMajor,
+                &nv,
+                ScaleType::E4M3,
+                ScaleLayout::RowMajor,
+                global,
+            );
+        }
+        let mx = [format!("{prefix}.scale"), nv];
+        let Some(scale) = mx.iter().find(|n| self.has(n)) else {
+            kt_bail!(
+                Format,
+                "{name} holds 4-bit codes ({} {:?}) but neither {} (MXFP4 E8M0 scales) nor a \
+                 weight_scale (F8_E4M3 for NVFP4) is present",
+                t.dtype,
+                t.shape,
+                mx[0]
+            );
+        };
+        self.coded_view(
+            &name,
+            CodeKind::E2M1,
+            (rows, cols),
+            CodeLayout::RowMajor,
+            scale,
+            ScaleType::E8M0,
+            ScaleLayout::RowMajor,
+            1.0,
+        )
+    }
+
     fn float_view(&self, name: &str) -> Result<(MatrixView, Vec<usize>)> {
         let t = self.tensors.get(name).ok_or_else(|| {
             Error::Format(format!(
@@ -282,6 +592,10 @@ impl Checkpoint {
     }
 }
 
+/// The tensors that hold an expert matrix's codes, by format: plain and FP8/FP4 `weight`,
+/// compressed-tensors int4 `weight_packed` (RAWINT4), GPTQ `qweight`.
+const WEIGHT_SUFFIXES: [&str; 3] = ["weight", "weight_packed", "qweight"];
+
 /// How a checkpoint names a layer's experts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExpertNaming {
@@ -292,6 +606,11 @@ pub enum ExpertNaming {
     },
     /// `{base}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (Mixtral).
     Mixtral {
+        /// Layer prefix.
+        base: String,
+    },
+    /// `{base}.ffn.experts.{e}.{w1,w3,w2}.weight` (DeepSeek-V4-Flash MXFP4).
+    Ffn {
         /// Layer prefix.
         base: String,
     },
@@ -339,22 +658,28 @@ impl HfLayerSource {
         let naming = Self::detect(&ckpt, layer)?;
         let mut views = Vec::with_capacity(experts);
         match &naming {
-            ExpertNaming::PerExpert { base } | ExpertNaming::Mixtral { base } => {
+            ExpertNaming::PerExpert { base }
+            | ExpertNaming::Mixtral { base }
+            | ExpertNaming::Ffn { base } => {
                 let (group, names) = match naming {
                     ExpertNaming::Mixtral { .. } => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                    ExpertNaming::Ffn { .. } => ("ffn", ["w1", "w3", "w2"]),
                     _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
                 };
                 for e in 0..experts {
                     let get = |n: &str| -> Result<MatrixView> {
-                        let name = format!("{base}.{group}.experts.{e}.{n}.weight");
-                        if !ckpt.has(&name) {
+                        let prefix = format!("{base}.{group}.experts.{e}.{n}");
+                        if !WEIGHT_SUFFIXES
+                            .iter()
+                            .any(|w| ckpt.has(&format!("{prefix}.{w}")))
+                        {
                             kt_bail!(
                                 Format,
-                                "layer {layer}: expert {e} is missing ({name} not found); the layer \
-                                 expects {experts} experts"
+                                "layer {layer}: expert {e} is missing ({prefix}.weight not found); \
+                                 the layer expects {experts} experts"
                             );
                         }
-                        Ok(ckpt.float_view(&name)?.0)
+                        ckpt.expert_matrix(&prefix)
                     };
                     views.push([get(names[0])?, get(names[1])?, get(names[2])?]);
                 }
@@ -396,19 +721,33 @@ impl HfLayerSource {
     pub fn detect(ckpt: &Checkpoint, layer: usize) -> Result<ExpertNaming> {
         let mut tried = Vec::new();
         for base in layer_bases(layer) {
-            let per = format!("{base}.mlp.experts.0.gate_proj.weight");
-            let mix = format!("{base}.block_sparse_moe.experts.0.w1.weight");
+            let per = format!("{base}.mlp.experts.0.gate_proj");
+            let mix = format!("{base}.block_sparse_moe.experts.0.w1");
+            let ffn = format!("{base}.ffn.experts.0.w1");
             let packed = format!("{base}.mlp.experts.gate_up_proj");
-            if ckpt.has(&per) {
+            let has_weight = |p: &str| {
+                WEIGHT_SUFFIXES
+                    .iter()
+                    .any(|w| ckpt.has(&format!("{p}.{w}")))
+            };
+            if has_weight(&per) {
                 return Ok(ExpertNaming::PerExpert { base });
             }
-            if ckpt.has(&mix) {
+            if has_weight(&mix) {
                 return Ok(ExpertNaming::Mixtral { base });
+            }
+            if has_weight(&ffn) {
+                return Ok(ExpertNaming::Ffn { base });
             }
             if ckpt.has(&packed) {
                 return Ok(ExpertNaming::Packed { base });
             }
-            tried.extend([per, mix, packed]);
+            tried.extend([
+                format!("{per}.weight"),
+                format!("{mix}.weight"),
+                format!("{ffn}.weight"),
+                packed,
+            ]);
         }
         Err(Error::Format(format!(
             "no experts of layer {layer} found in {} (looked for {})",
@@ -439,6 +778,7 @@ impl HfLayerSource {
                 format!("{base}.mlp.experts.")
             }
             ExpertNaming::Mixtral { base } => format!("{base}.block_sparse_moe.experts."),
+            ExpertNaming::Ffn { base } => format!("{base}.ffn.experts."),
         };
         self.ckpt
             .names()

@@ -30,6 +30,7 @@ pub mod fp8;
 pub mod ggml;
 pub mod int4;
 pub mod int8;
+pub mod kgroup;
 
 /// Files a format may read its experts from (besides a [`crate::expert::ExpertSource`]).
 pub enum LayerFiles<'a> {
@@ -223,6 +224,19 @@ pub trait ExpertFormat: Send + Sync + Any {
         view: &crate::pack::MatrixView,
     ) -> Result<()>;
 
+    /// Adapt the layout to the checkpoint about to be packed, given the first expert's gate
+    /// and down views (e.g. take the group size its scales imply). Called once per load,
+    /// before any [`ExpertFormat::pack`].
+    fn adapt_to_source(
+        &mut self,
+        config: &MoeConfig,
+        gate: &crate::pack::MatrixView,
+        down: &crate::pack::MatrixView,
+    ) -> Result<()> {
+        let _ = (config, gate, down);
+        Ok(())
+    }
+
     /// Load every physical slot from files (`logical[slot]` is the file's expert). Formats
     /// that cannot read `files` refuse them.
     fn load_files(
@@ -289,6 +303,11 @@ const REGISTRY: &[(Method, Builder)] = &[
     (Method::Llamafile, ggml::experts),
     (Method::Fp8, fp8::experts),
     (Method::Fp8PerChannel, fp8::experts_per_channel),
+    (Method::RawInt4, kgroup::rawint4),
+    (Method::GptqInt4, kgroup::gptq_int4),
+    (Method::MxFp4, kgroup::mxfp4),
+    (Method::NvFp4, kgroup::nvfp4),
+    (Method::MxFp8, kgroup::mxfp8),
 ];
 
 /// The methods [`build`] knows, in [`Method::ALL`] order.
@@ -382,13 +401,18 @@ mod tests {
             [
                 "AMXINT4",
                 "AMXINT8",
+                "RAWINT4",
                 "FP8",
                 "BF16",
                 "FP8_PERCHANNEL",
+                "GPTQ_INT4",
+                "MXFP4",
+                "NVFP4",
+                "MXFP8",
                 "LLAMAFILE"
             ]
         );
-        let e = ensure_registered(Method::RawInt4).unwrap_err();
+        let e = ensure_registered(Method::SyclGptqInt4).unwrap_err();
         assert!(matches!(e, crate::Error::Unsupported(_)), "{e}");
     }
 }

@@ -45,6 +45,14 @@ impl MoeLayer {
                 );
             }
         }
+        if let Some(&first) = logical.first() {
+            let (gate, down) = (
+                source.matrix(first, Proj::Gate)?,
+                source.matrix(first, Proj::Down)?,
+            );
+            self.experts.adapt_to_source(&self.config, &gate, &down)?;
+        }
+        let c = &self.config;
         let ranges = self.part_ranges();
         let experts = &*self.experts;
         let h = c.hidden;

@@ -127,7 +127,7 @@ pub unsafe fn decode_scalar(codes: *const u8, n: usize, out: *mut u16) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     /// bf16 bits of the subnormal E4M3 magnitudes `m · 2⁻⁹`, `m = 0..8`, indexed by `m`.
@@ -143,27 +143,32 @@ mod x86 {
         t
     };
 
-    #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn decode512(codes: *const u8, n: usize, out: *mut u16) {
-        // SAFETY: the DecodeFn contract: 32-code steps stay inside the n codes and n outputs;
-        // the table is 64 readable bytes.
+    /// 32 codes (bytes of `v`) as the bf16 bits of their exact values.
+    ///
+    /// # Safety
+    /// AVX-512F/BW available; no NaN codes (they decode to garbage).
+    #[inline(always)]
+    pub(crate) unsafe fn e4m3x32_to_bf16(v: __m256i) -> __m512i {
+        // SAFETY: the table is 64 readable bytes; the caller vouches for the features.
         unsafe {
             let table = _mm512_loadu_si512(SUBNORMAL_BF16.as_ptr() as *const __m512i);
-            let (low7, sign7, eight) = (
-                _mm512_set1_epi16(0x7F),
-                _mm512_set1_epi16(0x80),
-                _mm512_set1_epi16(8),
-            );
-            let rebias = _mm512_set1_epi16(120 << 7);
+            let v = _mm512_cvtepu8_epi16(v);
+            let mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+            let sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+            let normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+            let subnormal = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+            let sub = _mm512_permutexvar_epi16(mag, table);
+            _mm512_or_si512(_mm512_mask_blend_epi16(subnormal, normal, sub), sign)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn decode512(codes: *const u8, n: usize, out: *mut u16) {
+        // SAFETY: the DecodeFn contract: 32-code steps stay inside the n codes and n outputs.
+        unsafe {
             for i in (0..n).step_by(32) {
-                let v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes.add(i) as *const __m256i));
-                let mag = _mm512_and_si512(v, low7);
-                let sign = _mm512_slli_epi16(_mm512_and_si512(v, sign7), 8);
-                let normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), rebias);
-                let subnormal = _mm512_cmplt_epu16_mask(mag, eight);
-                let sub = _mm512_permutexvar_epi16(mag, table);
-                let bits = _mm512_or_si512(_mm512_mask_blend_epi16(subnormal, normal, sub), sign);
-                _mm512_storeu_si512(out.add(i) as *mut __m512i, bits);
+                let v = _mm256_loadu_si256(codes.add(i) as *const __m256i);
+                _mm512_storeu_si512(out.add(i) as *mut __m512i, e4m3x32_to_bf16(v));
             }
         }
     }
@@ -359,7 +364,7 @@ mod x86 {
     /// # Safety
     /// AVX2 and F16C available; 8 readable bytes at `p`.
     #[inline(always)]
-    unsafe fn decode8(p: *const u8) -> __m256 {
+    pub(crate) unsafe fn decode8(p: *const u8) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
             let v = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));

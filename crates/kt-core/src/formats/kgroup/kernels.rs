@@ -1,0 +1,751 @@
+//! Kernels of the group-scaled formats: codes in panel order, one scale per row and group.
+//!
+//! A panel *line* is one input pair of 32 rows: 64 one-byte codes (value `v` is byte `v`) or 32
+//! bytes of nibbles (byte `j` is row `j`, low nibble the even input). Either way row `j`'s two
+//! values are the `j`-th 32-bit lane of the decoded line, so one f32 vector of 16 row scales
+//! serves both inputs, with no shuffles:
+//! - [`DecodeFn`]: lines to the bf16 panel the bf16 kernels read, each value times its group
+//!   scale, rounded to nearest even (exact for E4M3/E2M1 times a power of two or an E4M3
+//!   scale; int4 times a bf16/f16 scale rounds once);
+//! - [`FusedFn`]: one to four token rows straight from the codes, in fp32: per group the
+//!   products are summed unscaled, then the sum times the rows' scales is added (two FMAs per
+//!   code and row, one per group and row).
+//!
+//! Values come from a 16-entry table for nibbles (`vpermps` on AVX-512; two 8-entry lookups
+//! and a blend on the nibble's top bit on AVX2) and from the exact E4M3 decoders of
+//! [`crate::formats::fp8::kernels`] for bytes. The scalar twins ([`decode_scalar`],
+//! [`fused_scalar`]) do the same operations in the same order: every variant is bit-identical.
+use crate::codes::CodeKind;
+use crate::dtype::{e4m3_to_f32, f32_to_bf16_bits};
+use crate::isa::Level;
+
+/// Rows per call of the fused kernels.
+pub const FUSED_ROWS: usize = 4;
+
+/// Decode `lines` panel lines of `codes` into bf16 values at `out` (64 per line), each times
+/// its group's scale (`scales`: 32 f32 per group, a group being `group_lines` lines).
+///
+/// # Safety
+/// `codes` holds `lines` lines of the kernel's code width, `scales` `32·lines/group_lines`
+/// f32, `out` `64·lines` writable u16; `group_lines` divides `lines`; `table` is the value
+/// table of nibble codes (ignored for bytes); no NaN codes; the CPU has the variant's
+/// features.
+pub type DecodeFn = unsafe fn(
+    codes: *const u8,
+    lines: usize,
+    group_lines: usize,
+    scales: *const f32,
+    table: &[f32; 16],
+    out: *mut u16,
+);
+
+/// `out[r·32 + j] += Σ_g scales[32g + j] · Σ_{lines q of g} (v[j][2q]·a[r][2q] + v[j][2q+1]·a[r][2q+1])`
+/// for `lines` lines (`a[r]` points at the first line's even input).
+///
+/// # Safety
+/// `a` holds 1..=[`FUSED_ROWS`] rows (the variant's `rows` at most) of `2·lines` readable f32;
+/// `out` 32 per row; the rest as [`DecodeFn`].
+pub type FusedFn = unsafe fn(
+    a: &[*const f32],
+    lines: usize,
+    group_lines: usize,
+    codes: *const u8,
+    scales: *const f32,
+    table: &[f32; 16],
+    out: *mut f32,
+);
+
+/// The kernels of one code kind at one ISA level.
+#[derive(Debug, Clone, Copy)]
+pub struct KGroupKernels {
+    /// The decoder ([`DecodeFn`]).
+    pub decode: DecodeFn,
+    /// The fused few-row kernel, if the level has one, and the rows it takes.
+    pub fused: Option<(FusedFn, usize)>,
+    /// Name, as the layer's `kernel` reports it.
+    pub name: &'static str,
+}
+
+/// The widest kernels `level` allows for `kind`.
+pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
+    let bytes = kind.bits() == 8;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level >= Level::Avx512Base {
+            return if bytes {
+                KGroupKernels {
+                    decode: x86::decode_bytes_avx512,
+                    fused: Some((x86::fused_bytes_avx512, FUSED_ROWS)),
+                    name: "avx512",
+                }
+            } else {
+                KGroupKernels {
+                    decode: x86::decode_nibbles_avx512,
+                    fused: Some((x86::fused_nibbles_avx512, FUSED_ROWS)),
+                    name: "avx512",
+                }
+            };
+        }
+        if level >= Level::Avx2 {
+            return if bytes {
+                KGroupKernels {
+                    decode: x86::decode_bytes_avx2,
+                    fused: Some((x86::fused_bytes_avx2, 2)),
+                    name: "avx2",
+                }
+            } else {
+                KGroupKernels {
+                    decode: x86::decode_nibbles_avx2,
+                    fused: Some((x86::fused_nibbles_avx2, 2)),
+                    name: "avx2",
+                }
+            };
+        }
+    }
+    let _ = level;
+    KGroupKernels {
+        decode: if bytes {
+            decode_scalar::<8>
+        } else {
+            decode_scalar::<4>
+        },
+        fused: None,
+        name: "scalar",
+    }
+}
+
+/// The scalar twin of either fused kernel (bits 8 or 4).
+pub fn fused_scalar_for(bits: usize) -> FusedFn {
+    if bits == 8 {
+        fused_scalar::<8>
+    } else {
+        fused_scalar::<4>
+    }
+}
+
+/// Row `j`'s two values in line `q` (even input, odd input).
+///
+/// # Safety
+/// `codes` holds line `q` of `BITS`-bit codes; `j < 32`.
+#[inline(always)]
+unsafe fn line_values<const BITS: usize>(
+    codes: *const u8,
+    q: usize,
+    j: usize,
+    table: &[f32; 16],
+) -> (f32, f32) {
+    // SAFETY: the contract.
+    unsafe {
+        if BITS == 8 {
+            let line = codes.add(q * 64);
+            (
+                e4m3_to_f32(*line.add(2 * j)),
+                e4m3_to_f32(*line.add(2 * j + 1)),
+            )
+        } else {
+            let b = *codes.add(q * 32 + j);
+            (table[(b & 0xF) as usize], table[(b >> 4) as usize])
+        }
+    }
+}
+
+/// The scalar twin of the decoders (and the decoder of CPUs without AVX2).
+///
+/// # Safety
+/// The [`DecodeFn`] contract.
+pub unsafe fn decode_scalar<const BITS: usize>(
+    codes: *const u8,
+    lines: usize,
+    group_lines: usize,
+    scales: *const f32,
+    table: &[f32; 16],
+    out: *mut u16,
+) {
+    // SAFETY: the contract.
+    unsafe {
+        for q in 0..lines {
+            let s = scales.add((q / group_lines) * 32);
+            for j in 0..32 {
+                let (lo, hi) = line_values::<BITS>(codes, q, j, table);
+                *out.add(q * 64 + 2 * j) = f32_to_bf16_bits(lo * *s.add(j));
+                *out.add(q * 64 + 2 * j + 1) = f32_to_bf16_bits(hi * *s.add(j));
+            }
+        }
+    }
+}
+
+/// The scalar twin of the fused kernels.
+///
+/// # Safety
+/// The [`FusedFn`] contract (any number of rows).
+pub unsafe fn fused_scalar<const BITS: usize>(
+    a: &[*const f32],
+    lines: usize,
+    group_lines: usize,
+    codes: *const u8,
+    scales: *const f32,
+    table: &[f32; 16],
+    out: *mut f32,
+) {
+    // SAFETY: the contract.
+    unsafe {
+        for (r, &x) in a.iter().enumerate() {
+            for j in 0..32 {
+                let mut total = 0f32;
+                for g in 0..lines / group_lines {
+                    let mut sum = 0f32;
+                    for q in g * group_lines..(g + 1) * group_lines {
+                        let (lo, hi) = line_values::<BITS>(codes, q, j, table);
+                        sum = lo.mul_add(*x.add(2 * q), sum);
+                        sum = hi.mul_add(*x.add(2 * q + 1), sum);
+                    }
+                    total = sum.mul_add(*scales.add(g * 32 + j), total);
+                }
+                *out.add(r * 32 + j) += total;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use crate::formats::fp8::kernels::x86::{decode8, e4m3x32_to_bf16};
+    use std::arch::x86_64::*;
+
+    /// Round f32 lanes to bf16, nearest even (in the upper 16 bits of each lane).
+    #[inline(always)]
+    unsafe fn rne512(v: __m512) -> __m512i {
+        // SAFETY: register arithmetic; the caller has AVX-512F.
+        unsafe {
+            let x = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+            _mm512_add_epi32(x, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)))
+        }
+    }
+
+    /// Two rounded lanes (even input `lo`, odd `hi`) as one lane of two bf16.
+    #[inline(always)]
+    unsafe fn pair512(lo: __m512, hi: __m512) -> __m512i {
+        // SAFETY: register arithmetic; the caller has AVX-512F.
+        unsafe {
+            // 0xD8: bits of b where the mask c is set, else bits of a.
+            _mm512_ternarylogic_epi32(
+                _mm512_srli_epi32(rne512(lo), 16),
+                rne512(hi),
+                _mm512_set1_epi32(0xFFFF_0000u32 as i32),
+                0xD8,
+            )
+        }
+    }
+
+    /// Rows `16h..16h+16` of nibble line `q`: (even-input values, odd-input values).
+    #[inline(always)]
+    unsafe fn nibbles512(codes: *const u8, q: usize, h: usize, table: __m512) -> (__m512, __m512) {
+        // SAFETY: the caller's contract: 16 bytes of line q exist.
+        unsafe {
+            let d =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.add(q * 32 + 16 * h) as *const __m128i));
+            (
+                _mm512_permutexvar_ps(d, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table),
+            )
+        }
+    }
+
+    /// Rows `16h..16h+16` of byte line `q` (E4M3).
+    #[inline(always)]
+    unsafe fn bytes512(codes: *const u8, q: usize, h: usize) -> (__m512, __m512) {
+        // SAFETY: the caller's contract: 32 bytes of line q exist; no NaN codes.
+        unsafe {
+            let w = e4m3x32_to_bf16(_mm256_loadu_si256(
+                codes.add(q * 64 + 32 * h) as *const __m256i
+            ));
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(
+                    w,
+                    _mm512_set1_epi32(0xFFFF_0000u32 as i32),
+                )),
+            )
+        }
+    }
+
+    /// [`bytes512`] with the (unused) table argument of the nibble variant.
+    #[inline(always)]
+    unsafe fn bytes512_t(codes: *const u8, q: usize, h: usize, _t: __m512) -> (__m512, __m512) {
+        // SAFETY: forwarded.
+        unsafe { bytes512(codes, q, h) }
+    }
+
+    macro_rules! kgroup512 {
+        ($decode:ident, $fused_rows:ident, $fused:ident, $values:ident) => {
+            #[target_feature(enable = "avx512f,avx512bw")]
+            unsafe fn $decode(
+                codes: *const u8,
+                lines: usize,
+                group_lines: usize,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut u16,
+            ) {
+                // SAFETY: the DecodeFn contract.
+                unsafe {
+                    let t = _mm512_loadu_ps(table.as_ptr());
+                    for q in 0..lines {
+                        let s = scales.add((q / group_lines) * 32);
+                        for h in 0..2 {
+                            let (lo, hi) = $values(codes, q, h, t);
+                            let sv = _mm512_loadu_ps(s.add(16 * h));
+                            let v = pair512(_mm512_mul_ps(lo, sv), _mm512_mul_ps(hi, sv));
+                            _mm512_storeu_si512(out.add(q * 64 + 32 * h) as *mut __m512i, v);
+                        }
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx512f,avx512bw")]
+            #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+            unsafe fn $fused_rows<const R: usize>(
+                a: &[*const f32],
+                lines: usize,
+                group_lines: usize,
+                codes: *const u8,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut f32,
+            ) {
+                // SAFETY: the FusedFn contract with exactly R rows.
+                unsafe {
+                    let t = _mm512_loadu_ps(table.as_ptr());
+                    let mut total = [[_mm512_setzero_ps(); 2]; R];
+                    for g in 0..lines / group_lines {
+                        let mut sum = [[_mm512_setzero_ps(); 2]; R];
+                        for q in g * group_lines..(g + 1) * group_lines {
+                            for h in 0..2 {
+                                let (lo, hi) = $values(codes, q, h, t);
+                                for r in 0..R {
+                                    let x = a[r].add(2 * q);
+                                    sum[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x), sum[r][h]);
+                                    sum[r][h] =
+                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1)), sum[r][h]);
+                                }
+                            }
+                        }
+                        for h in 0..2 {
+                            let sv = _mm512_loadu_ps(scales.add(g * 32 + 16 * h));
+                            for r in 0..R {
+                                total[r][h] = _mm512_fmadd_ps(sum[r][h], sv, total[r][h]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        for h in 0..2 {
+                            let o = out.add(r * 32 + 16 * h);
+                            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), total[r][h]));
+                        }
+                    }
+                }
+            }
+
+            /// The AVX-512 fused kernel (1 to 4 rows).
+            ///
+            /// # Safety
+            /// The [`super::FusedFn`] contract; AVX-512F/BW available.
+            pub unsafe fn $fused(
+                a: &[*const f32],
+                lines: usize,
+                group_lines: usize,
+                codes: *const u8,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded.
+                unsafe {
+                    crate::kernels::dispatch_rows!(
+                        $fused_rows, "kgroup avx512 fused panel", a,
+                        (a, lines, group_lines, codes, scales, table, out); 1 2 3 4
+                    )
+                }
+            }
+        };
+    }
+
+    kgroup512!(
+        decode_nibbles512,
+        fused_nibbles_rows512,
+        fused_nibbles_avx512,
+        nibbles512
+    );
+    kgroup512!(
+        decode_bytes512,
+        fused_bytes_rows512,
+        fused_bytes_avx512,
+        bytes512_t
+    );
+
+    /// Round f32 lanes to bf16, nearest even (upper 16 bits of each lane).
+    #[inline(always)]
+    unsafe fn rne256(v: __m256) -> __m256i {
+        // SAFETY: register arithmetic; the caller has AVX2.
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+            _mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)))
+        }
+    }
+
+    /// The table entries of nibbles `i` (low 4 bits of each lane) from a 16-entry table held
+    /// as two halves: the nibble's bit 3 moved to the sign bit picks the upper half.
+    #[inline(always)]
+    unsafe fn look256(t: (__m256, __m256), i: __m256i) -> __m256 {
+        // SAFETY: register arithmetic; the caller has AVX2.
+        unsafe {
+            _mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(t.0, i),
+                _mm256_permutevar8x32_ps(t.1, i),
+                _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)),
+            )
+        }
+    }
+
+    /// 64-bit quarters 0, 2, 1, 3 of `v`.
+    #[inline(always)]
+    unsafe fn lanes_in_order(v: __m256) -> __m256 {
+        // SAFETY: register arithmetic; the caller has AVX2.
+        unsafe { _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0b11_01_10_00)) }
+    }
+
+    /// Rows `8o..8o+8` of nibble line `q`, from a 16-entry table held as two halves.
+    #[inline(always)]
+    unsafe fn nibbles256(
+        codes: *const u8,
+        q: usize,
+        o: usize,
+        t: (__m256, __m256),
+    ) -> (__m256, __m256) {
+        // SAFETY: the caller's contract: 8 bytes of line q exist.
+        unsafe {
+            let d =
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.add(q * 32 + 8 * o) as *const __m128i));
+            (look256(t, d), look256(t, _mm256_srli_epi32(d, 4)))
+        }
+    }
+
+    /// Rows `8o..8o+8` of byte line `q` (E4M3).
+    #[inline(always)]
+    unsafe fn bytes256(codes: *const u8, q: usize, o: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's contract: 16 bytes of line q exist; F16C available.
+        unsafe {
+            let p = codes.add(q * 64 + 16 * o);
+            let (v0, v1) = (decode8(p), decode8(p.add(8)));
+            // Per 128-bit lane: [v0 0 2, v1 0 2] and [v0 1 3, v1 1 3]; then lanes in order.
+            let even = _mm256_shuffle_ps(v0, v1, 0b10_00_10_00);
+            let odd = _mm256_shuffle_ps(v0, v1, 0b11_01_11_01);
+            (lanes_in_order(even), lanes_in_order(odd))
+        }
+    }
+
+    /// [`bytes256`] with the (unused) table argument of the nibble variant.
+    #[inline(always)]
+    unsafe fn bytes256_t(
+        codes: *const u8,
+        q: usize,
+        o: usize,
+        _t: (__m256, __m256),
+    ) -> (__m256, __m256) {
+        // SAFETY: forwarded.
+        unsafe { bytes256(codes, q, o) }
+    }
+
+    macro_rules! kgroup256 {
+        ($decode:ident, $fused_rows:ident, $fused:ident, $values:ident) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $decode(
+                codes: *const u8,
+                lines: usize,
+                group_lines: usize,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut u16,
+            ) {
+                // SAFETY: the DecodeFn contract.
+                unsafe {
+                    let t = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
+                    let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+                    for q in 0..lines {
+                        let s = scales.add((q / group_lines) * 32);
+                        for o in 0..4 {
+                            let (lo, hi) = $values(codes, q, o, t);
+                            let sv = _mm256_loadu_ps(s.add(8 * o));
+                            let v = _mm256_or_si256(
+                                _mm256_srli_epi32(rne256(_mm256_mul_ps(lo, sv)), 16),
+                                _mm256_and_si256(rne256(_mm256_mul_ps(hi, sv)), high),
+                            );
+                            _mm256_storeu_si256(out.add(q * 64 + 16 * o) as *mut __m256i, v);
+                        }
+                    }
+                }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c")]
+            #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+            unsafe fn $fused_rows<const R: usize>(
+                a: &[*const f32],
+                lines: usize,
+                group_lines: usize,
+                codes: *const u8,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut f32,
+            ) {
+                // SAFETY: the FusedFn contract with exactly R rows.
+                unsafe {
+                    let t = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
+                    let mut total = [[_mm256_setzero_ps(); 4]; R];
+                    for g in 0..lines / group_lines {
+                        let mut sum = [[_mm256_setzero_ps(); 4]; R];
+                        for q in g * group_lines..(g + 1) * group_lines {
+                            for o in 0..4 {
+                                let (lo, hi) = $values(codes, q, o, t);
+                                for r in 0..R {
+                                    let x = a[r].add(2 * q);
+                                    sum[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x), sum[r][o]);
+                                    sum[r][o] =
+                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1)), sum[r][o]);
+                                }
+                            }
+                        }
+                        for o in 0..4 {
+                            let sv = _mm256_loadu_ps(scales.add(g * 32 + 8 * o));
+                            for r in 0..R {
+                                total[r][o] = _mm256_fmadd_ps(sum[r][o], sv, total[r][o]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        for o in 0..4 {
+                            let p = out.add(r * 32 + 8 * o);
+                            _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), total[r][o]));
+                        }
+                    }
+                }
+            }
+
+            /// The AVX2 fused kernel (1 or 2 rows).
+            ///
+            /// # Safety
+            /// The [`super::FusedFn`] contract with at most 2 rows; AVX2, FMA and F16C
+            /// available.
+            pub unsafe fn $fused(
+                a: &[*const f32],
+                lines: usize,
+                group_lines: usize,
+                codes: *const u8,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded.
+                unsafe {
+                    crate::kernels::dispatch_rows!(
+                        $fused_rows, "kgroup avx2 fused panel", a,
+                        (a, lines, group_lines, codes, scales, table, out); 1 2
+                    )
+                }
+            }
+        };
+    }
+
+    kgroup256!(
+        decode_nibbles256,
+        fused_nibbles_rows256,
+        fused_nibbles_avx2,
+        nibbles256
+    );
+    kgroup256!(
+        decode_bytes256,
+        fused_bytes_rows256,
+        fused_bytes_avx2,
+        bytes256_t
+    );
+
+    macro_rules! public_decoder {
+        ($name:ident, $inner:ident, $what:literal) => {
+            #[doc = concat!("The ", $what, " decoder.")]
+            ///
+            /// # Safety
+            /// The [`super::DecodeFn`] contract; the named features available.
+            pub unsafe fn $name(
+                codes: *const u8,
+                lines: usize,
+                group_lines: usize,
+                scales: *const f32,
+                table: &[f32; 16],
+                out: *mut u16,
+            ) {
+                // SAFETY: forwarded.
+                unsafe { $inner(codes, lines, group_lines, scales, table, out) }
+            }
+        };
+    }
+    public_decoder!(
+        decode_nibbles_avx512,
+        decode_nibbles512,
+        "AVX-512F/BW nibble"
+    );
+    public_decoder!(decode_bytes_avx512, decode_bytes512, "AVX-512F/BW E4M3");
+    public_decoder!(
+        decode_nibbles_avx2,
+        decode_nibbles256,
+        "AVX2+FMA+F16C nibble"
+    );
+    public_decoder!(decode_bytes_avx2, decode_bytes256, "AVX2+FMA+F16C E4M3");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codes::{E2M1_VALUES, INT4_VALUES};
+
+    /// Random codes of `bits` for `lines` lines (no NaN bytes; zeros and E4M3 subnormals
+    /// among them) and positive scales spanning a few binades.
+    fn data(bits: usize, lines: usize, groups: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+        let mut rng = crate::rng::Rng::new(seed);
+        let codes = (0..lines * 32 * bits / 4)
+            .map(|i| match (i % 53, rng.below(256) as u8) {
+                (0, _) => 0,
+                (1, _) if bits == 8 => 0x83,
+                (_, b) if bits == 8 && b & 0x7F == 0x7F => b & 0xF0,
+                (_, b) => b,
+            })
+            .collect();
+        let scales = (0..groups * 32)
+            .map(|_| (rng.normal() * 0.3).exp() * 0.01)
+            .collect();
+        (codes, scales)
+    }
+
+    fn levels() -> Vec<Level> {
+        let mut v = vec![Level::Generic];
+        for l in [Level::Avx2, Level::Avx512Base] {
+            if crate::isa::allows(l) {
+                v.push(l);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn decoders_equal_their_scalar_twin() {
+        for (kind, table) in [
+            (CodeKind::Int4, INT4_VALUES),
+            (CodeKind::E2M1, E2M1_VALUES),
+            (CodeKind::E4M3, E2M1_VALUES),
+        ] {
+            for (lines, group_lines) in [(64usize, 16usize), (64, 8), (48, 48), (8, 8)] {
+                let (codes, scales) = data(kind.bits(), lines, lines / group_lines, 3);
+                let mut want = vec![0u16; lines * 64];
+                let twin = kernels_for(kind, Level::Generic).decode;
+                // SAFETY: sizes as the contract asks; scalar code.
+                unsafe {
+                    twin(
+                        codes.as_ptr(),
+                        lines,
+                        group_lines,
+                        scales.as_ptr(),
+                        &table,
+                        want.as_mut_ptr(),
+                    )
+                };
+                // The twin itself against the definition: value · scale rounded to bf16.
+                for q in [0, lines - 1] {
+                    for j in [0, 17, 31] {
+                        for p in 0..2 {
+                            let code = if kind.bits() == 8 {
+                                codes[q * 64 + 2 * j + p]
+                            } else {
+                                (codes[q * 32 + j] >> (4 * p)) & 0xF
+                            };
+                            let v = if kind == CodeKind::E4M3 {
+                                kind.value(code)
+                            } else {
+                                table[code as usize]
+                            };
+                            let s = scales[(q / group_lines) * 32 + j];
+                            assert_eq!(want[q * 64 + 2 * j + p], f32_to_bf16_bits(v * s));
+                        }
+                    }
+                }
+                for level in levels() {
+                    let k = kernels_for(kind, level);
+                    let mut got = vec![0xFFFFu16; lines * 64];
+                    // SAFETY: as above; the level is allowed on this CPU.
+                    unsafe {
+                        (k.decode)(
+                            codes.as_ptr(),
+                            lines,
+                            group_lines,
+                            scales.as_ptr(),
+                            &table,
+                            got.as_mut_ptr(),
+                        )
+                    };
+                    assert_eq!(got, want, "{kind:?} {} lines={lines}", k.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_kernels_equal_their_scalar_twin() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx2) {
+            assert!(kernels_for(CodeKind::Int4, Level::Avx2).fused.is_some());
+        }
+        for (kind, table) in [
+            (CodeKind::Int4, INT4_VALUES),
+            (CodeKind::E2M1, E2M1_VALUES),
+            (CodeKind::E4M3, INT4_VALUES),
+        ] {
+            for (lines, group_lines) in [(64usize, 16usize), (128, 64), (24, 8)] {
+                let (codes, scales) = data(kind.bits(), lines, lines / group_lines, 11);
+                let mut rng = crate::rng::Rng::new(4);
+                for level in levels() {
+                    let Some((fused, max_rows)) = kernels_for(kind, level).fused else {
+                        continue;
+                    };
+                    for rows in 1..=max_rows {
+                        let xs: Vec<Vec<f32>> =
+                            (0..rows).map(|_| rng.normals(2 * lines, 1.0)).collect();
+                        let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
+                        let start: Vec<f32> = rng.normals(32 * rows, 1.0);
+                        let (mut want, mut got) = (start.clone(), start.clone());
+                        // SAFETY: sizes as the contract asks; the level is allowed.
+                        unsafe {
+                            fused_scalar_for(kind.bits())(
+                                &ptrs,
+                                lines,
+                                group_lines,
+                                codes.as_ptr(),
+                                scales.as_ptr(),
+                                &table,
+                                want.as_mut_ptr(),
+                            );
+                            fused(
+                                &ptrs,
+                                lines,
+                                group_lines,
+                                codes.as_ptr(),
+                                scales.as_ptr(),
+                                &table,
+                                got.as_mut_ptr(),
+                            );
+                        }
+                        assert_eq!(got, want, "{kind:?} {level:?} rows={rows} lines={lines}");
+                    }
+                }
+            }
+        }
+    }
+}

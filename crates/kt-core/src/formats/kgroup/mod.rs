@@ -1,0 +1,1028 @@
+//! The group-scaled methods: small codes with one scale per row and group of inputs.
+//!
+//! | method | codes | scale per group | GPU write (`write_weight_scale_to_buffer`) |
+//! |---|---|---|---|
+//! | RAWINT4 (Kimi-K2) | int4 `q + 8` | bf16, group 32 | checkpoint bytes |
+//! | GPTQ_INT4 | int4 `q + 8` | f16, group 128 | GPTQ `qweight [K/8, N]` / `scales [K/g, N]` |
+//! | MXFP4 (DeepSeek-V4-Flash) | E2M1 | E8M0, group 32 | codes; scales as bf16 |
+//! | NVFP4 | E2M1 | E4M3 × per-tensor f32, group 16 | codes; scale × global as bf16 |
+//! | MXFP8 (MiniMax-M3) | E4M3 | E8M0, group 32 | checkpoint bytes |
+//!
+//! The codes stay in their bits (one byte, or two nibbles a byte) and the scales in their own
+//! type, so an expert takes the memory it takes in the file. Memory of one part (intermediate
+//! slice of `ip` rows, a multiple of 32 and of the group):
+//! - `gate_up`: per expert, per 32-row panel, the panel's gate codes then its up codes, each
+//!   in panel lines ([`kernels`]): input pair `q` of the panel's 32 rows;
+//! - `down`: per expert, its `H/32` panels over the slice's `ip` inputs;
+//! - the scales alike: per panel, per group, the 32 rows' scales; NVFP4's per-tensor scale per
+//!   (expert, projection).
+//!
+//! A panel call with one to four rows (decode) runs the fused kernel on the codes; more rows
+//! decode each block of 128 (or 32) inputs to a bf16 panel with the scales folded in, once per
+//! call, and the bf16 panel kernels (fp32 FMA, `vdpbf16ps`, AMX tiles, as method BF16 picks
+//! them) multiply it.
+//!
+//! Loading copies the codes and scales of a checkpoint in the method's own format and group
+//! size; anything else (bf16/fp16/fp32 tensors, another format) is quantized per group
+//! ([`crate::codes::quantize_group`]).
+use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
+use crate::codes::{quantize_group, CodeKind, CodedMatrix, ScaleType};
+use crate::expert::{MoeConfig, Proj};
+use crate::isa::Level;
+use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::method::Method;
+use crate::pack::{AlignedBuf, MatrixView, PANEL};
+use crate::sync_ptr::SyncPtr;
+use crate::{kt_bail, kt_ensure, Result};
+use std::any::Any;
+use std::ops::Range;
+
+pub mod kernels;
+
+use kernels::KGroupKernels;
+
+/// How a method's scales reach the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GpuScales {
+    /// The stored bytes.
+    Native,
+    /// Each scale's value (times the per-tensor scale) as bf16.
+    Bf16Value,
+}
+
+/// One group-scaled method.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    /// The method.
+    pub method: Method,
+    /// Its codes.
+    pub kind: CodeKind,
+    /// Its scales.
+    pub scale_type: ScaleType,
+    /// Group size when quantizing (a checkpoint's own group size wins when loading it).
+    pub default_group: usize,
+    /// Whether a per-tensor f32 multiplies each projection (NVFP4).
+    pub global: bool,
+    gpu_scales: GpuScales,
+    /// The original's backend variable for this method.
+    backend_var: Option<&'static str>,
+}
+
+/// RAWINT4.
+pub const RAWINT4: Spec = Spec {
+    method: Method::RawInt4,
+    kind: CodeKind::Int4,
+    scale_type: ScaleType::Bf16,
+    default_group: 32,
+    global: false,
+    gpu_scales: GpuScales::Native,
+    backend_var: Some("KT_RAWINT4_BACKEND"),
+};
+/// GPTQ_INT4.
+pub const GPTQ_INT4: Spec = Spec {
+    method: Method::GptqInt4,
+    kind: CodeKind::Int4,
+    scale_type: ScaleType::F16,
+    default_group: 128,
+    global: false,
+    gpu_scales: GpuScales::Native,
+    backend_var: Some("KT_GPTQ_INT4_BACKEND"),
+};
+/// MXFP4.
+pub const MXFP4: Spec = Spec {
+    method: Method::MxFp4,
+    kind: CodeKind::E2M1,
+    scale_type: ScaleType::E8M0,
+    default_group: 32,
+    global: false,
+    gpu_scales: GpuScales::Bf16Value,
+    backend_var: Some("KT_MXFP4_BACKEND"),
+};
+/// NVFP4.
+pub const NVFP4: Spec = Spec {
+    method: Method::NvFp4,
+    kind: CodeKind::E2M1,
+    scale_type: ScaleType::E4M3,
+    default_group: 16,
+    global: true,
+    gpu_scales: GpuScales::Bf16Value,
+    backend_var: None,
+};
+/// MXFP8.
+pub const MXFP8: Spec = Spec {
+    method: Method::MxFp8,
+    kind: CodeKind::E4M3,
+    scale_type: ScaleType::E8M0,
+    default_group: 32,
+    global: false,
+    gpu_scales: GpuScales::Native,
+    backend_var: Some("KT_MXFP8_BACKEND"),
+};
+
+macro_rules! builder {
+    ($name:ident, $spec:ident) => {
+        #[doc = concat!("The registry's builder for ", stringify!($spec), ".")]
+        pub fn $name(
+            config: &MoeConfig,
+            parts: usize,
+            kernels: KernelSet,
+        ) -> Result<Box<dyn ExpertFormat>> {
+            Ok(Box::new(KGroupExperts::new(
+                config,
+                parts,
+                kernels,
+                $spec,
+                $spec.default_group,
+                $spec.default_group,
+            )?))
+        }
+    };
+}
+builder!(rawint4, RAWINT4);
+builder!(gptq_int4, GPTQ_INT4);
+builder!(mxfp4, MXFP4);
+builder!(nvfp4, NVFP4);
+builder!(mxfp8, MXFP8);
+
+/// The kernels a method runs with: the original's backend variable may ask for the AVX2 ones
+/// (`avx2`); its other names (`amx`, `amx_blocked`, `blocked`, `avxvnni`, `packed`) name
+/// kernels of the original and mean the best ones here.
+fn backend_kernels(spec: &Spec, kernels: KernelSet) -> Result<KernelSet> {
+    let Some(var) = spec.backend_var else {
+        return Ok(kernels);
+    };
+    let Ok(value) = std::env::var(var) else {
+        return Ok(kernels);
+    };
+    let debug = std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1");
+    match value.trim().to_ascii_lowercase().as_str() {
+        "avx2" if kernels.level() > Level::Avx2 && crate::isa::allows(Level::Avx2) => {
+            if debug {
+                eprintln!(
+                    "kt_kernel: {var}=avx2: {} runs the AVX2 kernels",
+                    spec.method
+                );
+            }
+            KernelSet::for_level(Level::Avx2)
+        }
+        "" | "auto" => Ok(kernels),
+        other => {
+            if debug {
+                eprintln!(
+                    "kt_kernel: {var}={other}: no such backend here; {} runs its best kernels \
+                     ({})",
+                    spec.method,
+                    kernels.name()
+                );
+            }
+            Ok(kernels)
+        }
+    }
+}
+
+/// One part's codes and scales (layout in the module docs), with write addresses for `pack`.
+struct Part {
+    gate_up: AlignedBuf<u8>,
+    down: AlignedBuf<u8>,
+    gate_up_scales: AlignedBuf<u8>,
+    down_scales: AlignedBuf<u8>,
+    /// Per (expert, projection) per-tensor scale (1 unless NVFP4).
+    globals: AlignedBuf<f32>,
+    dst: [SyncPtr<u8>; 2],
+    scale_dst: [SyncPtr<u8>; 2],
+    global_dst: SyncPtr<f32>,
+}
+
+/// The experts of one layer in a group-scaled method.
+pub struct KGroupExperts {
+    spec: Spec,
+    kernels: KernelSet,
+    code_kernels: KGroupKernels,
+    /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
+    groups: [usize; 2],
+    hidden: usize,
+    experts: usize,
+    ranges: Vec<Range<usize>>,
+    parts: Vec<Part>,
+}
+
+impl KGroupExperts {
+    /// Room for `config.num_experts` experts in `parts` parts, with `group_gu` inputs per scale
+    /// in gate/up and `group_down` in down.
+    pub fn new(
+        config: &MoeConfig,
+        parts: usize,
+        kernels: KernelSet,
+        spec: Spec,
+        group_gu: usize,
+        group_down: usize,
+    ) -> Result<KGroupExperts> {
+        let method = spec.method;
+        let (h, i) = (config.hidden, config.intermediate);
+        kt_ensure!(
+            group_gu >= 2
+                && group_down >= 2
+                && group_gu.is_multiple_of(2)
+                && group_down.is_multiple_of(2)
+                && h.is_multiple_of(group_gu)
+                && i.is_multiple_of(group_down),
+            Invalid,
+            "{method}: group sizes {group_gu} (gate/up) and {group_down} (down) must be even and \
+             divide hidden_size {h} and moe_intermediate_size {i}"
+        );
+        // Each part's down slice holds whole groups and whole panels.
+        let unit = lcm(PANEL, group_down);
+        kt_ensure!(
+            h.is_multiple_of(PANEL),
+            Invalid,
+            "{method} needs hidden_size ({h}) to be a multiple of {PANEL}"
+        );
+        kt_ensure!(
+            i.is_multiple_of(unit),
+            Invalid,
+            "{method} needs moe_intermediate_size ({i}) to be a multiple of {unit}"
+        );
+        config.check_blocks(parts, unit)?;
+        let ranges = config.part_ranges_in_units(parts, unit);
+        let kernels = backend_kernels(&spec, kernels)?;
+        let (e, bits, ss) = (config.num_experts, spec.kind.bits(), spec.scale_type.size());
+        let parts = ranges
+            .iter()
+            .map(|inter| {
+                let ip = inter.len();
+                let codes = ip * h * bits / 8;
+                let mut gate_up = AlignedBuf::zeroed(e * 2 * codes)?;
+                let mut down = AlignedBuf::zeroed(e * codes)?;
+                let mut gate_up_scales = AlignedBuf::zeroed(e * 2 * ip * (h / group_gu) * ss)?;
+                let mut down_scales = AlignedBuf::zeroed(e * h * (ip / group_down) * ss)?;
+                let mut globals = AlignedBuf::zeroed(e * 3)?;
+                globals.as_mut_slice().fill(1.0);
+                Ok(Part {
+                    dst: [
+                        SyncPtr::new(gate_up.as_mut_ptr()),
+                        SyncPtr::new(down.as_mut_ptr()),
+                    ],
+                    scale_dst: [
+                        SyncPtr::new(gate_up_scales.as_mut_ptr()),
+                        SyncPtr::new(down_scales.as_mut_ptr()),
+                    ],
+                    global_dst: SyncPtr::new(globals.as_mut_ptr()),
+                    gate_up,
+                    down,
+                    gate_up_scales,
+                    down_scales,
+                    globals,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KGroupExperts {
+            code_kernels: kernels::kernels_for(spec.kind, kernels.level()),
+            spec,
+            kernels,
+            groups: [group_gu, group_down],
+            hidden: h,
+            experts: e,
+            ranges,
+            parts,
+        })
+    }
+
+    /// Inputs per scale of `proj`.
+    fn group(&self, proj: Proj) -> usize {
+        self.groups[(proj == Proj::Down) as usize]
+    }
+
+    /// Bytes of one panel line (an input pair of 32 rows).
+    fn line_bytes(&self) -> usize {
+        PANEL * 2 * self.spec.kind.bits() / 8
+    }
+
+    /// `(n, k)` of `proj` in `part`.
+    fn shape(&self, part: usize, proj: Proj) -> (usize, usize) {
+        let (h, ip) = (self.hidden, self.ranges[part].len());
+        match proj {
+            Proj::Gate | Proj::Up => (ip, h),
+            Proj::Down => (h, ip),
+        }
+    }
+
+    /// Byte offsets of the panel holding row `row` of `proj` of `slot` in its part's code
+    /// buffer and scale buffer.
+    fn offsets(&self, part: usize, slot: usize, proj: Proj, row: usize) -> (usize, usize) {
+        let (n, k) = self.shape(part, proj);
+        let (lb, ss) = (self.line_bytes(), self.spec.scale_type.size());
+        let (panel_codes, panel_scales) = ((k / 2) * lb, (k / self.group(proj)) * PANEL * ss);
+        let p = row / PANEL;
+        let index = match proj {
+            Proj::Gate | Proj::Up => (slot * (n / PANEL) + p) * 2 + (proj == Proj::Up) as usize,
+            Proj::Down => slot * (n / PANEL) + p,
+        };
+        (index * panel_codes, index * panel_scales)
+    }
+
+    /// The code buffer, scale buffer and per-tensor scales of `proj` in `part`.
+    fn buffers(&self, part: usize, proj: Proj) -> (&[u8], &[u8], &[f32]) {
+        let p = &self.parts[part];
+        match proj {
+            Proj::Down => (
+                p.down.as_slice(),
+                p.down_scales.as_slice(),
+                p.globals.as_slice(),
+            ),
+            _ => (
+                p.gate_up.as_slice(),
+                p.gate_up_scales.as_slice(),
+                p.globals.as_slice(),
+            ),
+        }
+    }
+
+    /// Index of `(slot, proj)`'s per-tensor scale.
+    fn global_index(slot: usize, proj: Proj) -> usize {
+        slot * 3
+            + match proj {
+                Proj::Gate => 0,
+                Proj::Up => 1,
+                Proj::Down => 2,
+            }
+    }
+
+    /// Copy a view of this method's own codes and group size.
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::pack`].
+    unsafe fn copy_codes(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        view: &MatrixView,
+        m: &CodedMatrix,
+    ) -> Result<()> {
+        let (n, k) = (view.rows, view.cols);
+        let (bits, ss, group) = (
+            self.spec.kind.bits(),
+            self.spec.scale_type.size(),
+            self.group(proj),
+        );
+        let idx = (proj == Proj::Down) as usize;
+        let p = &self.parts[part];
+        let (dst, scale_dst) = (p.dst[idx], p.scale_dst[idx]);
+        kt_ensure!(
+            m.global.is_finite(),
+            Invalid,
+            "{} expert slot {slot} {proj:?}: per-tensor scale {} is not finite",
+            self.spec.method,
+            m.global
+        );
+        for r in 0..n {
+            let (at, scale_at) = self.offsets(part, slot, proj, r);
+            let j = r % PANEL;
+            for q in 0..k / 2 {
+                // SAFETY: (r, 2q + 1) is inside the live view.
+                let (lo, hi) = unsafe { (m.code(r, 2 * q), m.code(r, 2 * q + 1)) };
+                if self.spec.kind.is_nan(lo) || self.spec.kind.is_nan(hi) {
+                    kt_bail!(
+                        Invalid,
+                        "{} weight of expert slot {slot} {proj:?} holds a NaN code at row {r}, \
+                         column {} of this part",
+                        self.spec.method,
+                        2 * q + self.spec.kind.is_nan(hi) as usize
+                    );
+                }
+                // SAFETY: bytes of row r in line q of this (part, slot, proj)'s panel, which
+                // only this task writes (the caller's contract).
+                unsafe {
+                    if bits == 8 {
+                        let b = dst.get().add(at + q * 64 + 2 * j);
+                        *b = lo;
+                        *b.add(1) = hi;
+                    } else {
+                        *dst.get().add(at + q * 32 + j) = lo | (hi << 4);
+                    }
+                }
+            }
+            for g in 0..k / group {
+                // SAFETY: (r, g·group) is inside the live view.
+                let bits = unsafe { m.scale_bits(r, g * group) };
+                kt_ensure!(
+                    self.spec.scale_type.is_valid(bits),
+                    Invalid,
+                    "{} scale of expert slot {slot} {proj:?} row {r}, group {g} of this part is \
+                     not a finite number ({:?} bits {bits:#x})",
+                    self.spec.method,
+                    self.spec.scale_type
+                );
+                let at = scale_at + (g * PANEL + j) * ss;
+                // SAFETY: this row's scale of group g, this (part, slot, proj)'s alone.
+                unsafe {
+                    let d = scale_dst.get().add(at);
+                    *d = bits as u8;
+                    if ss == 2 {
+                        *d.add(1) = (bits >> 8) as u8;
+                    }
+                }
+            }
+        }
+        // SAFETY: this (part, slot, proj)'s per-tensor scale, written by this task alone.
+        unsafe { *p.global_dst.get().add(Self::global_index(slot, proj)) = m.global };
+        Ok(())
+    }
+
+    /// Quantize any view (floats, FP8, another group format) per group.
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::pack`].
+    unsafe fn quantize(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        view: &MatrixView,
+    ) -> Result<()> {
+        let (n, k) = (view.rows, view.cols);
+        let (kind, st) = (self.spec.kind, self.spec.scale_type);
+        let (ss, group) = (st.size(), self.group(proj));
+        let idx = (proj == Proj::Down) as usize;
+        let p = &self.parts[part];
+        let (dst, scale_dst) = (p.dst[idx], p.scale_dst[idx]);
+        let mut rows = vec![0f32; n * k];
+        for (r, row) in rows.chunks_exact_mut(k).enumerate() {
+            // SAFETY: row r < n of the live view; `row` has k values.
+            unsafe { view.row_f32(r, row) };
+        }
+        let amax = rows.iter().fold(0f32, |a, v| a.max(v.abs()));
+        kt_ensure!(
+            amax.is_finite(),
+            Invalid,
+            "expert slot {slot} {proj:?} holds a non-finite weight"
+        );
+        // NVFP4: a per-tensor scale that maps the largest weight to the largest code times the
+        // largest E4M3 scale; the others have none.
+        let global = if self.spec.global && amax > 0.0 {
+            amax / (kind.max() * 448.0)
+        } else {
+            1.0
+        };
+        let mut codes = vec![0u8; group];
+        for (r, row) in rows.chunks_exact(k).enumerate() {
+            let (at, scale_at) = self.offsets(part, slot, proj, r);
+            let j = r % PANEL;
+            for (g, values) in row.chunks_exact(group).enumerate() {
+                let bits = quantize_group(kind, st, global, values, &mut codes);
+                for (i, pair) in codes.chunks_exact(2).enumerate() {
+                    let q = (g * group) / 2 + i;
+                    // SAFETY: bytes of row r in line q of this (part, slot, proj)'s panel.
+                    unsafe {
+                        if kind.bits() == 8 {
+                            let b = dst.get().add(at + q * 64 + 2 * j);
+                            *b = pair[0];
+                            *b.add(1) = pair[1];
+                        } else {
+                            *dst.get().add(at + q * 32 + j) = pair[0] | (pair[1] << 4);
+                        }
+                    }
+                }
+                // SAFETY: this row's scale of group g, this (part, slot, proj)'s alone.
+                unsafe {
+                    let d = scale_dst.get().add(scale_at + (g * PANEL + j) * ss);
+                    *d = bits as u8;
+                    if ss == 2 {
+                        *d.add(1) = (bits >> 8) as u8;
+                    }
+                }
+            }
+        }
+        // SAFETY: this (part, slot, proj)'s per-tensor scale, written by this task alone.
+        unsafe { *p.global_dst.get().add(Self::global_index(slot, proj)) = global };
+        Ok(())
+    }
+
+    /// The f32 values of `count` stored scales from `raw` into `out`.
+    fn scales_f32(&self, raw: &[u8], out: &mut [f32]) {
+        let st = self.spec.scale_type;
+        match st.size() {
+            1 => {
+                for (o, &b) in out.iter_mut().zip(raw) {
+                    *o = st.value(b as u16);
+                }
+            }
+            _ => {
+                for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                    *o = st.value(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+        }
+    }
+
+    /// This format's activation staging (as method BF16's).
+    fn staging(&self) -> bf16::Staging<'_> {
+        bf16::Staging {
+            kernels: &self.kernels,
+            hidden: self.hidden,
+            ranges: &self.ranges,
+        }
+    }
+
+    /// `out` (32 per row) = one panel (`codes`: its `k/2` lines; `scales`: its groups' stored
+    /// scales) against `rows`, times `global`.
+    ///
+    /// # Safety
+    /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
+    /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
+    #[allow(clippy::too_many_arguments)] // the panel's parts, each needed
+    unsafe fn panel(
+        &self,
+        rows: &RowBlock,
+        k: usize,
+        group: usize,
+        codes: &[u8],
+        scales: &[u8],
+        global: f32,
+        out: &mut [f32],
+    ) {
+        /// A decoded block of a panel, aligned for the kernels' loads.
+        #[repr(align(64))]
+        struct Decoded([u16; PANEL * 128]);
+        let n = rows.len();
+        let (lb, ss, gl) = (self.line_bytes(), self.spec.scale_type.size(), group / 2);
+        let table = self
+            .spec
+            .kind
+            .nibble_table()
+            .unwrap_or(&crate::codes::INT4_VALUES);
+        assert!(codes.len() == (k / 2) * lb && scales.len() == (k / group) * PANEL * ss);
+        assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
+        let out = &mut out[..n * PANEL];
+        let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
+        let mut f32_scales = [0f32; 16 * PANEL];
+        if let (None, Some((fused, max_rows))) = (path, self.code_kernels.fused) {
+            if n <= max_rows {
+                out.fill(0.0);
+                // Chunks of whole groups whose scales fit `f32_scales`.
+                let chunk_lines = gl * (f32_scales.len() / PANEL).min(k / group).max(1);
+                let mut line0 = 0;
+                while line0 < k / 2 {
+                    let lines = chunk_lines.min(k / 2 - line0);
+                    let (g0, groups) = (line0 / gl, lines / gl);
+                    let s = &mut f32_scales[..groups * PANEL];
+                    self.scales_f32(&scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss], s);
+                    let mut a = [std::ptr::null::<f32>(); kernels::FUSED_ROWS];
+                    for (p, &row) in a.iter_mut().zip(rows.f32_rows) {
+                        *p = row.wrapping_add(2 * line0);
+                    }
+                    // SAFETY: rows of k floats from input 2·line0 on, `lines` lines of codes,
+                    // their groups' scales, 32 outputs per row; the level allows the kernel.
+                    unsafe {
+                        fused(
+                            &a[..n],
+                            lines,
+                            gl,
+                            codes[line0 * lb..].as_ptr(),
+                            s.as_ptr(),
+                            table,
+                            out.as_mut_ptr(),
+                        )
+                    };
+                    line0 += lines;
+                }
+                if global != 1.0 {
+                    out.iter_mut().for_each(|o| *o *= global);
+                }
+                return;
+            }
+        }
+        // Decode blocks of 128 inputs (32 when k is not a multiple of 128, or the group when
+        // that is larger) and multiply each with the bf16 kernels.
+        let block = if k.is_multiple_of(128) && 128 % group == 0 {
+            128
+        } else {
+            group.clamp(32, 128)
+        };
+        assert!(
+            k.is_multiple_of(block) && (block.is_multiple_of(group) || group.is_multiple_of(block))
+        );
+        let step = path.map_or(self.kernels.rows_per_block(), |b| b.rows_per_block);
+        let mut decoded = Decoded([0; PANEL * 128]);
+        let mut partial = [0f32; MAX_ROWS * PANEL];
+        for b in 0..k / block {
+            let (line0, lines) = (b * block / 2, block / 2);
+            let (g0, groups) = (line0 / gl, (lines / gl).max(1));
+            let s = &mut f32_scales[..groups * PANEL];
+            self.scales_f32(&scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss], s);
+            // SAFETY: `lines` lines of codes in, 64 values each out (≤ 32·128); the decoder's
+            // ISA was checked when the layer was built; NaN codes were refused at load.
+            unsafe {
+                (self.code_kernels.decode)(
+                    codes[line0 * lb..].as_ptr(),
+                    lines,
+                    gl.min(lines),
+                    s.as_ptr(),
+                    table,
+                    decoded.0.as_mut_ptr(),
+                )
+            };
+            let mut r0 = 0;
+            while r0 < n {
+                let m = step.min(n - r0);
+                let mut f32_rows = [std::ptr::null::<f32>(); MAX_ROWS];
+                let mut staged = [std::ptr::null::<u32>(); MAX_ROWS];
+                for i in 0..m {
+                    f32_rows[i] = rows.f32_rows[r0 + i].wrapping_add(b * block);
+                    staged[i] = rows.prepared[r0 + i]
+                        .cast::<u32>()
+                        .wrapping_add(b * block / 2);
+                }
+                // SAFETY: the decoded block is the packed bf16 panel of a `block`-input
+                // matrix; rows hold k floats (staged: k/2 pairs when a bf16 path is picked);
+                // `partial` holds 32 per row.
+                unsafe {
+                    match path {
+                        Some(p) => (p.dot)(
+                            &staged[..m],
+                            block,
+                            decoded.0.as_ptr(),
+                            partial.as_mut_ptr(),
+                        ),
+                        None => self.kernels.panel_dot_raw(
+                            &f32_rows[..m],
+                            block,
+                            decoded.0.as_ptr(),
+                            partial.as_mut_ptr(),
+                        ),
+                    }
+                }
+                let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
+                if b == 0 {
+                    dst.copy_from_slice(&partial[..m * PANEL]);
+                } else {
+                    dst.iter_mut().zip(&partial).for_each(|(o, v)| *o += v);
+                }
+                r0 += m;
+            }
+        }
+        if global != 1.0 {
+            out.iter_mut().for_each(|o| *o *= global);
+        }
+    }
+
+    /// The layer's intermediate size (all parts).
+    fn intermediate(&self) -> usize {
+        self.ranges.last().map_or(0, |r| r.end)
+    }
+
+    /// Row `row` (local to `part`) of `slot`'s `proj`: its codes over local inputs `cols` (even
+    /// bounds) as a checkpoint stores them (row-major bytes, nibbles low first) into `out`.
+    fn row_codes(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        row: usize,
+        cols: Range<usize>,
+        out: &mut [u8],
+    ) {
+        let (codes, _, _) = self.buffers(part, proj);
+        let (at, _) = self.offsets(part, slot, proj, row);
+        let j = row % PANEL;
+        for (i, q) in (cols.start / 2..cols.end / 2).enumerate() {
+            if self.spec.kind.bits() == 8 {
+                let b = at + q * 64 + 2 * j;
+                out[2 * i] = codes[b];
+                out[2 * i + 1] = codes[b + 1];
+            } else {
+                out[i] = codes[at + q * 32 + j];
+            }
+        }
+    }
+
+    /// The stored bits of row `row`'s scale of group `g` (local to `part`).
+    fn scale_bits(&self, part: usize, slot: usize, proj: Proj, row: usize, g: usize) -> u16 {
+        let (_, scales, _) = self.buffers(part, proj);
+        let (_, at) = self.offsets(part, slot, proj, row);
+        let ss = self.spec.scale_type.size();
+        let i = at + (g * PANEL + row % PANEL) * ss;
+        match ss {
+            1 => scales[i] as u16,
+            _ => u16::from_le_bytes([scales[i], scales[i + 1]]),
+        }
+    }
+
+    /// The bytes of one scale as the GPU reads them.
+    fn gpu_scale(&self, bits: u16, global: f32, out: &mut [u8]) {
+        match self.spec.gpu_scales {
+            GpuScales::Native => {
+                out.copy_from_slice(&bits.to_le_bytes()[..self.spec.scale_type.size()])
+            }
+            GpuScales::Bf16Value => {
+                let v = self.spec.scale_type.value(bits) * global;
+                out.copy_from_slice(&crate::dtype::f32_to_bf16_bits(v).to_le_bytes());
+            }
+        }
+    }
+
+    /// Bytes per scale on the GPU.
+    fn gpu_scale_size(&self) -> usize {
+        match self.spec.gpu_scales {
+            GpuScales::Native => self.spec.scale_type.size(),
+            GpuScales::Bf16Value => 2,
+        }
+    }
+
+    /// The codes and scales of `slot`'s `proj` in `part` as a checkpoint holds them: `[n][k]`
+    /// row-major code bytes and `[n][k/group]` stored scale bits (tests, GPU write).
+    pub fn expert_codes(&self, part: usize, slot: usize, proj: Proj) -> (Vec<u8>, Vec<u16>, f32) {
+        let (n, k) = self.shape(part, proj);
+        let row_bytes = k * self.spec.kind.bits() / 8;
+        let mut codes = vec![0u8; n * row_bytes];
+        let mut scales = Vec::with_capacity(n * (k / self.group(proj)));
+        for r in 0..n {
+            self.row_codes(
+                part,
+                slot,
+                proj,
+                r,
+                0..k,
+                &mut codes[r * row_bytes..(r + 1) * row_bytes],
+            );
+            for g in 0..k / self.group(proj) {
+                scales.push(self.scale_bits(part, slot, proj, r, g));
+            }
+        }
+        let (_, _, globals) = self.buffers(part, proj);
+        (codes, scales, globals[Self::global_index(slot, proj)])
+    }
+}
+
+/// Least common multiple.
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
+}
+
+impl ExpertFormat for KGroupExperts {
+    fn method(&self) -> Method {
+        self.spec.method
+    }
+
+    fn kernel_name(&self) -> String {
+        let vector = self.kernels.name();
+        let codes = self.code_kernels.name;
+        match self.kernels.amx_name() {
+            Some(amx) => format!("kgroup-{codes}+{amx}+{vector}"),
+            None => format!("kgroup-{codes}+{vector}"),
+        }
+    }
+
+    fn part_ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    bf16::staged_activations!();
+
+    fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
+        // Every row of a block shares each decoded block (see `panel`).
+        MAX_ROWS
+    }
+
+    unsafe fn gate_up_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let PanelAt { part, slot, panel } = at;
+        let (h, lb, ss) = (self.hidden, self.line_bytes(), self.spec.scale_type.size());
+        let group = self.groups[0];
+        let (codes, scales, globals) = self.buffers(part, Proj::Gate);
+        for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
+            let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
+            let s = &scales[scale_at..scale_at + (h / group) * PANEL * ss];
+            let global = globals[Self::global_index(slot, proj)];
+            // SAFETY: the trait's contract, forwarded for rows of H values.
+            unsafe {
+                self.panel(
+                    rows,
+                    h,
+                    group,
+                    &codes[at..at + (h / 2) * lb],
+                    s,
+                    global,
+                    out,
+                )
+            };
+        }
+    }
+
+    unsafe fn down_panel(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let PanelAt { part, slot, panel } = at;
+        let (ip, lb, ss) = (
+            self.ranges[part].len(),
+            self.line_bytes(),
+            self.spec.scale_type.size(),
+        );
+        let group = self.groups[1];
+        let (codes, scales, globals) = self.buffers(part, Proj::Down);
+        let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
+        let s = &scales[scale_at..scale_at + (ip / group) * PANEL * ss];
+        let global = globals[Self::global_index(slot, Proj::Down)];
+        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
+        unsafe {
+            self.panel(
+                rows,
+                ip,
+                group,
+                &codes[at..at + (ip / 2) * lb],
+                s,
+                global,
+                o,
+            )
+        };
+    }
+
+    fn packs_from_source(&self) -> bool {
+        true
+    }
+
+    fn adapt_to_source(
+        &mut self,
+        config: &MoeConfig,
+        gate: &MatrixView,
+        down: &MatrixView,
+    ) -> Result<()> {
+        let own = |v: &MatrixView| {
+            v.coded
+                .filter(|m| m.kind == self.spec.kind && m.scale_type == self.spec.scale_type)
+                .map(|m| m.group)
+        };
+        let groups = [
+            own(gate).unwrap_or(self.groups[0]),
+            own(down).unwrap_or(self.groups[1]),
+        ];
+        if groups != self.groups {
+            let parts = self.parts.len();
+            *self =
+                KGroupExperts::new(config, parts, self.kernels, self.spec, groups[0], groups[1])?;
+        }
+        Ok(())
+    }
+
+    fn gpu_rank_bytes(&self, gpu_tp: usize) -> Result<[usize; 4]> {
+        let (h, i) = (self.hidden, self.intermediate());
+        let [ggu, gdown] = self.groups;
+        kt_ensure!(
+            gpu_tp >= 1 && i.is_multiple_of(gpu_tp) && (i / gpu_tp).is_multiple_of(gdown.max(8)),
+            Invalid,
+            "{}: moe_intermediate_size {i} does not split into {gpu_tp} GPU ranks of whole \
+             {}-input groups",
+            self.spec.method,
+            gdown.max(8)
+        );
+        let ir = i / gpu_tp;
+        let (bits, ss) = (self.spec.kind.bits(), self.gpu_scale_size());
+        Ok([
+            2 * ir * h * bits / 8,
+            2 * ir * (h / ggu) * ss,
+            h * ir * bits / 8,
+            h * (ir / gdown) * ss,
+        ])
+    }
+
+    unsafe fn write_gpu_rank(
+        &self,
+        slot: usize,
+        gpu_tp: usize,
+        rank: usize,
+        dst: &GpuRankDst,
+    ) -> Result<()> {
+        let (h, ir) = (self.hidden, self.intermediate() / gpu_tp);
+        let r0 = rank * ir;
+        let [ggu, gdown] = self.groups;
+        let (bits, ss) = (self.spec.kind.bits(), self.gpu_scale_size());
+        let gptq = self.spec.method == Method::GptqInt4;
+        let put = |base: *mut u8, at: usize, bytes: &[u8]| {
+            // SAFETY: every write below lands inside the rank's buffers, whose sizes
+            // gpu_rank_bytes gave (the caller's contract).
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(at), bytes.len()) }
+        };
+        let mut row = vec![0u8; h.max(ir) * bits / 8];
+        let mut scale = [0u8; 2];
+        // w13: gate rows of the rank, then up rows. Row-major codes `[2·ir][H]` and scales
+        // `[2·ir][H/g]`; GPTQ: `qweight [H/8][2·ir]` (one u32 per 8 inputs of a row) and
+        // `scales [H/g][2·ir]`.
+        let n13 = 2 * ir;
+        for (which, proj) in [(0, Proj::Gate), (1, Proj::Up)] {
+            for r in 0..ir {
+                let (part, local) = locate(&self.ranges, r0 + r);
+                let n = which * ir + r;
+                let bytes = &mut row[..h * bits / 8];
+                self.row_codes(part, slot, proj, local, 0..h, bytes);
+                if gptq {
+                    for (w, word) in bytes.chunks_exact(4).enumerate() {
+                        put(dst.w13, (w * n13 + n) * 4, word);
+                    }
+                } else {
+                    put(dst.w13, n * bytes.len(), bytes);
+                }
+                let global = self.buffers(part, proj).2[Self::global_index(slot, proj)];
+                for g in 0..h / ggu {
+                    self.gpu_scale(
+                        self.scale_bits(part, slot, proj, local, g),
+                        global,
+                        &mut scale[..ss],
+                    );
+                    let at = if gptq { g * n13 + n } else { n * (h / ggu) + g };
+                    put(dst.w13_scale, at * ss, &scale[..ss]);
+                }
+            }
+        }
+        // w2: every output row over the rank's columns r0..r0+ir, which may span parts.
+        let mut globals_seen: Vec<Option<f32>> = vec![None; 1];
+        for (part, range) in self.ranges.iter().enumerate() {
+            let (g0, g1) = (range.start.max(r0), range.end.min(r0 + ir));
+            if g0 >= g1 {
+                continue;
+            }
+            let (l0, l1, c0) = (g0 - range.start, g1 - range.start, g0 - r0);
+            let global = self.buffers(part, Proj::Down).2[Self::global_index(slot, Proj::Down)];
+            kt_ensure!(
+                globals_seen[0].is_none_or(|s| s == global),
+                Invalid,
+                "{} down of expert slot {slot} has different per-tensor scales in the NUMA \
+                 parts that GPU rank {rank} spans (weights quantized per part); load them from \
+                 an {} checkpoint",
+                self.spec.method,
+                self.spec.method
+            );
+            globals_seen[0] = Some(global);
+            let width = (l1 - l0) * bits / 8;
+            for hrow in 0..h {
+                let bytes = &mut row[..width];
+                self.row_codes(part, slot, Proj::Down, hrow, l0..l1, bytes);
+                if gptq {
+                    for (w, word) in bytes.chunks_exact(4).enumerate() {
+                        put(dst.w2, ((c0 / 8 + w) * h + hrow) * 4, word);
+                    }
+                } else {
+                    put(dst.w2, hrow * (ir * bits / 8) + c0 * bits / 8, bytes);
+                }
+                for g in l0 / gdown..l1 / gdown {
+                    self.gpu_scale(
+                        self.scale_bits(part, slot, Proj::Down, hrow, g),
+                        global,
+                        &mut scale[..ss],
+                    );
+                    let gg = (c0 + g * gdown - l0) / gdown;
+                    let at = if gptq {
+                        gg * h + hrow
+                    } else {
+                        hrow * (ir / gdown) + gg
+                    };
+                    put(dst.w2_scale, at * ss, &scale[..ss]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn pack(&self, part: usize, slot: usize, proj: Proj, view: &MatrixView) -> Result<()> {
+        let (n, k) = self.shape(part, proj);
+        assert!(slot < self.experts && view.rows == n && view.cols == k);
+        match view.coded {
+            Some(m)
+                if m.kind == self.spec.kind
+                    && m.scale_type == self.spec.scale_type
+                    && m.group == self.group(proj) =>
+            {
+                kt_ensure!(
+                    m.col0.is_multiple_of(m.group),
+                    Invalid,
+                    "{} groups must align with this layer's split; this part starts at input {}",
+                    self.spec.method,
+                    m.col0
+                );
+                // SAFETY: forwarded (the view holds this method's codes and group size).
+                unsafe { self.copy_codes(part, slot, proj, view, &m) }
+            }
+            // SAFETY: forwarded.
+            _ => unsafe { self.quantize(part, slot, proj, view) },
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
