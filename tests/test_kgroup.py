@@ -1,0 +1,395 @@
+"""The group-scaled native methods: RAWINT4 (Kimi-K2), GPTQ_INT4, MXFP4 (DeepSeek-V4-Flash),
+NVFP4 and MXFP8 (MiniMax-M3). The original's fixtures reproduced at both threadpool counts,
+accuracy against a float64 model of the dequantized weights on every kernel path, tensors
+quantized online equal to a file of the same quantization (written here by an independent
+torch quantizer), and bad checkpoints refused with the tensor's name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_wrapper
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "native-more"
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures not present")
+METHODS = ["RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8"]
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_ALL = torch.cat([E2M1, -E2M1])
+# Group size each method quantizes with (and its fixture uses).
+GROUP = {"RAWINT4": 32, "GPTQ_INT4": 128, "MXFP4": 32, "NVFP4": 16, "MXFP8": 32}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def prefix(method: str, layer: int, e: int, proj: str) -> str:
+    """The tensor prefix of one expert matrix, as each method's checkpoints name it."""
+    short = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
+    if method == "MXFP4":
+        return f"layers.{layer}.ffn.experts.{e}.{short}"
+    if method == "MXFP8":
+        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{short}"
+    return f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`[N, K/2]` bytes → `[N, K]` nibbles, low nibble first (even input)."""
+    b = packed.view(torch.uint8).long()
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
+def e8m0(u: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, u.view(torch.uint8).double() - 127)
+
+
+def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
+    """One expert matrix `[N, K]` in float64."""
+    if method == "RAWINT4":
+        q = nibbles(t[f"{p}.weight_packed"]).double() - 8
+        s = t[f"{p}.weight_scale"].double()
+    elif method == "GPTQ_INT4":
+        qw = t[f"{p}.qweight"].long() & 0xFFFFFFFF  # [K/8, N]
+        q = torch.stack([(qw >> (4 * j)) & 15 for j in range(8)], dim=1)  # [K/8, 8, N]
+        q = q.reshape(-1, qw.shape[1]).T.double() - 8
+        s = t[f"{p}.scales"].double().T
+    elif method == "MXFP4":
+        q = E2M1_ALL.double()[nibbles(t[f"{p}.weight"])]
+        s = e8m0(t[f"{p}.scale"])
+    elif method == "NVFP4":
+        q = E2M1_ALL.double()[nibbles(t[f"{p}.weight"])]
+        s = t[f"{p}.weight_scale"].double() * t[f"{p}.weight_scale_2"].double()
+    else:
+        q = t[f"{p}.weight"].double()
+        s = e8m0(t[f"{p}.weight_scale_inv"])
+    return q * s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+
+
+def load_tensors(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def dequantize_checkpoint(method: str, path: Path, layer: int, experts: int):
+    t = load_tensors(path)
+    return tuple(
+        torch.stack([dequantize(method, t, prefix(method, layer, e, proj)) for e in range(experts)])
+        for proj in ("gate", "up", "down")
+    )
+
+
+def moe_reference(x, ids, weights, gate, up, down):
+    """float64 MoE: Σ_k w_k · down_e(silu(gate_e x) · up_e x)."""
+    x = x.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t].double().tolist(), strict=True):
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+# --- An independent quantizer: the recipes of kt-core's `codes::quantize_group`, in torch. ---
+
+
+def ceil_pow2_exponent(s: torch.Tensor) -> torch.Tensor:
+    """⌈log2 s⌉ exactly (s > 0)."""
+    m, e = torch.frexp(s)
+    return torch.where(m == 0.5, e - 1, e)
+
+
+def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (ties to the even code), sign bit 3."""
+    a = v.abs().clamp(max=6.0)
+    d = (a[..., None] - E2M1).abs()
+    tie = d == d.min(dim=-1, keepdim=True).values
+    codes = torch.arange(8)
+    best = torch.where(tie, (codes % 2) * 100 + codes, 999).argmin(dim=-1)
+    return torch.where((v < 0) & (best != 0), best | 8, best)
+
+
+def quantize(method: str, w: torch.Tensor) -> dict:
+    """`[N, K]` bf16 weights → the tensors of one expert matrix (suffix → tensor)."""
+    g = GROUP[method]
+    n, k = w.shape
+    v = w.float().reshape(n, k // g, g)
+    amax = v.abs().amax(dim=-1)
+    if method in ("RAWINT4", "GPTQ_INT4"):
+        dt = torch.bfloat16 if method == "RAWINT4" else torch.float16
+        s = torch.where(amax > 0, amax / 1.0 / 7.0, torch.ones_like(amax)).to(dt)
+        q = (v / s.float()[..., None]).round().clamp(-8, 7).long() + 8
+        q = q.reshape(n, k)
+        if method == "RAWINT4":
+            packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+            return {
+                "weight_packed": packed,
+                "weight_scale": s,
+                "weight_shape": torch.tensor([n, k], dtype=torch.int32),
+            }
+        words = torch.zeros(k // 8, n, dtype=torch.int64)
+        for j in range(8):
+            words |= q[:, j::8].T << (4 * j)
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return {"qweight": words, "scales": s.T.contiguous()}
+    if method == "NVFP4":
+        tensor_amax = w.float().abs().max()
+        glob = tensor_amax / (6.0 * 448.0)
+        wanted = torch.where(amax > 0, amax / glob / 6.0, torch.ones_like(amax))
+        s8 = wanted.to(torch.float8_e4m3fn)
+        scale = s8.float() * glob
+        x = torch.where(scale[..., None] > 0, v / scale[..., None], torch.zeros_like(v))
+        q = encode_e2m1(x).reshape(n, k)
+        return {
+            "weight": (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8),
+            "weight_scale": s8,
+            "weight_scale_2": glob.reshape(1),
+        }
+    kmax = 6.0 if method == "MXFP4" else 448.0
+    e = torch.where(amax > 0, ceil_pow2_exponent(amax / kmax), torch.zeros_like(amax).long())
+    e = e.clamp(-126, 127)
+    x = v / torch.pow(2.0, e.float())[..., None]
+    u8 = (e + 127).to(torch.uint8)
+    if method == "MXFP4":
+        q = encode_e2m1(x).reshape(n, k)
+        return {"weight": (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.int8), "scale": u8}
+    return {"weight": x.reshape(n, k).to(torch.float8_e4m3fn), "weight_scale_inv": u8}
+
+
+def write_checkpoint(method: str, folder: Path, layer: int, gate, up, down) -> None:
+    tensors = {}
+    for proj, mats in (("gate", gate), ("up", up), ("down", down)):
+        for e in range(mats.shape[0]):
+            p = prefix(method, layer, e, proj)
+            for suffix, t in quantize(method, mats[e]).items():
+                tensors[f"{p}.{suffix}"] = t
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    if method == "GPTQ_INT4":
+        (folder / "config.json").write_text(
+            '{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, '
+            '"sym": true, "desc_act": false}}'
+        )
+
+
+def random_experts(e, h, i, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+        for shape in ((e, i, h), (e, i, h), (e, h, i))
+    ]
+
+
+def random_batch(t, h, e, k, gen):
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    return x, ids, torch.rand(t, k, generator=gen)
+
+
+# --- Tests. ---
+
+
+@needs_fixtures
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fixtures_reproduce_the_original_within_its_error(tp):
+    """`native-more/<method>` of every method at threadpool_count 1 and 2 (a fresh process per
+    count: the engine is per process), against the original's outputs for the same count."""
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_kgroup as t
+from conftest import make_wrapper
+for method in t.METHODS:
+    folder = method.lower()
+    path = t.FIXTURES / folder / "model.safetensors"
+    io = t.load_tensors(t.FIXTURES / f"io-{{folder}}.safetensors")
+    g, u, d = t.dequantize_checkpoint(method, path, 1, 4)
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, chunk=16, threadpool_count={tp},
+                     weight_path=str(path.parent), method=method)
+    w.load_weights(torch.arange(4))
+    assert w.cpu_infer.engine.parts == {tp}
+    assert w.moe.kernel.startswith("kgroup-"), w.moe.kernel
+    for n in (1, 7):
+        x, ids, wt = io[f"x.T{{n}}"], io[f"ids.T{{n}}"], io[f"weights.T{{n}}"]
+        out, orig = w.forward(x, ids, wt, None), io[f"out.tp{tp}.T{{n}}"]
+        ref = t.moe_reference(x, ids, wt, g, u, d)
+        ours, theirs = t._rel(out, ref), t._rel(orig, ref)
+        print(method, n, ours, theirs)
+        assert ours <= theirs * 1.05 + 1e-5, (method, n, ours, theirs)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    print(r.stdout)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tensors_quantize_like_a_file_of_the_same_quantization(tmp_path, method):
+    e, h, i = 4, 256, 384
+    gate, up, down = random_experts(e, h, i, seed=hash(method) % 1000)
+    gate[1, :32, :128] = 0  # all-zero groups
+    write_checkpoint(method, tmp_path / "ckpt", 0, gate, up, down)
+    args = dict(layer_idx=0, e=e, k=2, h=h, i=i, chunk=64, method=method)
+    online = make_wrapper(**args)
+    online.load_weights_from_tensors(gate, up, down, torch.arange(e))
+    loaded = make_wrapper(**args, weight_path=str(tmp_path / "ckpt"))
+    loaded.load_weights(torch.arange(e))
+    g64, u64, d64 = dequantize_checkpoint(method, tmp_path / "ckpt" / "model.safetensors", 0, e)
+    gen = torch.Generator().manual_seed(1)
+    for t in (1, 3, 40):
+        x, ids, wt = random_batch(t, h, e, 2, gen)
+        a, b = online.forward(x, ids, wt, None), loaded.forward(x, ids, wt, None)
+        assert torch.equal(a, b), (method, t)
+        ref = moe_reference(x, ids, wt, g64, u64, d64)
+        # bf16 activations and output; int4 times a bf16/f16 scale rounds once more in the
+        # bf16 panels of the larger batch.
+        assert _rel(a, ref) < (1e-2 if t == 40 else 4e-3), (method, t, _rel(a, ref))
+
+
+@pytest.mark.parametrize("kernel", ["scalar", "fma", "bf16dot", "amx-emulated"])
+@pytest.mark.parametrize("method", METHODS)
+def test_every_panel_kernel_path_matches_the_dequantized_model(
+    tmp_path, monkeypatch, method, kernel
+):
+    import kt_kernel
+
+    if kernel == "bf16dot" and kt_kernel.cpu_info()["variant"] not in ("avx512_bf16", "amx"):
+        pytest.skip("no AVX512-BF16 at this CPU variant")
+    monkeypatch.setenv("KT_BF16_KERNEL", kernel)
+    e, h, i = 4, 256, 256
+    gate, up, down = random_experts(e, h, i, seed=7)
+    write_checkpoint(method, tmp_path, 0, gate, up, down)
+    g64, u64, d64 = dequantize_checkpoint(method, tmp_path / "model.safetensors", 0, e)
+    w = make_wrapper(layer_idx=0, e=e, k=2, h=h, i=i, chunk=64, method=method,
+                     weight_path=str(tmp_path))
+    w.load_weights(torch.arange(e))
+    gen = torch.Generator().manual_seed(2)
+    # One row per expert (the fused kernels), a few (fp32 on decoded panels), ~32 (bf16/AMX).
+    for t in (1, 5, 64):
+        x, ids, wt = random_batch(t, h, e, 2, gen)
+        err = _rel(w.forward(x, ids, wt, None), moe_reference(x, ids, wt, g64, u64, d64))
+        limit = 4e-3 if t == 1 else 1e-2
+        assert err < limit, (method, kernel, t, err, w.moe.kernel)
+
+
+def test_backend_variables_select_the_avx2_kernels(monkeypatch):
+    import kt_kernel
+
+    if kt_kernel.cpu_info()["variant"] in ("generic", "avx2"):
+        pytest.skip("the AVX2 kernels are already the best here")
+    args = dict(layer_idx=0, e=4, k=2, h=128, i=128)
+    for method, var in (("MXFP4", "KT_MXFP4_BACKEND"), ("RAWINT4", "KT_RAWINT4_BACKEND")):
+        best = make_wrapper(**args, method=method).moe.kernel
+        monkeypatch.setenv(var, "avx2")
+        forced = make_wrapper(**args, method=method).moe.kernel
+        assert forced.startswith("kgroup-avx2+") and not best.startswith("kgroup-avx2+"), (
+            best,
+            forced,
+        )
+        monkeypatch.setenv(var, "amx_blocked")  # the original's name: our best kernels
+        assert make_wrapper(**args, method=method).moe.kernel == best
+        monkeypatch.delenv(var)
+    # Same numbers from the AVX2 kernels (fp32 path, bit-identical twins).
+    gate, up, down = random_experts(4, 128, 128, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x, ids, wt = random_batch(2, 128, 4, 2, gen)
+    outs = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setenv("KT_MXFP4_BACKEND", "avx2")
+        w = make_wrapper(**args, method="MXFP4")
+        w.load_weights_from_tensors(gate, up, down, torch.arange(4))
+        outs.append(w.forward(x, ids, wt, None))
+    assert torch.equal(outs[0], outs[1])
+
+
+def _bad(tmp_path, method, change):
+    gate, up, down = random_experts(4, 128, 128, seed=9)
+    folder = tmp_path / "ckpt"
+    write_checkpoint(method, folder, 0, gate, up, down)
+    path = folder / "model.safetensors"
+    tensors = load_tensors(path)
+    change(tensors, prefix(method, 0, 2, "up"))
+    save_file(tensors, str(path))
+    return make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method=method,
+                        weight_path=str(folder))
+
+
+def _nan_code(t, p):
+    q = t[f"{p}.weight"].view(torch.uint8).clone()
+    q[5, 17] = 0x7F
+    t[f"{p}.weight"] = q.view(torch.float8_e4m3fn)
+
+
+def _nan_e8m0(t, p):
+    t[f"{p}.scale"][3, 1] = 0xFF
+
+
+def _inf_bf16_scale(t, p):
+    t[f"{p}.weight_scale"][0, 0] = float("inf")
+
+
+def _missing_scale(t, p):
+    del t[f"{p}.weight_scale"]
+
+
+def _group_not_dividing(t, p):
+    t[f"{p}.weight_scale"] = t[f"{p}.weight_scale"][:, :3].contiguous()
+
+
+def _wrong_scale_dtype(t, p):
+    t[f"{p}.weight_scale"] = t[f"{p}.weight_scale"].float()
+
+
+def _truncated_codes(t, p):
+    t[f"{p}.weight_packed"] = t[f"{p}.weight_packed"][:, :-1].contiguous()
+
+
+@pytest.mark.parametrize(
+    "method,change,error,message",
+    [
+        ("MXFP8", _nan_code, ValueError, "NaN code"),
+        ("MXFP4", _nan_e8m0, ValueError, "not a finite number"),
+        ("RAWINT4", _inf_bf16_scale, ValueError, "not a finite number"),
+        ("RAWINT4", _missing_scale, ValueError, "weight_scale is missing"),
+        ("RAWINT4", _group_not_dividing, ValueError, r"weight_scale .*group size that divides"),
+        ("RAWINT4", _wrong_scale_dtype, ValueError, r"weight_scale is F32 .*Bf16"),
+        ("RAWINT4", _truncated_codes, ValueError, "weight_shape says"),
+    ],
+)
+def test_bad_checkpoints_are_refused_naming_the_tensor(tmp_path, method, change, error, message):
+    w = _bad(tmp_path, method, change)
+    with pytest.raises(error, match=message):
+        w.load_weights(torch.arange(4))
+
+
+@pytest.mark.parametrize("setting", ["desc_act", "sym", "bits"])
+def test_gptq_checkpoints_we_would_misread_are_refused(tmp_path, setting):
+    gate, up, down = random_experts(4, 128, 128, seed=2)
+    write_checkpoint("GPTQ_INT4", tmp_path, 0, gate, up, down)
+    value = {"desc_act": '"desc_act": true', "sym": '"sym": false', "bits": '"bits": 8'}[setting]
+    (tmp_path / "config.json").write_text('{"quantization_config": {%s}}' % value)
+    w = make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method="GPTQ_INT4",
+                     weight_path=str(tmp_path))
+    with pytest.raises(NotImplementedError, match=setting.replace("_", ".")):
+        w.load_weights(torch.arange(4))
+
+
+@needs_fixtures
+def test_any_method_loads_a_group_scaled_checkpoint():
+    """The codes are read through the same views: a BF16 layer from an MXFP4 checkpoint computes
+    the dequantized weights."""
+    path = FIXTURES / "mxfp4" / "model.safetensors"
+    g, u, d = dequantize_checkpoint("MXFP4", path, 1, 4)
+    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="BF16",
+                     weight_path=str(path.parent))
+    w.load_weights(torch.arange(4))
+    gen = torch.Generator().manual_seed(8)
+    x, ids, wt = random_batch(3, 128, 4, 2, gen)
+    assert _rel(w.forward(x, ids, wt, None), moe_reference(x, ids, wt, g, u, d)) < 4e-3
