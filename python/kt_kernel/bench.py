@@ -195,6 +195,18 @@ def run(args: argparse.Namespace) -> int:
         # FP8_PERCHANNEL: one byte per weight plus an f32 scale per output row.
         "FP8_PERCHANNEL": 3 * hidden * inter + (2 * inter + hidden) * 4,
     }
+    # The group-scaled formats: code bits per weight plus one scale per group of a row.
+    weights_per_expert = 3 * hidden * inter
+    for method, code_bits, group, scale_bytes in (
+        ("RAWINT4", 4, 32, 2),
+        ("GPTQ_INT4", 4, 128, 2),
+        ("MXFP4", 4, 32, 1),
+        ("NVFP4", 4, 16, 1),
+        ("MXFP8", 8, 32, 1),
+    ):
+        method_bytes[method] = (
+            weights_per_expert * code_bits // 8 + weights_per_expert // group * scale_bytes
+        )
     for name, _, types in variants:
         if types is not None:
             method_bytes[name] = _gguf_bytes_per_expert(*types, hidden, inter)

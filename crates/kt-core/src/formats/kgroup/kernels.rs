@@ -39,8 +39,9 @@ pub type DecodeFn = unsafe fn(
     out: *mut u16,
 );
 
-/// `out[r·32 + j] += Σ_g scales[32g + j] · Σ_{lines q of g} (v[j][2q]·a[r][2q] + v[j][2q+1]·a[r][2q+1])`
-/// for `lines` lines (`a[r]` points at the first line's even input).
+/// `out[r·32 + j] += Σ_g scales[32g + j] · (Σ_{lines q of g} v[j][2q]·a[r][2q] + Σ_q v[j][2q+1]·a[r][2q+1])`
+/// for `lines` lines (`a[r]` points at the first line's even input); the even and odd sums
+/// are separate FMA chains.
 ///
 /// # Safety
 /// `a` holds 1..=[`FUSED_ROWS`] rows (the variant's `rows` at most) of `2·lines` readable f32;
@@ -123,6 +124,16 @@ pub fn fused_scalar_for(bits: usize) -> FusedFn {
     }
 }
 
+/// The byte holding row `j`'s two nibbles of line `q` in a panel of 4-bit codes: per block of
+/// 8 inputs, each row's 4 bytes (its 8 nibbles, in input order) in one 32-bit word, the 32
+/// rows' words in row order. A 64-byte load is then 16 rows × 8 inputs, which both the
+/// bf16 decoder (a shift picks the line) and the integer dot kernels (a mask picks the even
+/// or odd inputs) read without byte shuffles.
+#[inline(always)]
+pub fn nibble_byte(q: usize, j: usize) -> usize {
+    (q / 4) * 128 + 4 * j + q % 4
+}
+
 /// Row `j`'s two values in line `q` (even input, odd input).
 ///
 /// # Safety
@@ -143,7 +154,7 @@ unsafe fn line_values<const BITS: usize>(
                 e4m3_to_f32(*line.add(2 * j + 1)),
             )
         } else {
-            let b = *codes.add(q * 32 + j);
+            let b = *codes.add(nibble_byte(q, j));
             (table[(b & 0xF) as usize], table[(b >> 4) as usize])
         }
     }
@@ -193,13 +204,13 @@ pub unsafe fn fused_scalar<const BITS: usize>(
             for j in 0..32 {
                 let mut total = 0f32;
                 for g in 0..lines / group_lines {
-                    let mut sum = 0f32;
+                    let (mut even, mut odd) = (0f32, 0f32);
                     for q in g * group_lines..(g + 1) * group_lines {
                         let (lo, hi) = line_values::<BITS>(codes, q, j, table);
-                        sum = lo.mul_add(*x.add(2 * q), sum);
-                        sum = hi.mul_add(*x.add(2 * q + 1), sum);
+                        even = lo.mul_add(*x.add(2 * q), even);
+                        odd = hi.mul_add(*x.add(2 * q + 1), odd);
                     }
-                    total = sum.mul_add(*scales.add(g * 32 + j), total);
+                    total = (even + odd).mul_add(*scales.add(g * 32 + j), total);
                 }
                 *out.add(r * 32 + j) += total;
             }
@@ -241,10 +252,14 @@ mod x86 {
     /// Rows `16h..16h+16` of nibble line `q`: (even-input values, odd-input values).
     #[inline(always)]
     unsafe fn nibbles512(codes: *const u8, q: usize, h: usize, table: __m512) -> (__m512, __m512) {
-        // SAFETY: the caller's contract: 16 bytes of line q exist.
+        // SAFETY: the caller's contract: the 8-input block of line q exists. `vpermps` reads
+        // the low 4 bits of each lane: the line's byte shifted down is its even nibble.
         unsafe {
-            let d =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.add(q * 32 + 16 * h) as *const __m128i));
+            let words = codes.add((q / 4) * 128 + 64 * h) as *const __m512i;
+            let d = _mm512_srlv_epi32(
+                _mm512_loadu_si512(words),
+                _mm512_set1_epi32(8 * (q % 4) as i32),
+            );
             (
                 _mm512_permutexvar_ps(d, table),
                 _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table),
@@ -319,22 +334,25 @@ mod x86 {
                     let t = _mm512_loadu_ps(table.as_ptr());
                     let mut total = [[_mm512_setzero_ps(); 2]; R];
                     for g in 0..lines / group_lines {
-                        let mut sum = [[_mm512_setzero_ps(); 2]; R];
+                        // Even and odd inputs in separate sums: four FMA chains per row.
+                        let mut even = [[_mm512_setzero_ps(); 2]; R];
+                        let mut odd = [[_mm512_setzero_ps(); 2]; R];
                         for q in g * group_lines..(g + 1) * group_lines {
                             for h in 0..2 {
                                 let (lo, hi) = $values(codes, q, h, t);
                                 for r in 0..R {
                                     let x = a[r].add(2 * q);
-                                    sum[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x), sum[r][h]);
-                                    sum[r][h] =
-                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1)), sum[r][h]);
+                                    even[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x), even[r][h]);
+                                    odd[r][h] =
+                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1)), odd[r][h]);
                                 }
                             }
                         }
                         for h in 0..2 {
                             let sv = _mm512_loadu_ps(scales.add(g * 32 + 16 * h));
                             for r in 0..R {
-                                total[r][h] = _mm512_fmadd_ps(sum[r][h], sv, total[r][h]);
+                                let sum = _mm512_add_ps(even[r][h], odd[r][h]);
+                                total[r][h] = _mm512_fmadd_ps(sum, sv, total[r][h]);
                             }
                         }
                     }
@@ -424,10 +442,14 @@ mod x86 {
         o: usize,
         t: (__m256, __m256),
     ) -> (__m256, __m256) {
-        // SAFETY: the caller's contract: 8 bytes of line q exist.
+        // SAFETY: the caller's contract: the 8-input block of line q exists. The table lookup
+        // reads the low 4 bits of each lane (the blend bit 3).
         unsafe {
-            let d =
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes.add(q * 32 + 8 * o) as *const __m128i));
+            let words = codes.add((q / 4) * 128 + 32 * o) as *const __m256i;
+            let d = _mm256_srlv_epi32(
+                _mm256_loadu_si256(words),
+                _mm256_set1_epi32(8 * (q % 4) as i32),
+            );
             (look256(t, d), look256(t, _mm256_srli_epi32(d, 4)))
         }
     }
@@ -504,22 +526,24 @@ mod x86 {
                     let t = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
                     let mut total = [[_mm256_setzero_ps(); 4]; R];
                     for g in 0..lines / group_lines {
-                        let mut sum = [[_mm256_setzero_ps(); 4]; R];
+                        let mut even = [[_mm256_setzero_ps(); 4]; R];
+                        let mut odd = [[_mm256_setzero_ps(); 4]; R];
                         for q in g * group_lines..(g + 1) * group_lines {
                             for o in 0..4 {
                                 let (lo, hi) = $values(codes, q, o, t);
                                 for r in 0..R {
                                     let x = a[r].add(2 * q);
-                                    sum[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x), sum[r][o]);
-                                    sum[r][o] =
-                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1)), sum[r][o]);
+                                    even[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x), even[r][o]);
+                                    odd[r][o] =
+                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1)), odd[r][o]);
                                 }
                             }
                         }
                         for o in 0..4 {
                             let sv = _mm256_loadu_ps(scales.add(g * 32 + 8 * o));
                             for r in 0..R {
-                                total[r][o] = _mm256_fmadd_ps(sum[r][o], sv, total[r][o]);
+                                let sum = _mm256_add_ps(even[r][o], odd[r][o]);
+                                total[r][o] = _mm256_fmadd_ps(sum, sv, total[r][o]);
                             }
                         }
                     }
@@ -665,7 +689,7 @@ mod tests {
                             let code = if kind.bits() == 8 {
                                 codes[q * 64 + 2 * j + p]
                             } else {
-                                (codes[q * 32 + j] >> (4 * p)) & 0xF
+                                (codes[nibble_byte(q, j)] >> (4 * p)) & 0xF
                             };
                             let v = if kind == CodeKind::E4M3 {
                                 kind.value(code)

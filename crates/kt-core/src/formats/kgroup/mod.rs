@@ -230,6 +230,12 @@ impl KGroupExperts {
             "{method}: group sizes {group_gu} (gate/up) and {group_down} (down) must be even and \
              divide hidden_size {h} and moe_intermediate_size {i}"
         );
+        kt_ensure!(
+            spec.kind.bits() == 8 || (group_gu.is_multiple_of(8) && group_down.is_multiple_of(8)),
+            Invalid,
+            "{method}: group sizes {group_gu} and {group_down} must be multiples of 8 (4-bit \
+             codes are kept in words of 8)"
+        );
         // Each part's down slice holds whole groups and whole panels.
         let unit = lcm(PANEL, group_down);
         kt_ensure!(
@@ -398,7 +404,7 @@ impl KGroupExperts {
                         *b = lo;
                         *b.add(1) = hi;
                     } else {
-                        *dst.get().add(at + q * 32 + j) = lo | (hi << 4);
+                        *dst.get().add(at + kernels::nibble_byte(q, j)) = lo | (hi << 4);
                     }
                 }
             }
@@ -479,7 +485,8 @@ impl KGroupExperts {
                             *b = pair[0];
                             *b.add(1) = pair[1];
                         } else {
-                            *dst.get().add(at + q * 32 + j) = pair[0] | (pair[1] << 4);
+                            *dst.get().add(at + kernels::nibble_byte(q, j)) =
+                                pair[0] | (pair[1] << 4);
                         }
                     }
                 }
@@ -498,18 +505,28 @@ impl KGroupExperts {
         Ok(())
     }
 
-    /// The f32 values of `count` stored scales from `raw` into `out`.
+    /// The f32 values of the stored scales in `raw` into `out` (one loop per type: this runs
+    /// once per group and panel call).
     fn scales_f32(&self, raw: &[u8], out: &mut [f32]) {
-        let st = self.spec.scale_type;
-        match st.size() {
-            1 => {
-                for (o, &b) in out.iter_mut().zip(raw) {
-                    *o = st.value(b as u16);
+        match self.spec.scale_type {
+            ScaleType::E8M0 => {
+                for (o, &u) in out.iter_mut().zip(raw) {
+                    *o = crate::codes::e8m0_to_f32(u);
                 }
             }
-            _ => {
+            ScaleType::E4M3 => {
+                for (o, &b) in out.iter_mut().zip(raw) {
+                    *o = ScaleType::E4M3.value(b as u16);
+                }
+            }
+            ScaleType::Bf16 => {
                 for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
-                    *o = st.value(u16::from_le_bytes([b[0], b[1]]));
+                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
+            ScaleType::F16 => {
+                for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                 }
             }
         }
@@ -691,7 +708,7 @@ impl KGroupExperts {
                 out[2 * i] = codes[b];
                 out[2 * i + 1] = codes[b + 1];
             } else {
-                out[i] = codes[at + q * 32 + j];
+                out[i] = codes[at + kernels::nibble_byte(q, j)];
             }
         }
     }
