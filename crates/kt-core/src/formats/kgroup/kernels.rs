@@ -15,7 +15,7 @@
 //! and a blend on the nibble's top bit on AVX2) and from the exact E4M3 decoders of
 //! [`crate::formats::fp8::kernels`] for bytes. The scalar twins ([`decode_scalar`],
 //! [`fused_scalar`]) do the same operations in the same order: every variant is bit-identical.
-use crate::codes::CodeKind;
+use crate::codes::{CodeKind, ScaleType};
 use crate::dtype::{e4m3_to_f32, f32_to_bf16_bits};
 use crate::isa::Level;
 
@@ -51,8 +51,8 @@ pub type FusedFn = unsafe fn(
     lines: usize,
     group_lines: usize,
     codes: *const u8,
-    scales: *const f32,
-    table: &[f32; 16],
+    scales: *const u8,
+    scale_type: ScaleType,
     out: *mut f32,
 );
 
@@ -82,7 +82,8 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
             } else {
                 KGroupKernels {
                     decode: x86::decode_nibbles_avx512,
-                    fused: Some((x86::fused_nibbles_avx512, FUSED_ROWS)),
+                    // 4-bit codes take the integer kernels ([`super::int_dot`]).
+                    fused: None,
                     name: "avx512",
                 }
             };
@@ -97,7 +98,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
             } else {
                 KGroupKernels {
                     decode: x86::decode_nibbles_avx2,
-                    fused: Some((x86::fused_nibbles_avx2, 2)),
+                    fused: None,
                     name: "avx2",
                 }
             };
@@ -112,15 +113,6 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
         },
         fused: None,
         name: "scalar",
-    }
-}
-
-/// The scalar twin of either fused kernel (bits 8 or 4).
-pub fn fused_scalar_for(bits: usize) -> FusedFn {
-    if bits == 8 {
-        fused_scalar::<8>
-    } else {
-        fused_scalar::<4>
     }
 }
 
@@ -185,19 +177,20 @@ pub unsafe fn decode_scalar<const BITS: usize>(
     }
 }
 
-/// The scalar twin of the fused kernels.
+/// The scalar twin of the fused kernels (E4M3 codes).
 ///
 /// # Safety
 /// The [`FusedFn`] contract (any number of rows).
-pub unsafe fn fused_scalar<const BITS: usize>(
+pub unsafe fn fused_scalar(
     a: &[*const f32],
     lines: usize,
     group_lines: usize,
     codes: *const u8,
-    scales: *const f32,
-    table: &[f32; 16],
+    scales: *const u8,
+    st: ScaleType,
     out: *mut f32,
 ) {
+    let unused = &crate::codes::INT4_VALUES;
     // SAFETY: the contract.
     unsafe {
         for (r, &x) in a.iter().enumerate() {
@@ -206,11 +199,12 @@ pub unsafe fn fused_scalar<const BITS: usize>(
                 for g in 0..lines / group_lines {
                     let (mut even, mut odd) = (0f32, 0f32);
                     for q in g * group_lines..(g + 1) * group_lines {
-                        let (lo, hi) = line_values::<BITS>(codes, q, j, table);
+                        let (lo, hi) = line_values::<8>(codes, q, j, unused);
                         even = lo.mul_add(*x.add(2 * q), even);
                         odd = hi.mul_add(*x.add(2 * q + 1), odd);
                     }
-                    total = (even + odd).mul_add(*scales.add(g * 32 + j), total);
+                    let s = st.value(st.read(scales, g * 32 + j));
+                    total = (even + odd).mul_add(s, total);
                 }
                 *out.add(r * 32 + j) += total;
             }
@@ -220,6 +214,8 @@ pub unsafe fn fused_scalar<const BITS: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::int_dot::x86::{scales16, scales8};
+    use crate::codes::ScaleType;
     use crate::formats::fp8::kernels::x86::{decode8, e4m3x32_to_bf16};
     use std::arch::x86_64::*;
 
@@ -292,8 +288,8 @@ mod x86 {
         unsafe { bytes512(codes, q, h) }
     }
 
-    macro_rules! kgroup512 {
-        ($decode:ident, $fused_rows:ident, $fused:ident, $values:ident) => {
+    macro_rules! decoder512 {
+        ($decode:ident, $values:ident) => {
             #[target_feature(enable = "avx512f,avx512bw")]
             unsafe fn $decode(
                 codes: *const u8,
@@ -317,7 +313,11 @@ mod x86 {
                     }
                 }
             }
+        };
+    }
 
+    macro_rules! fused512 {
+        ($fused_rows:ident, $fused:ident, $values:ident) => {
             #[target_feature(enable = "avx512f,avx512bw")]
             #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
             unsafe fn $fused_rows<const R: usize>(
@@ -325,19 +325,22 @@ mod x86 {
                 lines: usize,
                 group_lines: usize,
                 codes: *const u8,
-                scales: *const f32,
-                table: &[f32; 16],
+                scales: *const u8,
+                scale_type: ScaleType,
                 out: *mut f32,
             ) {
                 // SAFETY: the FusedFn contract with exactly R rows.
                 unsafe {
-                    let t = _mm512_loadu_ps(table.as_ptr());
+                    let t = _mm512_setzero_ps();
+                    let ss = scale_type.size();
                     let mut total = [[_mm512_setzero_ps(); 2]; R];
+                    let dist = crate::kernels::prefetch::distance();
                     for g in 0..lines / group_lines {
                         // Even and odd inputs in separate sums: four FMA chains per row.
                         let mut even = [[_mm512_setzero_ps(); 2]; R];
                         let mut odd = [[_mm512_setzero_ps(); 2]; R];
                         for q in g * group_lines..(g + 1) * group_lines {
+                            crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
                             for h in 0..2 {
                                 let (lo, hi) = $values(codes, q, h, t);
                                 for r in 0..R {
@@ -349,7 +352,7 @@ mod x86 {
                             }
                         }
                         for h in 0..2 {
-                            let sv = _mm512_loadu_ps(scales.add(g * 32 + 16 * h));
+                            let sv = scales16(scales.add((g * 32 + 16 * h) * ss), scale_type);
                             for r in 0..R {
                                 let sum = _mm512_add_ps(even[r][h], odd[r][h]);
                                 total[r][h] = _mm512_fmadd_ps(sum, sv, total[r][h]);
@@ -374,33 +377,24 @@ mod x86 {
                 lines: usize,
                 group_lines: usize,
                 codes: *const u8,
-                scales: *const f32,
-                table: &[f32; 16],
+                scales: *const u8,
+                scale_type: ScaleType,
                 out: *mut f32,
             ) {
                 // SAFETY: forwarded.
                 unsafe {
                     crate::kernels::dispatch_rows!(
                         $fused_rows, "kgroup avx512 fused panel", a,
-                        (a, lines, group_lines, codes, scales, table, out); 1 2 3 4
+                        (a, lines, group_lines, codes, scales, scale_type, out); 1 2 3 4
                     )
                 }
             }
         };
     }
 
-    kgroup512!(
-        decode_nibbles512,
-        fused_nibbles_rows512,
-        fused_nibbles_avx512,
-        nibbles512
-    );
-    kgroup512!(
-        decode_bytes512,
-        fused_bytes_rows512,
-        fused_bytes_avx512,
-        bytes512_t
-    );
+    decoder512!(decode_nibbles512, nibbles512);
+    decoder512!(decode_bytes512, bytes512_t);
+    fused512!(fused_bytes_rows512, fused_bytes_avx512, bytes512_t);
 
     /// Round f32 lanes to bf16, nearest even (upper 16 bits of each lane).
     #[inline(always)]
@@ -480,8 +474,8 @@ mod x86 {
         unsafe { bytes256(codes, q, o) }
     }
 
-    macro_rules! kgroup256 {
-        ($decode:ident, $fused_rows:ident, $fused:ident, $values:ident) => {
+    macro_rules! decoder256 {
+        ($decode:ident, $values:ident) => {
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn $decode(
                 codes: *const u8,
@@ -493,7 +487,10 @@ mod x86 {
             ) {
                 // SAFETY: the DecodeFn contract.
                 unsafe {
-                    let t = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
+                    let t = (
+                        _mm256_loadu_ps(table.as_ptr()),
+                        _mm256_loadu_ps(table.as_ptr().add(8)),
+                    );
                     let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
                     for q in 0..lines {
                         let s = scales.add((q / group_lines) * 32);
@@ -509,7 +506,11 @@ mod x86 {
                     }
                 }
             }
+        };
+    }
 
+    macro_rules! fused256 {
+        ($fused_rows:ident, $fused:ident, $values:ident) => {
             #[target_feature(enable = "avx2,fma,f16c")]
             #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
             unsafe fn $fused_rows<const R: usize>(
@@ -517,18 +518,21 @@ mod x86 {
                 lines: usize,
                 group_lines: usize,
                 codes: *const u8,
-                scales: *const f32,
-                table: &[f32; 16],
+                scales: *const u8,
+                scale_type: ScaleType,
                 out: *mut f32,
             ) {
                 // SAFETY: the FusedFn contract with exactly R rows.
                 unsafe {
-                    let t = (_mm256_loadu_ps(table.as_ptr()), _mm256_loadu_ps(table.as_ptr().add(8)));
+                    let t = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    let ss = scale_type.size();
                     let mut total = [[_mm256_setzero_ps(); 4]; R];
+                    let dist = crate::kernels::prefetch::distance();
                     for g in 0..lines / group_lines {
                         let mut even = [[_mm256_setzero_ps(); 4]; R];
                         let mut odd = [[_mm256_setzero_ps(); 4]; R];
                         for q in g * group_lines..(g + 1) * group_lines {
+                            crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
                             for o in 0..4 {
                                 let (lo, hi) = $values(codes, q, o, t);
                                 for r in 0..R {
@@ -540,7 +544,7 @@ mod x86 {
                             }
                         }
                         for o in 0..4 {
-                            let sv = _mm256_loadu_ps(scales.add(g * 32 + 8 * o));
+                            let sv = scales8(scales.add((g * 32 + 8 * o) * ss), scale_type);
                             for r in 0..R {
                                 let sum = _mm256_add_ps(even[r][o], odd[r][o]);
                                 total[r][o] = _mm256_fmadd_ps(sum, sv, total[r][o]);
@@ -566,33 +570,24 @@ mod x86 {
                 lines: usize,
                 group_lines: usize,
                 codes: *const u8,
-                scales: *const f32,
-                table: &[f32; 16],
+                scales: *const u8,
+                scale_type: ScaleType,
                 out: *mut f32,
             ) {
                 // SAFETY: forwarded.
                 unsafe {
                     crate::kernels::dispatch_rows!(
                         $fused_rows, "kgroup avx2 fused panel", a,
-                        (a, lines, group_lines, codes, scales, table, out); 1 2
+                        (a, lines, group_lines, codes, scales, scale_type, out); 1 2
                     )
                 }
             }
         };
     }
 
-    kgroup256!(
-        decode_nibbles256,
-        fused_nibbles_rows256,
-        fused_nibbles_avx2,
-        nibbles256
-    );
-    kgroup256!(
-        decode_bytes256,
-        fused_bytes_rows256,
-        fused_bytes_avx2,
-        bytes256_t
-    );
+    decoder256!(decode_nibbles256, nibbles256);
+    decoder256!(decode_bytes256, bytes256_t);
+    fused256!(fused_bytes_rows256, fused_bytes_avx2, bytes256_t);
 
     macro_rules! public_decoder {
         ($name:ident, $inner:ident, $what:literal) => {
@@ -725,15 +720,31 @@ mod tests {
     fn fused_kernels_equal_their_scalar_twin() {
         #[cfg(target_arch = "x86_64")]
         if crate::isa::allows(Level::Avx2) {
-            assert!(kernels_for(CodeKind::Int4, Level::Avx2).fused.is_some());
+            assert!(kernels_for(CodeKind::E4M3, Level::Avx2).fused.is_some());
         }
-        for (kind, table) in [
-            (CodeKind::Int4, INT4_VALUES),
-            (CodeKind::E2M1, E2M1_VALUES),
-            (CodeKind::E4M3, INT4_VALUES),
+        // Only E4M3 codes take the fp32 fused kernels (4-bit codes take the integer ones);
+        // scales as stored, of every type the kernels read.
+        let kind = CodeKind::E4M3;
+        for st in [
+            ScaleType::E8M0,
+            ScaleType::E4M3,
+            ScaleType::Bf16,
+            ScaleType::F16,
         ] {
             for (lines, group_lines) in [(64usize, 16usize), (128, 64), (24, 8)] {
-                let (codes, scales) = data(kind.bits(), lines, lines / group_lines, 11);
+                let (codes, values) = data(kind.bits(), lines, lines / group_lines, 11);
+                let scales: Vec<u8> = values
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, &v)| {
+                        let bits = match (st, i % 13) {
+                            (ScaleType::E8M0, 0) => 0,    // 2⁻¹²⁷
+                            (ScaleType::E4M3, 0) => 0x05, // a subnormal
+                            _ => st.encode_at_least(v),
+                        };
+                        bits.to_le_bytes()[..st.size()].to_vec()
+                    })
+                    .collect();
                 let mut rng = crate::rng::Rng::new(4);
                 for level in levels() {
                     let Some((fused, max_rows)) = kernels_for(kind, level).fused else {
@@ -745,28 +756,13 @@ mod tests {
                         let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
                         let start: Vec<f32> = rng.normals(32 * rows, 1.0);
                         let (mut want, mut got) = (start.clone(), start.clone());
+                        let (c, s) = (codes.as_ptr(), scales.as_ptr());
                         // SAFETY: sizes as the contract asks; the level is allowed.
                         unsafe {
-                            fused_scalar_for(kind.bits())(
-                                &ptrs,
-                                lines,
-                                group_lines,
-                                codes.as_ptr(),
-                                scales.as_ptr(),
-                                &table,
-                                want.as_mut_ptr(),
-                            );
-                            fused(
-                                &ptrs,
-                                lines,
-                                group_lines,
-                                codes.as_ptr(),
-                                scales.as_ptr(),
-                                &table,
-                                got.as_mut_ptr(),
-                            );
+                            fused_scalar(&ptrs, lines, group_lines, c, s, st, want.as_mut_ptr());
+                            fused(&ptrs, lines, group_lines, c, s, st, got.as_mut_ptr());
                         }
-                        assert_eq!(got, want, "{kind:?} {level:?} rows={rows} lines={lines}");
+                        assert_eq!(got, want, "{st:?} {level:?} rows={rows} lines={lines}");
                     }
                 }
             }

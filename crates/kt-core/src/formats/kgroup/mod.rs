@@ -37,6 +37,7 @@ use crate::{kt_bail, kt_ensure, Result};
 use std::any::Any;
 use std::ops::Range;
 
+pub mod int_dot;
 pub mod kernels;
 
 use kernels::KGroupKernels;
@@ -198,6 +199,9 @@ pub struct KGroupExperts {
     spec: Spec,
     kernels: KernelSet,
     code_kernels: KGroupKernels,
+    /// The integer few-row kernel (4-bit kinds from AVX2 on) and the rows it takes.
+    int: Option<(int_dot::IntFusedFn, usize)>,
+    weight_bytes: int_dot::WeightBytes,
     /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
     groups: [usize; 2],
     hidden: usize,
@@ -283,6 +287,12 @@ impl KGroupExperts {
             .collect::<Result<Vec<_>>>()?;
         Ok(KGroupExperts {
             code_kernels: kernels::kernels_for(spec.kind, kernels.level()),
+            int: if spec.kind.bits() == 4 {
+                int_dot::int_fused_for(kernels.level())
+            } else {
+                None
+            },
+            weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
             spec,
             kernels,
             groups: [group_gu, group_down],
@@ -532,6 +542,28 @@ impl KGroupExperts {
         }
     }
 
+    /// Bytes of the integer activation region of a row of `k` inputs (0 without the integer
+    /// kernel).
+    fn int_stride(&self, k: usize, group: usize) -> usize {
+        match self.int {
+            Some(_) => int_dot::row_bytes(k, group.min(32)),
+            None => 0,
+        }
+    }
+
+    /// A prepared row: the bf16 pairs (`bf16_bytes`, when the kernels stage) and the integer
+    /// region ([`int_dot::prepare_row`]) when the integer kernel exists.
+    fn prepare_row(&self, values: &[f32], bf16_bytes: usize, group: usize, out: &mut [u8]) -> f32 {
+        let (staged, int) = out.split_at_mut(bf16_bytes);
+        if bf16_bytes > 0 {
+            self.staging().stage(values, staged);
+        }
+        if self.int.is_some() {
+            int_dot::prepare_row(values, group.min(32), int);
+        }
+        1.0
+    }
+
     /// This format's activation staging (as method BF16's).
     fn staging(&self) -> bf16::Staging<'_> {
         bf16::Staging {
@@ -547,17 +579,15 @@ impl KGroupExperts {
     /// # Safety
     /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
     /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
-    #[allow(clippy::too_many_arguments)] // the panel's parts, each needed
-    unsafe fn panel(
-        &self,
-        rows: &RowBlock,
-        k: usize,
-        group: usize,
-        codes: &[u8],
-        scales: &[u8],
-        global: f32,
-        out: &mut [f32],
-    ) {
+    unsafe fn panel(&self, rows: &RowBlock, p: PanelCodes, out: &mut [f32]) {
+        let PanelCodes {
+            k,
+            group,
+            codes,
+            scales,
+            global,
+            int_at,
+        } = p;
         /// A decoded block of a panel, aligned for the kernels' loads.
         #[repr(align(64))]
         struct Decoded([u16; PANEL * 128]);
@@ -573,36 +603,53 @@ impl KGroupExperts {
         let out = &mut out[..n * PANEL];
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         let mut f32_scales = [0f32; 16 * PANEL];
+        if let (None, Some((int, max_rows))) = (path, self.int) {
+            if n <= max_rows {
+                out.fill(0.0);
+                let chunk = group.min(32);
+                let mut int_rows = [std::ptr::null::<u8>(); int_dot::MAX_INT_ROWS];
+                for (p, &row) in int_rows.iter_mut().zip(rows.prepared) {
+                    *p = row.wrapping_add(int_at);
+                }
+                // SAFETY: the forward prepared every row of this block (prepares_x and
+                // prepares_act say yes whenever the integer kernel exists), int regions of k
+                // inputs at `int_at`; 16·k code bytes, the panel's stored scales, 32 outputs
+                // per row; the level allows the kernel.
+                unsafe {
+                    int(
+                        &int_rows[..n],
+                        k,
+                        (0, k),
+                        chunk,
+                        group,
+                        codes.as_ptr(),
+                        scales.as_ptr(),
+                        &self.weight_bytes,
+                        out.as_mut_ptr(),
+                    )
+                };
+                if global != 1.0 {
+                    out.iter_mut().for_each(|o| *o *= global);
+                }
+                return;
+            }
+        }
         if let (None, Some((fused, max_rows))) = (path, self.code_kernels.fused) {
             if n <= max_rows {
                 out.fill(0.0);
-                // Chunks of whole groups whose scales fit `f32_scales`.
-                let chunk_lines = gl * (f32_scales.len() / PANEL).min(k / group).max(1);
-                let mut line0 = 0;
-                while line0 < k / 2 {
-                    let lines = chunk_lines.min(k / 2 - line0);
-                    let (g0, groups) = (line0 / gl, lines / gl);
-                    let s = &mut f32_scales[..groups * PANEL];
-                    self.scales_f32(&scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss], s);
-                    let mut a = [std::ptr::null::<f32>(); kernels::FUSED_ROWS];
-                    for (p, &row) in a.iter_mut().zip(rows.f32_rows) {
-                        *p = row.wrapping_add(2 * line0);
-                    }
-                    // SAFETY: rows of k floats from input 2·line0 on, `lines` lines of codes,
-                    // their groups' scales, 32 outputs per row; the level allows the kernel.
-                    unsafe {
-                        fused(
-                            &a[..n],
-                            lines,
-                            gl,
-                            codes[line0 * lb..].as_ptr(),
-                            s.as_ptr(),
-                            table,
-                            out.as_mut_ptr(),
-                        )
-                    };
-                    line0 += lines;
-                }
+                // SAFETY: rows of k floats, k/2 lines of codes, the panel's stored scales, 32
+                // outputs per row; the level allows the kernel.
+                unsafe {
+                    fused(
+                        rows.f32_rows,
+                        k / 2,
+                        gl,
+                        codes.as_ptr(),
+                        scales.as_ptr(),
+                        self.spec.scale_type,
+                        out.as_mut_ptr(),
+                    )
+                };
                 if global != 1.0 {
                     out.iter_mut().for_each(|o| *o *= global);
                 }
@@ -771,6 +818,22 @@ impl KGroupExperts {
     }
 }
 
+/// One panel's codes as [`KGroupExperts::panel`] reads them.
+struct PanelCodes<'a> {
+    /// Inputs.
+    k: usize,
+    /// Inputs per scale.
+    group: usize,
+    /// The panel's `k/2` lines.
+    codes: &'a [u8],
+    /// Its groups' stored scales.
+    scales: &'a [u8],
+    /// The per-tensor scale.
+    global: f32,
+    /// Offset of the integer activation region in a prepared row.
+    int_at: usize,
+}
+
 /// Least common multiple.
 fn lcm(a: usize, b: usize) -> usize {
     let gcd = |mut x: usize, mut y: usize| {
@@ -800,7 +863,39 @@ impl ExpertFormat for KGroupExperts {
         &self.ranges
     }
 
-    bf16::staged_activations!();
+    fn x_stride(&self, _part: usize) -> usize {
+        self.staging().x_stride() + self.int_stride(self.hidden, self.groups[0])
+    }
+
+    fn act_stride(&self, part: usize) -> usize {
+        let ip = self.ranges[part].len();
+        self.staging().act_stride(part) + self.int_stride(ip, self.groups[1])
+    }
+
+    fn prepares_x(&self, max_rows: usize) -> bool {
+        self.int.is_some() || self.staging().prepares_x(max_rows)
+    }
+
+    fn prepares_act(&self, max_rows: usize) -> bool {
+        self.int.is_some() || self.staging().prepares_act(max_rows)
+    }
+
+    fn prepare_x(&self, _part: usize, x: &[f32], out: &mut [u8]) -> f32 {
+        self.prepare_row(x, self.staging().x_stride(), self.groups[0], out)
+    }
+
+    fn prepare_act(&self, part: usize, act: &[f32], out: &mut [u8]) -> f32 {
+        self.prepare_row(act, self.staging().act_stride(part), self.groups[1], out)
+    }
+
+    fn prepares_act_per_panel(&self) -> bool {
+        // The integer rows' chunk scales need whole chunks of a row: rows are prepared whole.
+        self.int.is_none()
+    }
+
+    fn prepare_act_panel(&self, part: usize, expert_rows: usize, act: &[f32], out: &mut [u8]) {
+        self.staging().stage_panel(part, expert_rows, act, out)
+    }
 
     fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
         // Every row of a block shares each decoded block (see `panel`).
@@ -823,18 +918,16 @@ impl ExpertFormat for KGroupExperts {
             let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
             let s = &scales[scale_at..scale_at + (h / group) * PANEL * ss];
             let global = globals[Self::global_index(slot, proj)];
-            // SAFETY: the trait's contract, forwarded for rows of H values.
-            unsafe {
-                self.panel(
-                    rows,
-                    h,
-                    group,
-                    &codes[at..at + (h / 2) * lb],
-                    s,
-                    global,
-                    out,
-                )
+            let p = PanelCodes {
+                k: h,
+                group,
+                codes: &codes[at..at + (h / 2) * lb],
+                scales: s,
+                global,
+                int_at: self.staging().x_stride(),
             };
+            // SAFETY: the trait's contract, forwarded for rows of H values.
+            unsafe { self.panel(rows, p, out) };
         }
     }
 
@@ -856,18 +949,16 @@ impl ExpertFormat for KGroupExperts {
         let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
         let s = &scales[scale_at..scale_at + (ip / group) * PANEL * ss];
         let global = globals[Self::global_index(slot, Proj::Down)];
-        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
-        unsafe {
-            self.panel(
-                rows,
-                ip,
-                group,
-                &codes[at..at + (ip / 2) * lb],
-                s,
-                global,
-                o,
-            )
+        let p = PanelCodes {
+            k: ip,
+            group,
+            codes: &codes[at..at + (ip / 2) * lb],
+            scales: s,
+            global,
+            int_at: self.staging().act_stride(part),
         };
+        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
+        unsafe { self.panel(rows, p, o) };
     }
 
     fn packs_from_source(&self) -> bool {

@@ -1,0 +1,716 @@
+//! Integer dot products for the 4-bit group-scaled methods (RAWINT4, GPTQ_INT4, MXFP4, NVFP4)
+//! when an expert has one to four rows (decode): 64 multiply-adds per `vpdpbusd` instead of
+//! 16 per fp32 FMA, so the codes stream at memory speed.
+//!
+//! Weights become unsigned bytes `u = m·v + bias` by a mask (int4: the nibble itself, `v =
+//! nibble − 8`, `m = 1`, bias 8) or a `vpshufb` table (E2M1: `m = 2`, bias 12, so `u ≤ 24`).
+//! Activations are cut per chunk of `U` inputs (32, or the group when smaller) into
+//! two signed bytes: `x ≈ s·(x8 + r8/254)` with `s = amax/127`, `r8` the rounded remainder, about
+//! 15 bits in all. Per chunk and row the integer sums `A = Σ u·x8` and `B = Σ u·r8` are exact;
+//! then, in fp32,
+//!
+//! `total += ((B − bias·R)/254 + (A − bias·X)) · (scale_w · (s/m))`
+//!
+//! where `X = Σ x8` and `R = Σ r8` of the chunk are stored with the activation row. The scalar
+//! twin ([`int_fused_scalar`]) does the same integer sums and the same fp32 operations in the
+//! same order: every variant is bit-identical to it.
+//!
+//! An activation row for `k` inputs ([`row_bytes`]): `x8` (`k` bytes; within each 8 inputs the
+//! order `0 2 4 6 1 3 5 7`, so one 32-bit broadcast meets the even nibbles of a weight word and
+//! the next the odd ones), `r8` (the same), then per chunk `X: i32, R: i32, s: f32`.
+use super::kernels::nibble_byte;
+use crate::codes::{CodeKind, ScaleType};
+use crate::isa::Level;
+
+/// `out[r·32 + j] += Σ_chunks ((B − bias·R)/254 + (A − bias·X)) · (scales[g·32 + j] · (s·inv_m))`
+/// over inputs `i0..i0 + n` of a 32-row panel of 4-bit codes (`codes`: the panel, all `k`
+/// inputs), `g` counting groups from `i0 / group`.
+///
+/// # Safety
+/// `rows` holds 1..=the variant's rows activation rows of [`row_bytes`]`(k, chunk)` bytes made by
+/// [`prepare_row`]; `codes` `16·k` bytes; `scales` 32 stored scales (of `weights.scale_type`)
+/// per group of the range; `i0` and `n` multiples of `chunk`, `chunk` of 8 and dividing `group`; `out` 32
+/// writable f32 per row; the CPU has the variant's features.
+pub type IntFusedFn = unsafe fn(
+    rows: &[*const u8],
+    k: usize,
+    range: (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    weights: &WeightBytes,
+    out: *mut f32,
+);
+
+/// How 4-bit codes become unsigned bytes for `vpdpbusd`: `u = lut[nibble] = m·value + bias`.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightBytes {
+    /// The byte of each nibble.
+    pub lut: [u8; 16],
+    /// Whether `lut` is the identity (no table lookup needed).
+    pub identity: bool,
+    /// Subtracted per activation unit.
+    pub bias: i32,
+    /// `1/m`.
+    pub inv_m: f32,
+    /// How the group scales are stored (the kernels read them as stored).
+    pub scale_type: ScaleType,
+}
+
+impl WeightBytes {
+    /// The bytes of `kind` (a 4-bit kind) with scales of `scale_type`.
+    pub fn of(kind: CodeKind, scale_type: ScaleType) -> WeightBytes {
+        match kind {
+            CodeKind::E2M1 => {
+                let mut lut = [0u8; 16];
+                for (i, b) in lut.iter_mut().enumerate() {
+                    *b = (2.0 * crate::codes::E2M1_VALUES[i] + 12.0) as u8;
+                }
+                WeightBytes {
+                    lut,
+                    identity: false,
+                    bias: 12,
+                    inv_m: 0.5,
+                    scale_type,
+                }
+            }
+            _ => WeightBytes {
+                lut: std::array::from_fn(|i| i as u8),
+                identity: true,
+                bias: 8,
+                inv_m: 1.0,
+                scale_type,
+            },
+        }
+    }
+}
+
+/// Most rows any integer kernel takes.
+pub const MAX_INT_ROWS: usize = 4;
+
+/// Bytes of one activation row of `k` inputs cut in chunks of `chunk`.
+pub fn row_bytes(k: usize, chunk: usize) -> usize {
+    2 * k + 12 * (k / chunk)
+}
+
+/// Position of input `i` within the `x8` (or `r8`) bytes.
+#[inline(always)]
+fn slot(i: usize) -> usize {
+    (i & !7) + SLOTS[i % 8]
+}
+
+/// `1.5 · 2²³`: adding and subtracting it rounds an f32 below 2²² in magnitude to the nearest
+/// integer, ties to even, in two vectorizable adds.
+const ROUNDER: f32 = 12_582_912.0;
+
+/// Where each of 8 inputs goes within its 8 bytes (even inputs first).
+const SLOTS: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// Cut `x` (`k` values, a multiple of `chunk`) into an activation row (module docs).
+pub fn prepare_row(x: &[f32], chunk: usize, out: &mut [u8]) {
+    let k = x.len();
+    assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
+    let (x8, rest) = out.split_at_mut(k);
+    let (r8, sums) = rest.split_at_mut(k);
+    for (c, values) in x.chunks_exact(chunk).enumerate() {
+        let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // |v · 127/amax| ≤ 127 and the remainder times 254 stays within ±127: no clamps. A
+        // zero or non-finite chunk gets scale 0 (NaN products cast to 0).
+        let (s, inv) = if amax > 0.0 && amax.is_finite() {
+            (amax / 127.0, 127.0 / amax)
+        } else {
+            (0.0, 0.0)
+        };
+        let (mut xs, mut rs) = (0i32, 0i32);
+        for (b, eight) in values.chunks_exact(8).enumerate() {
+            let (mut q, mut r) = ([0f32; 8], [0f32; 8]);
+            for t in 0..8 {
+                let y = eight[t] * inv;
+                q[t] = (y + ROUNDER) - ROUNDER;
+                r[t] = ((y - q[t]) * 254.0 + ROUNDER) - ROUNDER;
+            }
+            let base = c * chunk + 8 * b;
+            for t in 0..8 {
+                let (qi, ri) = (q[t] as i32, r[t] as i32);
+                x8[base + SLOTS[t]] = qi as i8 as u8;
+                r8[base + SLOTS[t]] = ri as i8 as u8;
+                xs += qi;
+                rs += ri;
+            }
+        }
+        let rec = &mut sums[12 * c..12 * c + 12];
+        rec[0..4].copy_from_slice(&xs.to_le_bytes());
+        rec[4..8].copy_from_slice(&rs.to_le_bytes());
+        rec[8..12].copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// Chunk `c`'s `(X, R, s)` of an activation row.
+///
+/// # Safety
+/// `row` is an activation row of `k` inputs with chunk `c`.
+#[inline(always)]
+unsafe fn chunk_sums(row: *const u8, k: usize, c: usize) -> (i32, i32, f32) {
+    // SAFETY: the contract: the record is inside the row.
+    unsafe {
+        let p = row.add(2 * k + 12 * c);
+        (
+            (p as *const i32).read_unaligned(),
+            (p.add(4) as *const i32).read_unaligned(),
+            (p.add(8) as *const f32).read_unaligned(),
+        )
+    }
+}
+
+/// The scalar twin.
+///
+/// # Safety
+/// The [`IntFusedFn`] contract (any number of rows).
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+pub unsafe fn int_fused_scalar(
+    rows: &[*const u8],
+    k: usize,
+    (i0, n): (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    // SAFETY: the contract.
+    unsafe {
+        for (r, &row) in rows.iter().enumerate() {
+            for j in 0..32 {
+                let mut total = 0f32;
+                for c in i0 / chunk..(i0 + n) / chunk {
+                    let (mut a, mut b) = (0i32, 0i32);
+                    for i in c * chunk..(c + 1) * chunk {
+                        let byte = *codes.add(nibble_byte(i / 2, j));
+                        let u = w.lut[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
+                        a += u * (*row.add(slot(i)) as i8 as i32);
+                        b += u * (*row.add(k + slot(i)) as i8 as i32);
+                    }
+                    let (xs, rs, s) = chunk_sums(row, k, c);
+                    let fa = (a - w.bias * xs) as f32;
+                    let fb = (b - w.bias * rs) as f32;
+                    let f = fb.mul_add(1.0 / 254.0, fa);
+                    let g = (c * chunk) / group - i0 / group;
+                    let st = w.scale_type;
+                    let sw = st.value(st.read(scales, g * 32 + j));
+                    total = f.mul_add(sw * (s * w.inv_m), total);
+                }
+                *out.add(r * 32 + j) += total;
+            }
+        }
+    }
+}
+
+/// The integer kernel `level` allows and the rows it takes (AVX-512 VNNI; AVX2 otherwise).
+pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level >= Level::Avx512Vnni {
+            return Some((x86::int_fused_avx512vnni, 4));
+        }
+        if level >= Level::Avx2 {
+            return Some((x86::int_fused_avx2, 2));
+        }
+    }
+    let _ = level;
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use super::{chunk_sums, WeightBytes};
+    use crate::codes::ScaleType;
+    use std::arch::x86_64::*;
+
+    /// 16 stored scales at `p` as f32 (exactly [`ScaleType::value`]).
+    ///
+    /// # Safety
+    /// AVX-512F; 16 scales of type `st` readable at `p`.
+    #[inline(always)]
+    pub(crate) unsafe fn scales16(p: *const u8, st: ScaleType) -> __m512 {
+        // SAFETY: the contract.
+        unsafe {
+            match st {
+                ScaleType::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)),
+                    16,
+                )),
+                ScaleType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+                // u << 23, and 2⁻¹²⁷ (an f32 subnormal) for u = 0.
+                ScaleType::E8M0 => _mm512_castsi512_ps(_mm512_max_epu32(
+                    _mm512_slli_epi32(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)),
+                        23,
+                    ),
+                    _mm512_set1_epi32(0x0040_0000),
+                )),
+                // The code at the top of a lane, shifted right arithmetically by 4 and
+                // masked, is an f32 worth value · 2⁻¹²⁰ (subnormals too): times 2¹²⁰, exact.
+                ScaleType::E4M3 => {
+                    let d = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                    let bits = _mm512_and_si512(
+                        _mm512_srai_epi32(_mm512_slli_epi32(d, 24), 4),
+                        _mm512_set1_epi32(0x87F0_0000u32 as i32),
+                    );
+                    _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(2f32.powi(120)))
+                }
+            }
+        }
+    }
+
+    /// 8 stored scales at `p` as f32.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; 8 scales of type `st` readable at `p`.
+    #[inline(always)]
+    pub(crate) unsafe fn scales8(p: *const u8, st: ScaleType) -> __m256 {
+        // SAFETY: the contract.
+        unsafe {
+            match st {
+                ScaleType::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+                    16,
+                )),
+                ScaleType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                ScaleType::E8M0 => _mm256_castsi256_ps(_mm256_max_epu32(
+                    _mm256_slli_epi32(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)),
+                        23,
+                    ),
+                    _mm256_set1_epi32(0x0040_0000),
+                )),
+                ScaleType::E4M3 => {
+                    let d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+                    let bits = _mm256_and_si256(
+                        _mm256_srai_epi32(_mm256_slli_epi32(d, 24), 4),
+                        _mm256_set1_epi32(0x87F0_0000u32 as i32),
+                    );
+                    _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(2f32.powi(120)))
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn rows512<const R: usize, const LUT: bool>(
+        rows: &[*const u8],
+        k: usize,
+        (i0, n): (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: the IntFusedFn contract with exactly R rows: every block, activation word,
+        // chunk record and scale read below is inside the caller's buffers.
+        unsafe {
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
+            let nib = _mm512_set1_epi32(0x0F0F_0F0F);
+            let inv254 = _mm512_set1_ps(1.0 / 254.0);
+            let dist = crate::kernels::prefetch::distance();
+            let mut total = [[_mm512_setzero_ps(); 2]; R];
+            for c in i0 / chunk..(i0 + n) / chunk {
+                let mut a = [[_mm512_setzero_si512(); 2]; R];
+                let mut b = [[_mm512_setzero_si512(); 2]; R];
+                for blk in c * chunk / 8..(c + 1) * chunk / 8 {
+                    for h in 0..2 {
+                        let at = codes.add(blk * 128 + 64 * h);
+                        crate::kernels::prefetch::ahead(at, dist);
+                        let d = _mm512_loadu_si512(at as *const __m512i);
+                        let mut we = _mm512_and_si512(d, nib);
+                        let mut wo = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
+                        if LUT {
+                            we = _mm512_shuffle_epi8(lut, we);
+                            wo = _mm512_shuffle_epi8(lut, wo);
+                        }
+                        for r in 0..R {
+                            let x = rows[r].add(8 * blk) as *const i32;
+                            let rr = rows[r].add(k + 8 * blk) as *const i32;
+                            let (xe, xo) = (x.read_unaligned(), x.add(1).read_unaligned());
+                            let (re, ro) = (rr.read_unaligned(), rr.add(1).read_unaligned());
+                            a[r][h] = _mm512_dpbusd_epi32(a[r][h], we, _mm512_set1_epi32(xe));
+                            a[r][h] = _mm512_dpbusd_epi32(a[r][h], wo, _mm512_set1_epi32(xo));
+                            b[r][h] = _mm512_dpbusd_epi32(b[r][h], we, _mm512_set1_epi32(re));
+                            b[r][h] = _mm512_dpbusd_epi32(b[r][h], wo, _mm512_set1_epi32(ro));
+                        }
+                    }
+                }
+                let g = (c * chunk) / group - i0 / group;
+                for r in 0..R {
+                    let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                    let (bx, br) = (
+                        _mm512_set1_epi32(w.bias * xs),
+                        _mm512_set1_epi32(w.bias * rs),
+                    );
+                    let sx = _mm512_set1_ps(s * w.inv_m);
+                    for h in 0..2 {
+                        let fa = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][h], bx));
+                        let fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(b[r][h], br));
+                        let f = _mm512_fmadd_ps(fb, inv254, fa);
+                        let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
+                        let sw = _mm512_mul_ps(scales16(at, w.scale_type), sx);
+                        total[r][h] = _mm512_fmadd_ps(f, sw, total[r][h]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for h in 0..2 {
+                    let o = out.add(r * 32 + 16 * h);
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), total[r][h]));
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn rows256<const R: usize, const LUT: bool>(
+        rows: &[*const u8],
+        k: usize,
+        (i0, n): (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: as rows512, 8 rows per quarter. `vpmaddubsw` cannot saturate: a byte is at
+        // most 24, an activation byte at most 127 in magnitude, so two products and the sum
+        // of two such pairs stay below 2^15.
+        unsafe {
+            let table = _mm_loadu_si128(w.lut.as_ptr() as *const __m128i);
+            let lut = _mm256_set_m128i(table, table);
+            let nib = _mm256_set1_epi32(0x0F0F_0F0F);
+            let ones = _mm256_set1_epi16(1);
+            let inv254 = _mm256_set1_ps(1.0 / 254.0);
+            let dist = crate::kernels::prefetch::distance();
+            let mut total = [[_mm256_setzero_ps(); 4]; R];
+            for c in i0 / chunk..(i0 + n) / chunk {
+                let mut a = [[_mm256_setzero_si256(); 4]; R];
+                let mut b = [[_mm256_setzero_si256(); 4]; R];
+                for blk in c * chunk / 8..(c + 1) * chunk / 8 {
+                    for o in 0..4 {
+                        let at = codes.add(blk * 128 + 32 * o);
+                        if o % 2 == 0 {
+                            crate::kernels::prefetch::ahead(at, dist);
+                        }
+                        let d = _mm256_loadu_si256(at as *const __m256i);
+                        let mut we = _mm256_and_si256(d, nib);
+                        let mut wo = _mm256_and_si256(_mm256_srli_epi32(d, 4), nib);
+                        if LUT {
+                            we = _mm256_shuffle_epi8(lut, we);
+                            wo = _mm256_shuffle_epi8(lut, wo);
+                        }
+                        for r in 0..R {
+                            let x = rows[r].add(8 * blk) as *const i32;
+                            let rr = rows[r].add(k + 8 * blk) as *const i32;
+                            let pa = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(x.read_unaligned())),
+                                _mm256_maddubs_epi16(
+                                    wo,
+                                    _mm256_set1_epi32(x.add(1).read_unaligned()),
+                                ),
+                            );
+                            let pb = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(rr.read_unaligned())),
+                                _mm256_maddubs_epi16(
+                                    wo,
+                                    _mm256_set1_epi32(rr.add(1).read_unaligned()),
+                                ),
+                            );
+                            a[r][o] = _mm256_add_epi32(a[r][o], _mm256_madd_epi16(pa, ones));
+                            b[r][o] = _mm256_add_epi32(b[r][o], _mm256_madd_epi16(pb, ones));
+                        }
+                    }
+                }
+                let g = (c * chunk) / group - i0 / group;
+                for r in 0..R {
+                    let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                    let (bx, br) = (
+                        _mm256_set1_epi32(w.bias * xs),
+                        _mm256_set1_epi32(w.bias * rs),
+                    );
+                    let sx = _mm256_set1_ps(s * w.inv_m);
+                    for o in 0..4 {
+                        let fa = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][o], bx));
+                        let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(b[r][o], br));
+                        let f = _mm256_fmadd_ps(fb, inv254, fa);
+                        let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
+                        let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
+                        total[r][o] = _mm256_fmadd_ps(f, sw, total[r][o]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for o in 0..4 {
+                    let p = out.add(r * 32 + 8 * o);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), total[r][o]));
+                }
+            }
+        }
+    }
+
+    /// AVX-512 VNNI integer kernel, 1 to 4 rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fused_avx512vnni(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        let args = (rows, k, range, chunk, group, codes, scales, w, out);
+        // SAFETY: forwarded.
+        unsafe {
+            match (rows.len(), w.identity) {
+                (1, true) => call512::<1, false>(args),
+                (2, true) => call512::<2, false>(args),
+                (3, true) => call512::<3, false>(args),
+                (4, true) => call512::<4, false>(args),
+                (1, false) => call512::<1, true>(args),
+                (2, false) => call512::<2, true>(args),
+                (3, false) => call512::<3, true>(args),
+                (4, false) => call512::<4, true>(args),
+                (n, _) => panic!("kgroup int avx512 kernel takes at most 4 rows, got {n}"),
+            }
+        }
+    }
+
+    /// AVX2 integer kernel, 1 or 2 rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fused_avx2(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        let args = (rows, k, range, chunk, group, codes, scales, w, out);
+        // SAFETY: forwarded.
+        unsafe {
+            match (rows.len(), w.identity) {
+                (1, true) => call256::<1, false>(args),
+                (2, true) => call256::<2, false>(args),
+                (1, false) => call256::<1, true>(args),
+                (2, false) => call256::<2, true>(args),
+                (n, _) => panic!("kgroup int avx2 kernel takes at most 2 rows, got {n}"),
+            }
+        }
+    }
+
+    type Args<'a> = (
+        &'a [*const u8],
+        usize,
+        (usize, usize),
+        usize,
+        usize,
+        *const u8,
+        *const u8,
+        &'a WeightBytes,
+        *mut f32,
+    );
+
+    /// # Safety
+    /// As [`int_fused_avx512vnni`] with exactly R rows.
+    unsafe fn call512<const R: usize, const LUT: bool>(a: Args) {
+        // SAFETY: forwarded.
+        unsafe { rows512::<R, LUT>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+    }
+
+    /// # Safety
+    /// As [`int_fused_avx2`] with exactly R rows.
+    unsafe fn call256<const R: usize, const LUT: bool>(a: Args) {
+        // SAFETY: forwarded.
+        unsafe { rows256::<R, LUT>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepared_rows_hold_each_input_to_15_bits() {
+        let mut rng = crate::rng::Rng::new(21);
+        let x = rng.normals(256, 1.0);
+        for chunk in [16, 32] {
+            let mut row = vec![0u8; row_bytes(256, chunk)];
+            prepare_row(&x, chunk, &mut row);
+            for (i, &v) in x.iter().enumerate() {
+                // SAFETY: chunk i/chunk of a 256-input row.
+                let (_, _, s) = unsafe { chunk_sums(row.as_ptr(), 256, i / chunk) };
+                let back =
+                    s * (row[slot(i)] as i8 as f32 + row[256 + slot(i)] as i8 as f32 / 254.0);
+                assert!((back - v).abs() <= s / 508.0 + 1e-7, "{i}: {v} vs {back}");
+            }
+        }
+    }
+
+    /// `n` random valid stored scales of `st` (little-endian bytes), values around 0.01.
+    fn native_scales(st: ScaleType, n: usize, rng: &mut crate::rng::Rng) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n * st.size());
+        for i in 0..n {
+            let v = rng.normal().exp() * 0.01;
+            let bits = match (st, i % 17) {
+                (ScaleType::E8M0, 0) => 0,    // 2⁻¹²⁷
+                (ScaleType::E4M3, 0) => 0x03, // a subnormal
+                _ => st.encode_at_least(v),
+            };
+            out.extend_from_slice(&bits.to_le_bytes()[..st.size()]);
+        }
+        out
+    }
+
+    #[test]
+    fn int_kernels_equal_their_scalar_twin() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx2) {
+            assert!(int_fused_for(Level::Avx2).is_some());
+        }
+        let mut rng = crate::rng::Rng::new(31);
+        let k = 512;
+        let codes: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
+        let mut levels = vec![];
+        for l in [Level::Avx2, Level::Avx512Vnni] {
+            if crate::isa::allows(l) {
+                levels.push(l);
+            }
+        }
+        for (kind, st) in [
+            (CodeKind::Int4, ScaleType::Bf16),
+            (CodeKind::Int4, ScaleType::F16),
+            (CodeKind::E2M1, ScaleType::E8M0),
+            (CodeKind::E2M1, ScaleType::E4M3),
+        ] {
+            let w = WeightBytes::of(kind, st);
+            for (chunk, group, range) in [
+                (32, 32, (0, 512)),
+                (16, 16, (64, 256)),
+                (32, 128, (128, 384)),
+            ] {
+                let scales = native_scales(st, (range.1 / group + 1) * 32, &mut rng);
+                for level in &levels {
+                    let (kernel, max_rows) = int_fused_for(*level).unwrap();
+                    for rows in 1..=max_rows {
+                        let data: Vec<Vec<u8>> = (0..rows)
+                            .map(|_| {
+                                let mut row = vec![0u8; row_bytes(k, chunk)];
+                                prepare_row(&rng.normals(k, 1.0), chunk, &mut row);
+                                row
+                            })
+                            .collect();
+                        let ptrs: Vec<*const u8> = data.iter().map(|r| r.as_ptr()).collect();
+                        let start = rng.normals(32 * rows, 1.0);
+                        let (mut want, mut got) = (start.clone(), start.clone());
+                        // SAFETY: buffers sized as the contract asks; the level is allowed.
+                        unsafe {
+                            int_fused_scalar(
+                                &ptrs,
+                                k,
+                                range,
+                                chunk,
+                                group,
+                                codes.as_ptr(),
+                                scales.as_ptr(),
+                                &w,
+                                want.as_mut_ptr(),
+                            );
+                            kernel(
+                                &ptrs,
+                                k,
+                                range,
+                                chunk,
+                                group,
+                                codes.as_ptr(),
+                                scales.as_ptr(),
+                                &w,
+                                got.as_mut_ptr(),
+                            );
+                        }
+                        assert_eq!(
+                            got, want,
+                            "{kind:?} {st:?} {level:?} rows={rows} chunk={chunk}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_twin_computes_the_dot_product() {
+        // The twin against fp64 on the decoded values: only the 15-bit activations differ.
+        let mut rng = crate::rng::Rng::new(8);
+        let k = 256;
+        let codes: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
+        let x = rng.normals(k, 1.0);
+        // bf16 scales, exact in f32 (the reference reads the same values).
+        let scales: Vec<f32> = (0..(k / 32) * 32)
+            .map(|_| half::bf16::from_f32(rng.normal().exp() * 0.01).to_f32())
+            .collect();
+        let stored: Vec<u8> = scales
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        for kind in [CodeKind::Int4, CodeKind::E2M1] {
+            let mut row = vec![0u8; row_bytes(k, 32)];
+            prepare_row(&x, 32, &mut row);
+            let mut out = vec![0f32; 32];
+            // SAFETY: buffers sized as the contract asks.
+            unsafe {
+                int_fused_scalar(
+                    &[row.as_ptr()],
+                    k,
+                    (0, k),
+                    32,
+                    32,
+                    codes.as_ptr(),
+                    stored.as_ptr(),
+                    &WeightBytes::of(kind, ScaleType::Bf16),
+                    out.as_mut_ptr(),
+                )
+            };
+            let table = kind.nibble_table().unwrap();
+            for j in 0..32 {
+                let mut want = 0f64;
+                for i in 0..k {
+                    let b = codes[nibble_byte(i / 2, j)];
+                    let v = table[((b >> (4 * (i % 2))) & 0xF) as usize] as f64;
+                    want += v * scales[(i / 32) * 32 + j] as f64 * x[i] as f64;
+                }
+                let scale: f64 = (0..k)
+                    .map(|i| (scales[(i / 32) * 32 + j] * x[i]).abs() as f64 * 6.0)
+                    .sum();
+                assert!(
+                    (out[j] as f64 - want).abs() <= 1e-4 * scale,
+                    "{kind:?} {j}: {} vs {want}",
+                    out[j]
+                );
+            }
+        }
+    }
+}
