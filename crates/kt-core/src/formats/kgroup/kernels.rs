@@ -316,6 +316,50 @@ mod x86 {
         };
     }
 
+    /// Activations times 2⁶⁴ and group scales times 2⁵⁶ cancel the 2⁻¹²⁰ of [`small512`]'s
+    /// values, keeping every product far from fp32's denormals: powers of two, so each sum is
+    /// the unscaled one exactly scaled.
+    const UP: f32 = 18_446_744_073_709_551_616.0; // 2⁶⁴
+    /// See [`UP`].
+    const DOWN: f32 = 72_057_594_037_927_936.0; // 2⁵⁶
+
+    /// Rows `16h..16h+16` of E4M3 line `q` as value · 2⁻¹²⁰: a code at the top of a 32-bit
+    /// lane, shifted right arithmetically by 4 and masked, is that f32 (subnormal codes become
+    /// f32 denormals). Six integer ops for 32 codes.
+    #[inline(always)]
+    unsafe fn small512(codes: *const u8, q: usize, h: usize, _t: __m512) -> (__m512, __m512) {
+        // SAFETY: the caller's contract: 32 bytes of line q exist; no NaN codes.
+        unsafe {
+            let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                codes.add(q * 64 + 32 * h) as *const __m256i
+            ));
+            let keep = _mm512_set1_epi32(0x87F0_0000u32 as i32);
+            let lo = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 4), keep);
+            let hi = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 4), keep);
+            (_mm512_castsi512_ps(lo), _mm512_castsi512_ps(hi))
+        }
+    }
+
+    /// Rows `8o..8o+8` of E4M3 line `q` as value · 2⁻¹²⁰ (see [`small512`]).
+    #[inline(always)]
+    unsafe fn small256(
+        codes: *const u8,
+        q: usize,
+        o: usize,
+        _t: (__m256, __m256),
+    ) -> (__m256, __m256) {
+        // SAFETY: the caller's contract: 16 bytes of line q exist; no NaN codes.
+        unsafe {
+            let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                codes.add(q * 64 + 16 * o) as *const __m128i
+            ));
+            let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
+            let lo = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 4), keep);
+            let hi = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 4), keep);
+            (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
+        }
+    }
+
     macro_rules! fused512 {
         ($fused_rows:ident, $fused:ident, $values:ident) => {
             #[target_feature(enable = "avx512f,avx512bw")]
@@ -345,14 +389,14 @@ mod x86 {
                                 let (lo, hi) = $values(codes, q, h, t);
                                 for r in 0..R {
                                     let x = a[r].add(2 * q);
-                                    even[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x), even[r][h]);
+                                    even[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x * UP), even[r][h]);
                                     odd[r][h] =
-                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1)), odd[r][h]);
+                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1) * UP), odd[r][h]);
                                 }
                             }
                         }
                         for h in 0..2 {
-                            let sv = scales16(scales.add((g * 32 + 16 * h) * ss), scale_type);
+                            let sv = _mm512_mul_ps(_mm512_set1_ps(DOWN), scales16(scales.add((g * 32 + 16 * h) * ss), scale_type));
                             for r in 0..R {
                                 let sum = _mm512_add_ps(even[r][h], odd[r][h]);
                                 total[r][h] = _mm512_fmadd_ps(sum, sv, total[r][h]);
@@ -394,7 +438,7 @@ mod x86 {
 
     decoder512!(decode_nibbles512, nibbles512);
     decoder512!(decode_bytes512, bytes512_t);
-    fused512!(fused_bytes_rows512, fused_bytes_avx512, bytes512_t);
+    fused512!(fused_bytes_rows512, fused_bytes_avx512, small512);
 
     /// Round f32 lanes to bf16, nearest even (upper 16 bits of each lane).
     #[inline(always)]
@@ -537,14 +581,14 @@ mod x86 {
                                 let (lo, hi) = $values(codes, q, o, t);
                                 for r in 0..R {
                                     let x = a[r].add(2 * q);
-                                    even[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x), even[r][o]);
+                                    even[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x * UP), even[r][o]);
                                     odd[r][o] =
-                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1)), odd[r][o]);
+                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1) * UP), odd[r][o]);
                                 }
                             }
                         }
                         for o in 0..4 {
-                            let sv = scales8(scales.add((g * 32 + 8 * o) * ss), scale_type);
+                            let sv = _mm256_mul_ps(_mm256_set1_ps(DOWN), scales8(scales.add((g * 32 + 8 * o) * ss), scale_type));
                             for r in 0..R {
                                 let sum = _mm256_add_ps(even[r][o], odd[r][o]);
                                 total[r][o] = _mm256_fmadd_ps(sum, sv, total[r][o]);
@@ -587,7 +631,7 @@ mod x86 {
 
     decoder256!(decode_nibbles256, nibbles256);
     decoder256!(decode_bytes256, bytes256_t);
-    fused256!(fused_bytes_rows256, fused_bytes_avx2, bytes256_t);
+    fused256!(fused_bytes_rows256, fused_bytes_avx2, small256);
 
     macro_rules! public_decoder {
         ($name:ident, $inner:ident, $what:literal) => {
