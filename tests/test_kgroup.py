@@ -14,62 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_wrapper
+from native_checkpoints import dequantize, prefix, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "native-more"
 needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures not present")
 METHODS = ["RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8"]
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E2M1_ALL = torch.cat([E2M1, -E2M1])
-# Group size each method quantizes with (and its fixture uses).
-GROUP = {"RAWINT4": 32, "GPTQ_INT4": 128, "MXFP4": 32, "NVFP4": 16, "MXFP8": 32}
 
 
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def prefix(method: str, layer: int, e: int, proj: str) -> str:
-    """The tensor prefix of one expert matrix, as each method's checkpoints name it."""
-    short = {"gate": "w1", "up": "w3", "down": "w2"}[proj]
-    if method == "MXFP4":
-        return f"layers.{layer}.ffn.experts.{e}.{short}"
-    if method == "MXFP8":
-        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{short}"
-    return f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
-
-
-def nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """`[N, K/2]` bytes → `[N, K]` nibbles, low nibble first (even input)."""
-    b = packed.view(torch.uint8).long()
-    return torch.stack([b & 15, b >> 4], dim=-1).reshape(b.shape[0], -1)
-
-
-def e8m0(u: torch.Tensor) -> torch.Tensor:
-    return torch.pow(2.0, u.view(torch.uint8).double() - 127)
-
-
-def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
-    """One expert matrix `[N, K]` in float64."""
-    if method == "RAWINT4":
-        q = nibbles(t[f"{p}.weight_packed"]).double() - 8
-        s = t[f"{p}.weight_scale"].double()
-    elif method == "GPTQ_INT4":
-        qw = t[f"{p}.qweight"].long() & 0xFFFFFFFF  # [K/8, N]
-        q = torch.stack([(qw >> (4 * j)) & 15 for j in range(8)], dim=1)  # [K/8, 8, N]
-        q = q.reshape(-1, qw.shape[1]).T.double() - 8
-        s = t[f"{p}.scales"].double().T
-    elif method == "MXFP4":
-        q = E2M1_ALL.double()[nibbles(t[f"{p}.weight"])]
-        s = e8m0(t[f"{p}.scale"])
-    elif method == "NVFP4":
-        q = E2M1_ALL.double()[nibbles(t[f"{p}.weight"])]
-        s = t[f"{p}.weight_scale"].double() * t[f"{p}.weight_scale_2"].double()
-    else:
-        q = t[f"{p}.weight"].double()
-        s = e8m0(t[f"{p}.weight_scale_inv"])
-    return q * s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
 
 
 def load_tensors(path: Path) -> dict:
@@ -94,88 +49,6 @@ def moe_reference(x, ids, weights, gate, up, down):
             g, u = gate[e] @ x[t], up[e] @ x[t]
             out[t] += w * (down[e] @ (torch.nn.functional.silu(g) * u))
     return out
-
-
-# --- An independent quantizer: the recipes of kt-core's `codes::quantize_group`, in torch. ---
-
-
-def ceil_pow2_exponent(s: torch.Tensor) -> torch.Tensor:
-    """⌈log2 s⌉ exactly (s > 0)."""
-    m, e = torch.frexp(s)
-    return torch.where(m == 0.5, e - 1, e)
-
-
-def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (ties to the even code), sign bit 3."""
-    a = v.abs().clamp(max=6.0)
-    d = (a[..., None] - E2M1).abs()
-    tie = d == d.min(dim=-1, keepdim=True).values
-    codes = torch.arange(8)
-    best = torch.where(tie, (codes % 2) * 100 + codes, 999).argmin(dim=-1)
-    return torch.where((v < 0) & (best != 0), best | 8, best)
-
-
-def quantize(method: str, w: torch.Tensor) -> dict:
-    """`[N, K]` bf16 weights → the tensors of one expert matrix (suffix → tensor)."""
-    g = GROUP[method]
-    n, k = w.shape
-    v = w.float().reshape(n, k // g, g)
-    amax = v.abs().amax(dim=-1)
-    if method in ("RAWINT4", "GPTQ_INT4"):
-        dt = torch.bfloat16 if method == "RAWINT4" else torch.float16
-        s = torch.where(amax > 0, amax / 1.0 / 7.0, torch.ones_like(amax)).to(dt)
-        q = (v / s.float()[..., None]).round().clamp(-8, 7).long() + 8
-        q = q.reshape(n, k)
-        if method == "RAWINT4":
-            packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-            return {
-                "weight_packed": packed,
-                "weight_scale": s,
-                "weight_shape": torch.tensor([n, k], dtype=torch.int32),
-            }
-        words = torch.zeros(k // 8, n, dtype=torch.int64)
-        for j in range(8):
-            words |= q[:, j::8].T << (4 * j)
-        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-        return {"qweight": words, "scales": s.T.contiguous()}
-    if method == "NVFP4":
-        tensor_amax = w.float().abs().max()
-        glob = tensor_amax / (6.0 * 448.0)
-        wanted = torch.where(amax > 0, amax / glob / 6.0, torch.ones_like(amax))
-        s8 = wanted.to(torch.float8_e4m3fn)
-        scale = s8.float() * glob
-        x = torch.where(scale[..., None] > 0, v / scale[..., None], torch.zeros_like(v))
-        q = encode_e2m1(x).reshape(n, k)
-        return {
-            "weight": (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8),
-            "weight_scale": s8,
-            "weight_scale_2": glob.reshape(1),
-        }
-    kmax = 6.0 if method == "MXFP4" else 448.0
-    e = torch.where(amax > 0, ceil_pow2_exponent(amax / kmax), torch.zeros_like(amax).long())
-    e = e.clamp(-126, 127)
-    x = v / torch.pow(2.0, e.float())[..., None]
-    u8 = (e + 127).to(torch.uint8)
-    if method == "MXFP4":
-        q = encode_e2m1(x).reshape(n, k)
-        return {"weight": (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.int8), "scale": u8}
-    return {"weight": x.reshape(n, k).to(torch.float8_e4m3fn), "weight_scale_inv": u8}
-
-
-def write_checkpoint(method: str, folder: Path, layer: int, gate, up, down) -> None:
-    tensors = {}
-    for proj, mats in (("gate", gate), ("up", up), ("down", down)):
-        for e in range(mats.shape[0]):
-            p = prefix(method, layer, e, proj)
-            for suffix, t in quantize(method, mats[e]).items():
-                tensors[f"{p}.{suffix}"] = t
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    if method == "GPTQ_INT4":
-        (folder / "config.json").write_text(
-            '{"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, '
-            '"sym": true, "desc_act": false}}'
-        )
 
 
 def random_experts(e, h, i, seed):
@@ -266,8 +139,9 @@ def test_every_panel_kernel_path_matches_the_dequantized_model(
     gate, up, down = random_experts(e, h, i, seed=7)
     write_checkpoint(method, tmp_path, 0, gate, up, down)
     g64, u64, d64 = dequantize_checkpoint(method, tmp_path / "model.safetensors", 0, e)
-    w = make_wrapper(layer_idx=0, e=e, k=2, h=h, i=i, chunk=64, method=method,
-                     weight_path=str(tmp_path))
+    w = make_wrapper(
+        layer_idx=0, e=e, k=2, h=h, i=i, chunk=64, method=method, weight_path=str(tmp_path)
+    )
     w.load_weights(torch.arange(e))
     gen = torch.Generator().manual_seed(2)
     # One row per expert (the fused kernels), a few (fp32 on decoded panels), ~32 (bf16/AMX).
@@ -317,8 +191,7 @@ def _bad(tmp_path, method, change):
     tensors = load_tensors(path)
     change(tensors, prefix(method, 0, 2, "up"))
     save_file(tensors, str(path))
-    return make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method=method,
-                        weight_path=str(folder))
+    return make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method=method, weight_path=str(folder))
 
 
 def _nan_code(t, p):
@@ -374,9 +247,10 @@ def test_gptq_checkpoints_we_would_misread_are_refused(tmp_path, setting):
     gate, up, down = random_experts(4, 128, 128, seed=2)
     write_checkpoint("GPTQ_INT4", tmp_path, 0, gate, up, down)
     value = {"desc_act": '"desc_act": true', "sym": '"sym": false', "bits": '"bits": 8'}[setting]
-    (tmp_path / "config.json").write_text('{"quantization_config": {%s}}' % value)
-    w = make_wrapper(layer_idx=0, e=4, k=2, h=128, i=128, method="GPTQ_INT4",
-                     weight_path=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"quantization_config": {' + value + "}}")
+    w = make_wrapper(
+        layer_idx=0, e=4, k=2, h=128, i=128, method="GPTQ_INT4", weight_path=str(tmp_path)
+    )
     with pytest.raises(NotImplementedError, match=setting.replace("_", ".")):
         w.load_weights(torch.arange(4))
 
@@ -387,8 +261,9 @@ def test_any_method_loads_a_group_scaled_checkpoint():
     the dequantized weights."""
     path = FIXTURES / "mxfp4" / "model.safetensors"
     g, u, d = dequantize_checkpoint("MXFP4", path, 1, 4)
-    w = make_wrapper(layer_idx=1, e=4, k=2, h=128, i=256, method="BF16",
-                     weight_path=str(path.parent))
+    w = make_wrapper(
+        layer_idx=1, e=4, k=2, h=128, i=256, method="BF16", weight_path=str(path.parent)
+    )
     w.load_weights(torch.arange(4))
     gen = torch.Generator().manual_seed(8)
     x, ids, wt = random_batch(3, 128, 4, 2, gen)

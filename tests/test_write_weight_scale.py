@@ -129,7 +129,8 @@ def test_gptq_writes_its_own_checkpoint_layout_per_rank():
                 cols = slice(r * ir, (r + 1) * ir)
                 want = {
                     "w13_weight": torch.cat(
-                        [t[f"{p}.gate_proj.qweight"][:, cols], t[f"{p}.up_proj.qweight"][:, cols]], 1
+                        [t[f"{p}.gate_proj.qweight"][:, cols], t[f"{p}.up_proj.qweight"][:, cols]],
+                        1,
                     ),
                     "w13_scale": torch.cat(
                         [t[f"{p}.gate_proj.scales"][:, cols], t[f"{p}.up_proj.scales"][:, cols]], 1
