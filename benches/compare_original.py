@@ -49,7 +49,16 @@ PRESETS = {
     "deepseek-v3": (256, 8, 7168, 2048),
     "mixtral": (8, 2, 4096, 14336),
 }
-METHODS = ("BF16", "AMXINT8", "AMXINT4", "LLAMAFILE")
+# Native checkpoint methods: their files are written once per shape from the bf16 checkpoint
+# by the torch quantizers of tests/native_checkpoints.py (the same for both implementations).
+NATIVE = ("FP8", "FP8_PERCHANNEL", "RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8")
+METHODS = ("BF16", "AMXINT8", "AMXINT4", "LLAMAFILE", *NATIVE)
+# The original's default kernels for these need AVX-VNNI (GPTQ) or have no group-16 path
+# (NVFP4) on CPUs without it: its AVX2 backends are forced for it, as its fixtures were.
+ORIGINAL_BACKENDS = {
+    "GPTQ_INT4": {"KT_GPTQ_INT4_BACKEND": "avx2"},
+    "NVFP4": {"KT_MXFP4_BACKEND": "avx2"},
+}
 META_NAME = "kt_bench_meta.json"
 # Default layer count is the largest <= 4 whose bf16 experts fit in this
 # budget: each method keeps its own copy, and the machine may be shared.
@@ -392,6 +401,32 @@ def ensure_gguf(torch, args, ckpt: Checkpoint, wdir: Path):
     return gdir
 
 
+def ensure_native(torch, args, ckpt: Checkpoint, wdir: Path, method: str) -> Path:
+    """Write the checkpoint in `method`'s native format (one file per layer)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import native_checkpoints
+    from safetensors.torch import save_file
+
+    ndir = wdir / f"native_{method.lower()}"
+    meta = dict(checkpoint_meta(args), layers=args.layers, method=method)
+    meta_path = ndir / META_NAME
+    if meta_path.exists() and json.loads(meta_path.read_text()) == meta:
+        return ndir
+    shutil.rmtree(ndir, ignore_errors=True)
+    ndir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for layer in range(args.layers):
+        stacks = [ckpt.stacked(torch, layer, p, args.experts) for p in ("gate", "up", "down")]
+        tensors = native_checkpoints.layer_tensors(method, layer, *stacks)
+        save_file(tensors, str(layer_file(ndir, layer)))
+        del tensors, stacks
+    if method == "GPTQ_INT4":
+        (ndir / "config.json").write_text(native_checkpoints.GPTQ_CONFIG)
+    meta_path.write_text(json.dumps(meta))
+    print(f"[bench] wrote {method} checkpoint in {time.perf_counter() - t0:.1f}s", flush=True)
+    return ndir
+
+
 def bytes_per_expert(args, method):
     hi = args.hidden * args.intermediate
     rows = 2 * args.intermediate + args.hidden
@@ -401,6 +436,21 @@ def bytes_per_expert(args, method):
         return 3 * hi + 4 * rows  # int8 weights + one fp32 scale per output row
     if method == "AMXINT4":
         return 3 * hi // 2 + 4 * rows
+    # Native formats: code bits per weight plus their scales.
+    if method == "FP8":
+        return 3 * hi + 3 * (args.hidden // 128) * (args.intermediate // 128) * 4
+    if method == "FP8_PERCHANNEL":
+        return 3 * hi + 4 * rows
+    group_scales = {
+        "RAWINT4": (4, 32, 2),
+        "GPTQ_INT4": (4, 128, 2),
+        "MXFP4": (4, 32, 1),
+        "NVFP4": (4, 16, 1),
+        "MXFP8": (8, 32, 1),
+    }
+    if method in group_scales:
+        bits, group, scale_bytes = group_scales[method]
+        return 3 * hi * bits // 8 + 3 * hi // group * scale_bytes
     if method == "LLAMAFILE":
         import gguf
 
@@ -451,6 +501,8 @@ def build_layers(torch, kt_kernel, args, method, ckpt, wdir, scratch):
         weight_path = str(wdir)
     elif method == "LLAMAFILE":
         weight_path = str(ensure_gguf(torch, args, ckpt, wdir))
+    elif method in NATIVE:
+        weight_path = str(ensure_native(torch, args, ckpt, wdir, method))
     else:
         # Online quantization writes .kt files under weight_path; it must not
         # contain *.safetensors or the original takes its pre-quantized route.
@@ -665,7 +717,10 @@ def run_worker(args, method, wdir, scratch, report):
         "--json",
         str(out),
     ]
-    rc = subprocess.run(cmd, check=False).returncode
+    env = dict(os.environ)
+    if args.original:
+        env.update(ORIGINAL_BACKENDS.get(method, {}))
+    rc = subprocess.run(cmd, check=False, env=env).returncode
     child = json.loads(out.read_text()) if out.exists() else {}
     report["results"].extend(child.get("results", []))
     report["load_seconds"].update(child.get("load_seconds", {}))
