@@ -13,7 +13,8 @@ OUT=bench-results
 mkdir -p "$OUT"
 
 echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
-"$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 FP8 LLAMAFILE \
+"$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 FP8 FP8_PERCHANNEL RAWINT4 \
+  GPTQ_INT4 MXFP4 NVFP4 MXFP8 LLAMAFILE \
   --gguf-type Q4_K Q8_0 --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
 
 echo "[benchmarks] converter and loading of converted weights"
@@ -29,7 +30,8 @@ if [ "${KT_SKIP_ORIGINAL:-0}" != 1 ] && bash benches/setup_original_venv.sh >"$O
   # The original's AMXINT8/AMXINT4 exist only in its AVX-512 and AMX builds.
   METHODS=$(KT_FORCE_SYNC_SUBMIT=1 "$ORIG/bin/python" -c "import kt_kernel
 m = kt_kernel.kt_kernel_ext.moe
-print(' '.join(['BF16', 'LLAMAFILE'] + (['AMXINT8', 'AMXINT4'] if hasattr(m, 'AMXInt8_MOE') else [])))")
+native = ['FP8', 'FP8_PERCHANNEL', 'RAWINT4', 'GPTQ_INT4', 'MXFP4', 'NVFP4', 'MXFP8']
+print(' '.join(['BF16', 'LLAMAFILE'] + (['AMXINT8', 'AMXINT4'] if hasattr(m, 'AMXInt8_MOE') else []) + native))")
   echo "[benchmarks] original kt-kernel 0.7.2 (black box): $METHODS"
   # shellcheck disable=SC2086
   # Ours first: it writes the shared synthetic checkpoint and GGUF files (gguf-py cannot

@@ -97,6 +97,81 @@ fn int_kernels(c: &mut Criterion) {
     grp.finish();
 }
 
+/// The group-scaled formats' kernels on one 32-row panel (k = 2048): the integer few-row
+/// kernels (4-bit codes), the fp32 fused kernel (E4M3 codes) and the bf16-panel decoders.
+/// Throughput counts weights (× bits/8 = bytes streamed).
+fn kgroup_kernels(c: &mut Criterion) {
+    use kt_core::codes::{CodeKind, ScaleType, INT4_VALUES};
+    use kt_core::formats::kgroup::{int_dot, kernels};
+    let detected = kt_core::isa::global().unwrap().detected;
+    let levels: Vec<Level> = [Level::Avx2, Level::Avx512Vnni]
+        .into_iter()
+        .filter(|l| *l <= detected)
+        .collect();
+    let k = 2048;
+    let mut rng = Rng::new(6);
+    let nibbles: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
+    let bytes: Vec<u8> = (0..32 * k).map(|_| rng.below(0x7E) as u8).collect();
+    // bf16 1.0 (0x3F80) per group and row; E8M0 2^-7 for the byte codes.
+    let bf16_scales: Vec<u8> = (0..(k / 32) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
+    let e8m0_scales: Vec<u8> = vec![120; (k / 32) * 32];
+    let mut grp = c.benchmark_group("kgroup_k2048");
+    grp.throughput(Throughput::Elements((32 * k) as u64));
+    for level in &levels {
+        let (int, max_rows) = int_dot::int_fused_for(*level).unwrap();
+        for (kind, st, scales) in [
+            (CodeKind::Int4, ScaleType::Bf16, &bf16_scales),
+            (CodeKind::E2M1, ScaleType::E8M0, &e8m0_scales),
+        ] {
+            let w = int_dot::WeightBytes::of(kind, st);
+            for rows in [1, max_rows] {
+                let data: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| {
+                        let mut row = vec![0u8; int_dot::row_bytes(k, 32)];
+                        int_dot::prepare_row(&rng.normals(k, 1.0), 32, &mut row);
+                        row
+                    })
+                    .collect();
+                let ptrs: Vec<*const u8> = data.iter().map(|r| r.as_ptr()).collect();
+                let mut out = vec![0f32; 32 * rows];
+                let (c, s, o) = (nibbles.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
+                let id = BenchmarkId::new(format!("int-{kind:?}-{level:?}"), rows);
+                // SAFETY: rows prepared for k inputs, a 32 × k panel, its scales, 32 outputs
+                // per row; the level was detected.
+                grp.bench_function(id, |b| {
+                    b.iter(|| unsafe { int(&ptrs, k, (0, k), 32, 32, c, s, &w, o) })
+                });
+            }
+        }
+        let set = kernels::kernels_for(CodeKind::E4M3, *level);
+        if let Some((fused, max_rows)) = set.fused {
+            for rows in [1, max_rows] {
+                let xs: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
+                let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
+                let mut out = vec![0f32; 32 * rows];
+                let (c, s, o) = (bytes.as_ptr(), e8m0_scales.as_ptr(), out.as_mut_ptr());
+                let id = BenchmarkId::new(format!("fused-E4M3-{level:?}"), rows);
+                // SAFETY: as above, fp32 rows of k inputs and no NaN codes.
+                grp.bench_function(id, |b| {
+                    b.iter(|| unsafe { fused(&ptrs, k / 2, 16, c, s, ScaleType::E8M0, o) })
+                });
+            }
+        }
+        for (kind, codes) in [(CodeKind::Int4, &nibbles), (CodeKind::E4M3, &bytes)] {
+            let decode = kernels::kernels_for(kind, *level).decode;
+            let f32_scales = vec![0.01f32; (k / 32) * 32];
+            let mut out = vec![0u16; 32 * k];
+            let (c, s, o) = (codes.as_ptr(), f32_scales.as_ptr(), out.as_mut_ptr());
+            let id = BenchmarkId::new(format!("decode-{kind:?}"), format!("{level:?}"));
+            // SAFETY: k/2 lines of codes, their scales, 64 values per line out.
+            grp.bench_function(id, |b| {
+                b.iter(|| unsafe { decode(c, k / 2, 16, s, &INT4_VALUES, o) })
+            });
+        }
+    }
+    grp.finish();
+}
+
 fn layer(c: &mut Criterion) {
     let pool = pool(2);
     // Per format two layers, alternated, so weights come from DRAM.
@@ -104,6 +179,29 @@ fn layer(c: &mut Criterion) {
         (Method::Bf16, "moe_bf16_qwen3_30b_a3b", 2.0),
         (Method::AmxInt8, "moe_int8_qwen3_30b_a3b", 1.0),
         (Method::AmxInt4, "moe_int4_qwen3_30b_a3b", 0.5),
+        (
+            Method::Fp8,
+            "moe_fp8_qwen3_30b_a3b",
+            1.0 + 4.0 / (128.0 * 128.0),
+        ),
+        (
+            Method::Fp8PerChannel,
+            "moe_fp8_perchannel_qwen3_30b_a3b",
+            1.0,
+        ),
+        (
+            Method::RawInt4,
+            "moe_rawint4_qwen3_30b_a3b",
+            0.5 + 2.0 / 32.0,
+        ),
+        (
+            Method::GptqInt4,
+            "moe_gptq_int4_qwen3_30b_a3b",
+            0.5 + 2.0 / 128.0,
+        ),
+        (Method::MxFp4, "moe_mxfp4_qwen3_30b_a3b", 0.5 + 1.0 / 32.0),
+        (Method::NvFp4, "moe_nvfp4_qwen3_30b_a3b", 0.5 + 1.0 / 16.0),
+        (Method::MxFp8, "moe_mxfp8_qwen3_30b_a3b", 1.0 + 1.0 / 32.0),
     ] {
         layer_format(c, &pool, format, name, bytes_per_weight);
     }
@@ -212,5 +310,12 @@ fn ggml_kernels(c: &mut Criterion) {
     grp.finish();
 }
 
-criterion_group!(benches, panel_kernels, int_kernels, ggml_kernels, layer);
+criterion_group!(
+    benches,
+    panel_kernels,
+    int_kernels,
+    kgroup_kernels,
+    ggml_kernels,
+    layer
+);
 criterion_main!(benches);
