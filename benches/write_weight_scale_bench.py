@@ -21,7 +21,20 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--methods", nargs="+", default=["BF16", "FP8", "FP8_PERCHANNEL"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=[
+            "BF16",
+            "FP8",
+            "FP8_PERCHANNEL",
+            "RAWINT4",
+            "GPTQ_INT4",
+            "MXFP4",
+            "NVFP4",
+            "MXFP8",
+        ],
+    )
     args = p.parse_args()
     e, h, i = args.experts, args.hidden, args.intermediate
     gen = torch.Generator().manual_seed(0)

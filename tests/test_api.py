@@ -98,7 +98,7 @@ def test_unknown_method_lists_valid_ones():
     assert "AMXINT4" in str(e.value)
 
 
-@pytest.mark.parametrize("method", ["GPTQ_INT4", "RAWINT4", "MXFP4"])
+@pytest.mark.parametrize("method", ["SYCL_GPTQ_INT4", "MOE_INT4", "MOE_INT8"])
 def test_known_but_unbuilt_methods_raise_not_implemented(method):
     with pytest.raises(NotImplementedError, match=method):
         KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, "", 8, method=method)

@@ -269,7 +269,14 @@ impl Checkpoint {
         let name = format!("{prefix}.weight");
         let t = self.tensor(&name, "the expert's weight")?;
         match t.dtype.as_str() {
-            "U8" | "I8" => self.fp4_view(prefix),
+            // Bytes with group scales beside them are FP4 codes; bare bytes are refused by
+            // float_view with their dtype (e.g. an int8 checkpoint).
+            "U8" | "I8"
+                if self.has(&format!("{prefix}.scale"))
+                    || self.has(&format!("{prefix}.weight_scale")) =>
+            {
+                self.fp4_view(prefix)
+            }
             "F8_E4M3" if self.has(&format!("{prefix}.weight_scale_inv")) => {
                 let scale = self.tensor(&format!("{prefix}.weight_scale_inv"), "")?;
                 if matches!(scale.dtype.as_str(), "U8" | "F8_E8M0") {
