@@ -268,3 +268,35 @@ def test_any_method_loads_a_group_scaled_checkpoint():
     gen = torch.Generator().manual_seed(8)
     x, ids, wt = random_batch(3, 128, 4, 2, gen)
     assert _rel(w.forward(x, ids, wt, None), moe_reference(x, ids, wt, g, u, d)) < 4e-3
+
+
+@pytest.mark.parametrize("method", ["RAWINT4", "MXFP4", "MXFP8"])
+def test_swiglu_limit_and_alpha_on_every_path(tmp_path, method):
+    """The clamp and the "swigluoai" variant (DeepSeek-V4 MXFP4, MiniMax-M3 MXFP8) on the
+    integer/fp32 few-row kernels (1 token) and the bf16 panels (64 tokens)."""
+    from conftest import reference_moe
+
+    e, h, i = 4, 128, 128
+    gate, up, down = random_experts(e, h, i, seed=12)
+    gate, up = gate * 6, up * 6  # gate/up outputs past the clamp
+    write_checkpoint(method, tmp_path, 0, gate, up, down)
+    g64, u64, d64 = dequantize_checkpoint(method, tmp_path / "model.safetensors", 0, e)
+    gen = torch.Generator().manual_seed(3)
+    for limit, alpha in ((0.5, 0.0), (0.7, 1.702)):
+        w = make_wrapper(
+            layer_idx=0,
+            e=e,
+            k=2,
+            h=h,
+            i=i,
+            chunk=64,
+            method=method,
+            weight_path=str(tmp_path),
+            swiglu_limit=limit,
+            swiglu_alpha=alpha,
+        )
+        w.load_weights(torch.arange(e))
+        for t in (1, 64):
+            x, ids, wt = random_batch(t, h, e, 2, gen)
+            ref = reference_moe(x, ids, wt, g64, u64, d64, limit=limit, alpha=alpha)
+            assert _rel(w.forward(x, ids, wt, None), ref) < 1e-2, (method, limit, alpha, t)

@@ -542,6 +542,20 @@ impl KGroupExperts {
         }
     }
 
+    /// Bytes this layer's experts occupy (codes, scales, per-tensor scales).
+    pub fn resident_bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| {
+                p.gate_up.as_slice().len()
+                    + p.down.as_slice().len()
+                    + p.gate_up_scales.as_slice().len()
+                    + p.down_scales.as_slice().len()
+                    + 4 * p.globals.as_slice().len()
+            })
+            .sum()
+    }
+
     /// Bytes of the integer activation region of a row of `k` inputs (0 without the integer
     /// kernel).
     fn int_stride(&self, k: usize, group: usize) -> usize {
@@ -1132,5 +1146,42 @@ impl ExpertFormat for KGroupExperts {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_memory_is_the_files_expert_bytes() {
+        let config = MoeConfig {
+            layer_idx: 0,
+            num_experts: 4,
+            top_k: 2,
+            hidden: 2048,
+            intermediate: 768,
+            max_tokens: 16,
+            swiglu_limit: 0.0,
+            swiglu_alpha: 0.0,
+        };
+        let kernels = KernelSet::scalar_twin();
+        let weights = 4 * 3 * 2048 * 768;
+        for spec in [RAWINT4, GPTQ_INT4, MXFP4, NVFP4, MXFP8] {
+            for parts in [1, 2] {
+                let g = spec.default_group;
+                let experts = KGroupExperts::new(&config, parts, kernels, spec, g, g).unwrap();
+                // The file: codes, one scale per group, and NVFP4's f32 per matrix.
+                let file = weights * spec.kind.bits() / 8
+                    + weights / g * spec.scale_type.size()
+                    + if spec.global { 4 * 3 * 4 } else { 0 };
+                let ours = experts.resident_bytes();
+                assert!(
+                    ours >= file && (ours - file) as f64 <= 0.05 * file as f64,
+                    "{} parts={parts}: {ours} vs {file}",
+                    spec.method
+                );
+            }
+        }
     }
 }
