@@ -65,6 +65,16 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         "FP8",
         kt_core::formats::fp8::kernel_name(&KernelSet::best().py()?),
     )?;
+    for spec in [
+        kt_core::formats::kgroup::RAWINT4,
+        kt_core::formats::kgroup::GPTQ_INT4,
+        kt_core::formats::kgroup::MXFP4,
+        kt_core::formats::kgroup::NVFP4,
+        kt_core::formats::kgroup::MXFP8,
+    ] {
+        let decode = kt_core::formats::kgroup::decode_kernel_name(&spec, level);
+        kernels.set_item(spec.method.name(), decode)?;
+    }
     kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
     d.set_item(
         "amx_min_rows",

@@ -145,6 +145,29 @@ builder!(mxfp4, MXFP4);
 builder!(nvfp4, NVFP4);
 builder!(mxfp8, MXFP8);
 
+/// What decodes `spec`'s codes for one to four rows at `level` (for `cpu_info`): the integer
+/// kernel for 4-bit codes, the fp32 one for E4M3, else the bf16-panel decoder.
+pub fn decode_kernel_name(spec: &Spec, level: Level) -> &'static str {
+    if spec.kind.bits() == 4 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if level >= Level::Avx512Vnni {
+                return "int-avx512-vnni";
+            }
+            if level >= Level::Avx2 {
+                return "int-avx2";
+            }
+        }
+    } else if kernels::kernels_for(spec.kind, level).fused.is_some() {
+        return if level >= Level::Avx512Base {
+            "fp32-avx512"
+        } else {
+            "fp32-avx2"
+        };
+    }
+    kernels::kernels_for(spec.kind, level).name
+}
+
 /// The kernels a method runs with: the original's backend variable may ask for the AVX2 ones
 /// (`avx2`); its other names (`amx`, `amx_blocked`, `blocked`, `avxvnni`, `packed`) name
 /// kernels of the original and mean the best ones here.
