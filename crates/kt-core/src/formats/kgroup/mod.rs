@@ -786,6 +786,15 @@ impl KGroupExperts {
         let (codes, _, _) = self.buffers(part, proj);
         let (at, _) = self.offsets(part, slot, proj, row);
         let j = row % PANEL;
+        if self.spec.kind.bits() == 4 && cols.start.is_multiple_of(8) && cols.end.is_multiple_of(8)
+        {
+            // A row's 8 inputs are one 4-byte word of the panel: whole words.
+            for (m, b) in (cols.start / 8..cols.end / 8).enumerate() {
+                let w = at + b * 128 + 4 * j;
+                out[4 * m..4 * m + 4].copy_from_slice(&codes[w..w + 4]);
+            }
+            return;
+        }
         for (i, q) in (cols.start / 2..cols.end / 2).enumerate() {
             if self.spec.kind.bits() == 8 {
                 let b = at + q * 64 + 2 * j;
@@ -1064,7 +1073,7 @@ impl ExpertFormat for KGroupExperts {
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(at), bytes.len()) }
         };
         let mut row = vec![0u8; h.max(ir) * bits / 8];
-        let mut scale = [0u8; 2];
+        let mut row_scales = vec![0u8; (h / ggu).max(ir / gdown) * ss];
         // w13: gate rows of the rank, then up rows. Row-major codes `[2·ir][H]` and scales
         // `[2·ir][H/g]`; GPTQ: `qweight [H/8][2·ir]` (one u32 per 8 inputs of a row) and
         // `scales [H/g][2·ir]`.
@@ -1084,13 +1093,20 @@ impl ExpertFormat for KGroupExperts {
                 }
                 let global = self.buffers(part, proj).2[Self::global_index(slot, proj)];
                 for g in 0..h / ggu {
-                    self.gpu_scale(
-                        self.scale_bits(part, slot, proj, local, g),
-                        global,
-                        &mut scale[..ss],
-                    );
-                    let at = if gptq { g * n13 + n } else { n * (h / ggu) + g };
-                    put(dst.w13_scale, at * ss, &scale[..ss]);
+                    let bits = self.scale_bits(part, slot, proj, local, g);
+                    self.gpu_scale(bits, global, &mut row_scales[g * ss..(g + 1) * ss]);
+                    if gptq {
+                        put(
+                            dst.w13_scale,
+                            (g * n13 + n) * ss,
+                            &row_scales[g * ss..(g + 1) * ss],
+                        );
+                    }
+                }
+                if !gptq {
+                    // The row's scales are contiguous in the row-major buffer: one copy.
+                    let len = (h / ggu) * ss;
+                    put(dst.w13_scale, n * len, &row_scales[..len]);
                 }
             }
         }
@@ -1124,19 +1140,22 @@ impl ExpertFormat for KGroupExperts {
                 } else {
                     put(dst.w2, hrow * (ir * bits / 8) + c0 * bits / 8, bytes);
                 }
-                for g in l0 / gdown..l1 / gdown {
-                    self.gpu_scale(
-                        self.scale_bits(part, slot, Proj::Down, hrow, g),
-                        global,
-                        &mut scale[..ss],
-                    );
-                    let gg = (c0 + g * gdown - l0) / gdown;
-                    let at = if gptq {
-                        gg * h + hrow
-                    } else {
-                        hrow * (ir / gdown) + gg
-                    };
-                    put(dst.w2_scale, at * ss, &scale[..ss]);
+                let (first, groups) = (l0 / gdown, (l1 - l0) / gdown);
+                for (i, g) in (first..first + groups).enumerate() {
+                    let bits = self.scale_bits(part, slot, Proj::Down, hrow, g);
+                    self.gpu_scale(bits, global, &mut row_scales[i * ss..(i + 1) * ss]);
+                    let gg = c0 / gdown + i;
+                    if gptq {
+                        put(
+                            dst.w2_scale,
+                            (gg * h + hrow) * ss,
+                            &row_scales[i * ss..(i + 1) * ss],
+                        );
+                    }
+                }
+                if !gptq {
+                    let at = (hrow * (ir / gdown) + c0 / gdown) * ss;
+                    put(dst.w2_scale, at, &row_scales[..groups * ss]);
                 }
             }
         }
