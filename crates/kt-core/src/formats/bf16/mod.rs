@@ -130,6 +130,70 @@ pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf1
         .or(bf16.filter(|b| b.min_rows > 0 && rows >= b.min_rows))
 }
 
+/// Add `scale ·` one decoded block to `out` (32 per row): `decoded` is the bf16 panel of
+/// inputs `b·block .. (b+1)·block` (32 × `block` values, panel order), multiplied with those
+/// inputs of every row of `rows` through `path` (staged bf16 pairs) or, for `None`, the fp32
+/// kernel, in row blocks of the kernel's size. Block 0 assigns, the others add. FP8 and the
+/// group-scaled formats feed their decoded blocks through here.
+///
+/// # Safety
+/// The [`ExpertFormat::gate_up_panel`] contract for `rows` of at least `(b+1)·block` inputs
+/// (staged rows present when `path` is Some); `decoded` holds `32·block` values and `out` 32
+/// per row.
+#[allow(clippy::too_many_arguments)] // one block's product: each argument a fact of it
+pub(crate) unsafe fn add_decoded_block(
+    kernels: &KernelSet,
+    path: Option<Bf16Path>,
+    rows: &RowBlock,
+    block: usize,
+    b: usize,
+    decoded: &[u16],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let n = rows.len();
+    assert!(decoded.len() >= PANEL * block && out.len() >= n * PANEL);
+    let step = path.map_or(kernels.rows_per_block(), |p| p.rows_per_block);
+    let mut partial = [0f32; crate::kernels::MAX_ROWS * PANEL];
+    let mut r0 = 0;
+    while r0 < n {
+        let m = step.min(n - r0);
+        let mut f32_rows = [std::ptr::null::<f32>(); crate::kernels::MAX_ROWS];
+        let mut staged = [std::ptr::null::<u32>(); crate::kernels::MAX_ROWS];
+        for i in 0..m {
+            // Block b's inputs of each row: `block` floats, or block/2 staged bf16 pairs.
+            f32_rows[i] = rows.f32_rows[r0 + i].wrapping_add(b * block);
+            staged[i] = rows.prepared[r0 + i]
+                .cast::<u32>()
+                .wrapping_add(b * block / 2);
+        }
+        // SAFETY: the decoded block is the packed bf16 panel of a `block`-input matrix; the
+        // rows hold block b's inputs (the contract); `partial` holds 32 per row.
+        unsafe {
+            match path {
+                Some(p) => (p.dot)(&staged[..m], block, decoded.as_ptr(), partial.as_mut_ptr()),
+                None => kernels.panel_dot_raw(
+                    &f32_rows[..m],
+                    block,
+                    decoded.as_ptr(),
+                    partial.as_mut_ptr(),
+                ),
+            }
+        }
+        let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
+        if b == 0 {
+            dst.iter_mut()
+                .zip(&partial)
+                .for_each(|(o, v)| *o = scale * v);
+        } else {
+            dst.iter_mut()
+                .zip(&partial)
+                .for_each(|(o, v)| *o += scale * v);
+        }
+        r0 += m;
+    }
+}
+
 /// The activation side of a format that feeds the bf16 panel kernels: x and SwiGLU rows staged
 /// as bf16 pairs for the experts whose row count picks a bf16 path ([`path_for`]), SwiGLU rows
 /// panel by panel while in cache. BF16 and FP8 answer these trait questions through it.

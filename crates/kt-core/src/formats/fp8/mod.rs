@@ -464,57 +464,16 @@ impl Fp8Experts {
                 return;
             }
         }
-        let step = path.map_or(self.kernels.rows_per_block(), |b| b.rows_per_block);
         let mut decoded = Decoded([0; PANEL * BLOCK]);
-        let mut partial = [0f32; MAX_ROWS * PANEL];
         for (b, &scale) in scales.iter().enumerate() {
             let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
             // SAFETY: 32·128 codes in, as many values out; the decoder's ISA was checked when
             // the KernelSet was built; NaN codes were refused at load.
             unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), decoded.0.as_mut_ptr()) };
-            let mut r0 = 0;
-            while r0 < n {
-                let m = step.min(n - r0);
-                let mut f32_rows = [std::ptr::null::<f32>(); MAX_ROWS];
-                let mut staged = [std::ptr::null::<u32>(); MAX_ROWS];
-                for i in 0..m {
-                    // Block b's inputs of each row: 128 floats, or 64 staged bf16 pairs.
-                    f32_rows[i] = rows.f32_rows[r0 + i].wrapping_add(b * BLOCK);
-                    staged[i] = rows.prepared[r0 + i]
-                        .cast::<u32>()
-                        .wrapping_add(b * BLOCK / 2);
-                }
-                // SAFETY: the decoded block is the packed bf16 panel of a 128-input matrix;
-                // rows hold k floats (staged: k/2 pairs when a bf16 path is picked), so block
-                // b's 128 inputs exist; `partial` holds 32 per row.
-                unsafe {
-                    match path {
-                        Some(p) => (p.dot)(
-                            &staged[..m],
-                            BLOCK,
-                            decoded.0.as_ptr(),
-                            partial.as_mut_ptr(),
-                        ),
-                        None => self.kernels.panel_dot_raw(
-                            &f32_rows[..m],
-                            BLOCK,
-                            decoded.0.as_ptr(),
-                            partial.as_mut_ptr(),
-                        ),
-                    }
-                }
-                let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
-                if b == 0 {
-                    for (o, v) in dst.iter_mut().zip(&partial) {
-                        *o = scale * v;
-                    }
-                } else {
-                    for (o, v) in dst.iter_mut().zip(&partial) {
-                        *o += scale * v;
-                    }
-                }
-                r0 += m;
-            }
+            // SAFETY: the caller's contract, block b of k inputs.
+            unsafe {
+                bf16::add_decoded_block(&self.kernels, path, rows, BLOCK, b, &decoded.0, scale, out)
+            };
         }
     }
 }

@@ -703,9 +703,7 @@ impl KGroupExperts {
         assert!(
             k.is_multiple_of(block) && (block.is_multiple_of(group) || group.is_multiple_of(block))
         );
-        let step = path.map_or(self.kernels.rows_per_block(), |b| b.rows_per_block);
         let mut decoded = Decoded([0; PANEL * 128]);
-        let mut partial = [0f32; MAX_ROWS * PANEL];
         for b in 0..k / block {
             let (line0, lines) = (b * block / 2, block / 2);
             let (g0, groups) = (line0 / gl, (lines / gl).max(1));
@@ -723,44 +721,10 @@ impl KGroupExperts {
                     decoded.0.as_mut_ptr(),
                 )
             };
-            let mut r0 = 0;
-            while r0 < n {
-                let m = step.min(n - r0);
-                let mut f32_rows = [std::ptr::null::<f32>(); MAX_ROWS];
-                let mut staged = [std::ptr::null::<u32>(); MAX_ROWS];
-                for i in 0..m {
-                    f32_rows[i] = rows.f32_rows[r0 + i].wrapping_add(b * block);
-                    staged[i] = rows.prepared[r0 + i]
-                        .cast::<u32>()
-                        .wrapping_add(b * block / 2);
-                }
-                // SAFETY: the decoded block is the packed bf16 panel of a `block`-input
-                // matrix; rows hold k floats (staged: k/2 pairs when a bf16 path is picked);
-                // `partial` holds 32 per row.
-                unsafe {
-                    match path {
-                        Some(p) => (p.dot)(
-                            &staged[..m],
-                            block,
-                            decoded.0.as_ptr(),
-                            partial.as_mut_ptr(),
-                        ),
-                        None => self.kernels.panel_dot_raw(
-                            &f32_rows[..m],
-                            block,
-                            decoded.0.as_ptr(),
-                            partial.as_mut_ptr(),
-                        ),
-                    }
-                }
-                let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
-                if b == 0 {
-                    dst.copy_from_slice(&partial[..m * PANEL]);
-                } else {
-                    dst.iter_mut().zip(&partial).for_each(|(o, v)| *o += v);
-                }
-                r0 += m;
-            }
+            // SAFETY: the caller's contract, block b of k inputs; scales are folded in.
+            unsafe {
+                bf16::add_decoded_block(&self.kernels, path, rows, block, b, &decoded.0, 1.0, out)
+            };
         }
         if global != 1.0 {
             out.iter_mut().for_each(|o| *o *= global);
