@@ -300,3 +300,11 @@ def test_swiglu_limit_and_alpha_on_every_path(tmp_path, method):
             x, ids, wt = random_batch(t, h, e, 2, gen)
             ref = reference_moe(x, ids, wt, g64, u64, d64, limit=limit, alpha=alpha)
             assert _rel(w.forward(x, ids, wt, None), ref) < 1e-2, (method, limit, alpha, t)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_shapes_that_do_not_split_into_groups_are_refused(method):
+    with pytest.raises(ValueError, match="multiple"):
+        make_wrapper(layer_idx=0, e=4, k=2, h=48, i=128, method=method)
+    with pytest.raises(ValueError, match="multiple"):
+        make_wrapper(layer_idx=0, e=4, k=2, h=128, i=80, method=method)
