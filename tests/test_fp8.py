@@ -214,7 +214,12 @@ def test_module_reports_the_fp8_kernel_and_layout():
     assert kt_kernel.__fp8_kernel__ == w.moe.kernel
     assert kt_kernel.__fp8_weight_layout__ == "block-e4m3-128x128"
     variant = kt_kernel.cpu_info()["variant"]
-    want = {"generic": "fp8-scalar+", "avx2": "fp8-avx2+"}.get(variant, "fp8-avx512+")
+    want = {
+        "generic": "fp8-scalar+",
+        "avx2": "fp8-avx2+",
+        "avx512": "fp8-avx512+",
+        "avx512_vnni": "fp8-avx512+",
+    }.get(variant, "fp8-avx512-vbmi+")
     assert kt_kernel.__fp8_kernel__.startswith(want), (variant, kt_kernel.__fp8_kernel__)
 
 

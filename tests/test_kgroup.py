@@ -65,6 +65,13 @@ def random_batch(t, h, e, k, gen):
     return x, ids, torch.rand(t, k, generator=gen)
 
 
+def batch_budget(method, budget):
+    """Error budget of a batch that runs the many-row integer kernels: `budget` with their
+    15-bit activations; RAWINT4's are 8-bit (as the original's RAWINT4, whose own error on its
+    fixture is 1.2e-2), so 1.5e-2."""
+    return max(budget, 1.5e-2) if method == "RAWINT4" else budget
+
+
 # --- Tests. ---
 
 
@@ -120,9 +127,8 @@ def test_tensors_quantize_like_a_file_of_the_same_quantization(tmp_path, method)
         a, b = online.forward(x, ids, wt, None), loaded.forward(x, ids, wt, None)
         assert torch.equal(a, b), (method, t)
         ref = moe_reference(x, ids, wt, g64, u64, d64)
-        # bf16 activations and output; int4 times a bf16/f16 scale rounds once more in the
-        # bf16 panels of the larger batch.
-        assert _rel(a, ref) < (1e-2 if t == 40 else 4e-3), (method, t, _rel(a, ref))
+        budget = batch_budget(method, 4e-3) if t == 40 else 4e-3
+        assert _rel(a, ref) < budget, (method, t, _rel(a, ref))
 
 
 @pytest.mark.parametrize("kernel", ["scalar", "fma", "bf16dot", "amx-emulated"])
@@ -148,7 +154,7 @@ def test_every_panel_kernel_path_matches_the_dequantized_model(
     for t in (1, 5, 64):
         x, ids, wt = random_batch(t, h, e, 2, gen)
         err = _rel(w.forward(x, ids, wt, None), moe_reference(x, ids, wt, g64, u64, d64))
-        limit = 4e-3 if t == 1 else 1e-2
+        limit = 4e-3 if t == 1 else batch_budget(method, 1e-2)
         assert err < limit, (method, kernel, t, err, w.moe.kernel)
 
 
@@ -299,7 +305,10 @@ def test_swiglu_limit_and_alpha_on_every_path(tmp_path, method):
         for t in (1, 64):
             x, ids, wt = random_batch(t, h, e, 2, gen)
             ref = reference_moe(x, ids, wt, g64, u64, d64, limit=limit, alpha=alpha)
-            assert _rel(w.forward(x, ids, wt, None), ref) < 1e-2, (method, limit, alpha, t)
+            # RAWINT4's 8-bit batch activations round the clamped SwiGLU rows (many values at
+            # the limit) to about 1.8e-2; without the clamp the error is about 0.3.
+            budget = 2.5e-2 if method == "RAWINT4" and t > 1 else 1e-2
+            assert _rel(w.forward(x, ids, wt, None), ref) < budget, (method, limit, alpha, t)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -117,14 +117,26 @@ fn kgroup_kernels(c: &mut Criterion) {
     let e8m0_scales: Vec<u8> = vec![120; (k / 32) * 32];
     let mut grp = c.benchmark_group("kgroup_k2048");
     grp.throughput(Throughput::Elements((32 * k) as u64));
+    type KernelFor = fn(Level) -> Option<(int_dot::IntFusedFn, usize)>;
+    let families: [(&str, KernelFor); 2] = [
+        ("int", int_dot::int_fused_for),
+        ("gemm", int_dot::int_gemm_for),
+    ];
     for level in &levels {
-        let (int, max_rows) = int_dot::int_fused_for(*level).unwrap();
-        for (kind, st, scales) in [
-            (CodeKind::Int4, ScaleType::Bf16, &bf16_scales),
-            (CodeKind::E2M1, ScaleType::E8M0, &e8m0_scales),
-        ] {
+        for ((family, kernel_for), (kind, st, scales)) in families.into_iter().flat_map(|f| {
+            [
+                (CodeKind::Int4, ScaleType::Bf16, &bf16_scales),
+                (CodeKind::E2M1, ScaleType::E8M0, &e8m0_scales),
+            ]
+            .map(|k| (f, k))
+        }) {
+            let (int, max_rows) = kernel_for(*level).unwrap();
             let w = int_dot::WeightBytes::of(kind, st);
             for rows in [1, max_rows] {
+                // Decode counts weights streamed; the many-row kernels multiply-adds.
+                grp.throughput(Throughput::Elements(
+                    (32 * k * if family == "gemm" { rows } else { 1 }) as u64,
+                ));
                 let data: Vec<Vec<u8>> = (0..rows)
                     .map(|_| {
                         let mut row = vec![0u8; int_dot::row_bytes(k, 32)];
@@ -135,7 +147,7 @@ fn kgroup_kernels(c: &mut Criterion) {
                 let ptrs: Vec<*const u8> = data.iter().map(|r| r.as_ptr()).collect();
                 let mut out = vec![0f32; 32 * rows];
                 let (c, s, o) = (nibbles.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
-                let id = BenchmarkId::new(format!("int-{kind:?}-{level:?}"), rows);
+                let id = BenchmarkId::new(format!("{family}-{kind:?}-{level:?}"), rows);
                 // SAFETY: rows prepared for k inputs, a 32 × k panel, its scales, 32 outputs
                 // per row; the level was detected.
                 grp.bench_function(id, |b| {
@@ -143,6 +155,7 @@ fn kgroup_kernels(c: &mut Criterion) {
                 });
             }
         }
+        grp.throughput(Throughput::Elements((32 * k) as u64));
         let set = kernels::kernels_for(CodeKind::E4M3, *level);
         if let Some((fused, max_rows)) = set.fused {
             for rows in [1, max_rows] {

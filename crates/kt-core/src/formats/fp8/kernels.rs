@@ -87,6 +87,12 @@ pub fn fused_for(level: Level) -> Option<Fused> {
 pub fn decoder_for(level: Level) -> Fp8Decoder {
     #[cfg(target_arch = "x86_64")]
     {
+        if level >= Level::Avx512Vbmi {
+            return Fp8Decoder {
+                decode: x86::decode_avx512vbmi,
+                name: "avx512-vbmi",
+            };
+        }
         if level >= Level::Avx512Base {
             return Fp8Decoder {
                 decode: x86::decode_avx512,
@@ -160,6 +166,99 @@ pub(crate) mod x86 {
             let sub = _mm512_permutexvar_epi16(mag, table);
             _mm512_or_si512(_mm512_mask_blend_epi16(subnormal, normal, sub), sign)
         }
+    }
+
+    /// bf16 bits of the E4M3 magnitude `m` (`m < 0x7F`; 0x7F is NaN and never decoded).
+    const fn magnitude_bf16(m: u8) -> u16 {
+        let (e, f) = ((m >> 3) as u16, (m & 7) as u16);
+        if e > 0 {
+            // 2^(e−7)·(1 + f/8): bf16 exponent e + 120, the 3 mantissa bits on top.
+            ((e + 120) << 7) | (f << 4)
+        } else if f == 0 {
+            0
+        } else {
+            // f·2⁻⁹ = 2^(p−9)·(f/2^p) for p the top bit of f.
+            let p = 15 - f.leading_zeros() as u16;
+            ((118 + p) << 7) | ((f - (1 << p)) << (7 - p))
+        }
+    }
+
+    /// Low (`[0]`) and high (`[1]`) bytes of [`magnitude_bf16`] of the 128 magnitudes: the two
+    /// 128-byte tables `vpermi2b` looks up.
+    const MAGNITUDE_BYTES: [[u8; 128]; 2] = {
+        let mut t = [[0u8; 128]; 2];
+        let mut m = 0;
+        while m < 128 {
+            let v = magnitude_bf16(m as u8);
+            t[0][m] = v as u8;
+            t[1][m] = (v >> 8) as u8;
+            m += 1;
+        }
+        t
+    };
+
+    /// Where `vpermb` moves the 64 codes so that `vpunpck{l,h}bw` of the looked-up bytes store
+    /// codes 0..32 and 32..64 in order: lane `L` of the low unpack takes bytes `16L..16L+8`
+    /// (codes `8L..8L+8`), of the high one bytes `16L+8..16L+16` (codes `32+8L..`).
+    const UNPACK_ORDER: [u8; 64] = {
+        let mut t = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            let (lane, pos) = (i / 16, i % 16);
+            t[i] = if pos < 8 {
+                (8 * lane + pos) as u8
+            } else {
+                (32 + 8 * lane + pos - 8) as u8
+            };
+            i += 1;
+        }
+        t
+    };
+
+    /// 64 codes per step by two 128-byte table lookups (`vpermi2b`: the bf16's low and high
+    /// byte of the magnitude) and the sign bit: 9 instructions per 64 codes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn decode512_vbmi(codes: *const u8, n: usize, out: *mut u16) {
+        // SAFETY: the DecodeFn contract: 64-code steps (then one 32-code step) stay inside the
+        // n codes and n outputs; the tables are 64-byte halves of 128-byte arrays.
+        unsafe {
+            let t = &MAGNITUDE_BYTES;
+            let half = |b: &[u8; 128], h: usize| _mm512_loadu_si512(b[64 * h..].as_ptr().cast());
+            let (lo_a, lo_b, hi_a, hi_b) = (
+                half(&t[0], 0),
+                half(&t[0], 1),
+                half(&t[1], 0),
+                half(&t[1], 1),
+            );
+            let order = _mm512_loadu_si512(UNPACK_ORDER.as_ptr().cast());
+            let sign = _mm512_set1_epi8(0x80u8 as i8);
+            let mut i = 0;
+            while i + 64 <= n {
+                let c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes.add(i).cast()));
+                // The index's bit 7 (the sign) is ignored by the lookups.
+                let lo = _mm512_permutex2var_epi8(lo_a, c, lo_b);
+                let hi = _mm512_permutex2var_epi8(hi_a, c, hi_b);
+                // hi | (c & 0x80).
+                let hi = _mm512_ternarylogic_epi32(hi, c, sign, 0xF8);
+                _mm512_storeu_si512(out.add(i).cast(), _mm512_unpacklo_epi8(lo, hi));
+                _mm512_storeu_si512(out.add(i + 32).cast(), _mm512_unpackhi_epi8(lo, hi));
+                i += 64;
+            }
+            if i < n {
+                let v = _mm256_loadu_si256(codes.add(i) as *const __m256i);
+                _mm512_storeu_si512(out.add(i) as *mut __m512i, e4m3x32_to_bf16(v));
+            }
+        }
+    }
+
+    /// AVX512-VBMI decoder.
+    ///
+    /// # Safety
+    /// The [`super::DecodeFn`] contract; AVX-512F/BW/VBMI available.
+    pub unsafe fn decode_avx512vbmi(codes: *const u8, n: usize, out: *mut u16) {
+        debug_assert!(n.is_multiple_of(32));
+        // SAFETY: forwarded.
+        unsafe { decode512_vbmi(codes, n, out) }
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -536,12 +635,22 @@ mod tests {
         if crate::isa::allows(Level::Avx512Base) {
             decoders.push(decoder_for(Level::Avx512Base));
         }
+        if crate::isa::allows(Level::Avx512Vbmi) {
+            decoders.push(decoder_for(Level::Avx512Vbmi));
+        }
         #[cfg(target_arch = "x86_64")]
         if crate::isa::allows(Level::Avx2) {
             assert!(decoders.iter().any(|d| d.name == "avx2"));
         }
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx512Vbmi) {
+            assert!(decoders.iter().any(|d| d.name == "avx512-vbmi"));
+        }
+        // An odd number of 32-code steps exercises the VBMI decoder's tail.
+        let odd = &codes[..codes.len() / 64 * 64 - 32];
         for d in &decoders {
             assert_eq!(decode(d, &codes), want, "{}", d.name);
+            assert_eq!(decode(d, odd), want[..odd.len()], "{} (odd)", d.name);
         }
     }
 }

@@ -86,9 +86,6 @@ impl WeightBytes {
     }
 }
 
-/// Most rows any integer kernel takes.
-pub const MAX_INT_ROWS: usize = 4;
-
 /// Bytes of one activation row of `k` inputs cut in chunks of `chunk`.
 pub fn row_bytes(k: usize, chunk: usize) -> usize {
     2 * k + 12 * (k / chunk)
@@ -205,6 +202,83 @@ pub unsafe fn int_fused_scalar(
             }
         }
     }
+}
+
+/// The scalar twin of the many-row (prefill) kernels: as [`int_fused_scalar`] with only the
+/// first activation byte, `out[r·32 + j] += Σ_chunks (A − bias·X) · (scales[g·32 + j] · (s·inv_m))`
+/// (about 8 bits per input, per chunk of 32: the error budget of a prefill, a third of the
+/// operations of the two-byte sum).
+///
+/// # Safety
+/// The [`IntFusedFn`] contract (any number of rows).
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+pub unsafe fn int_gemm_scalar(
+    rows: &[*const u8],
+    k: usize,
+    (i0, n): (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    // SAFETY: the contract.
+    unsafe {
+        for (r, &row) in rows.iter().enumerate() {
+            for j in 0..32 {
+                let mut total = 0f32;
+                for c in i0 / chunk..(i0 + n) / chunk {
+                    let mut a = 0i32;
+                    for i in c * chunk..(c + 1) * chunk {
+                        let byte = *codes.add(nibble_byte(i / 2, j));
+                        let u = w.lut[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
+                        a += u * (*row.add(slot(i)) as i8 as i32);
+                    }
+                    let (xs, _, s) = chunk_sums(row, k, c);
+                    let fa = (a - w.bias * xs) as f32;
+                    let g = (c * chunk) / group - i0 / group;
+                    let st = w.scale_type;
+                    let sw = st.value(st.read(scales, g * 32 + j));
+                    total = fa.mul_add(sw * (s * w.inv_m), total);
+                }
+                *out.add(r * 32 + j) += total;
+            }
+        }
+    }
+}
+
+/// The many-row (prefill) integer kernel `level` allows and the rows it takes: AVX-512 VNNI
+/// (12 rows) or AVX2 (4 rows). A 32-row panel's codes are read once per call for all rows.
+pub fn int_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level >= Level::Avx512Vnni {
+            return Some((x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512));
+        }
+        if level >= Level::Avx2 {
+            return Some((x86::int_gemm_avx2, x86::GEMM_ROWS_256));
+        }
+    }
+    let _ = level;
+    None
+}
+
+/// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
+/// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
+/// VNNI (8 rows) or AVX2 (3 rows).
+pub fn int_fine_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level >= Level::Avx512Vnni {
+            return Some((x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512));
+        }
+        if level >= Level::Avx2 {
+            return Some((x86::int_fine_gemm_avx2, x86::FINE_ROWS_256));
+        }
+    }
+    let _ = level;
+    None
 }
 
 /// The integer kernel `level` allows and the rows it takes (AVX-512 VNNI; AVX2 otherwise).
@@ -522,6 +596,304 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Rows per call of [`int_gemm_avx512vnni`]: 12 int32 and 12 fp32 accumulators, the two
+    /// weight vectors and the constants fill the 32 registers.
+    pub(crate) const GEMM_ROWS_512: usize = 12;
+    /// Rows per call of [`int_gemm_avx2`] (16 registers).
+    pub(crate) const GEMM_ROWS_256: usize = 4;
+
+    /// The many-row kernel, one 16-row half of the panel at a time so that every row's
+    /// accumulators stay in registers: per 8 inputs, one 64-byte load of codes feeds `2·R`
+    /// `vpdpbusd`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn gemm512<const R: usize, const LUT: bool, const FINE: bool>(
+        rows: &[*const u8],
+        k: usize,
+        (i0, n): (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: the IntFusedFn contract with exactly R rows: every block, activation word,
+        // chunk record and scale read below is inside the caller's buffers.
+        unsafe {
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
+            let nib = _mm512_set1_epi32(0x0F0F_0F0F);
+            for h in 0..2 {
+                let mut total = [_mm512_setzero_ps(); R];
+                for c in i0 / chunk..(i0 + n) / chunk {
+                    let mut a = [_mm512_setzero_si512(); R];
+                    let mut b = [_mm512_setzero_si512(); R];
+                    for blk in c * chunk / 8..(c + 1) * chunk / 8 {
+                        let d = _mm512_loadu_si512(codes.add(blk * 128 + 64 * h) as *const __m512i);
+                        let mut we = _mm512_and_si512(d, nib);
+                        let mut wo = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
+                        if LUT {
+                            we = _mm512_shuffle_epi8(lut, we);
+                            wo = _mm512_shuffle_epi8(lut, wo);
+                        }
+                        for r in 0..R {
+                            let x = rows[r].add(8 * blk) as *const i32;
+                            let (xe, xo) = (x.read_unaligned(), x.add(1).read_unaligned());
+                            a[r] = _mm512_dpbusd_epi32(a[r], we, _mm512_set1_epi32(xe));
+                            a[r] = _mm512_dpbusd_epi32(a[r], wo, _mm512_set1_epi32(xo));
+                            if FINE {
+                                let rr = rows[r].add(k + 8 * blk) as *const i32;
+                                let (re, ro) = (rr.read_unaligned(), rr.add(1).read_unaligned());
+                                b[r] = _mm512_dpbusd_epi32(b[r], we, _mm512_set1_epi32(re));
+                                b[r] = _mm512_dpbusd_epi32(b[r], wo, _mm512_set1_epi32(ro));
+                            }
+                        }
+                    }
+                    let g = (c * chunk) / group - i0 / group;
+                    let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
+                    let sw = scales16(at, w.scale_type);
+                    for r in 0..R {
+                        let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                        let mut f = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                            a[r],
+                            _mm512_set1_epi32(w.bias * xs),
+                        ));
+                        if FINE {
+                            let fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                b[r],
+                                _mm512_set1_epi32(w.bias * rs),
+                            ));
+                            f = _mm512_fmadd_ps(fb, _mm512_set1_ps(1.0 / 254.0), f);
+                        }
+                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(s * w.inv_m));
+                        total[r] = _mm512_fmadd_ps(f, swx, total[r]);
+                    }
+                }
+                for r in 0..R {
+                    let o = out.add(r * 32 + 16 * h);
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), total[r]));
+                }
+            }
+        }
+    }
+
+    /// The many-row kernel on AVX2, one 8-row quarter of the panel at a time (`vpmaddubsw`
+    /// cannot saturate, as in `rows256`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn gemm256<const R: usize, const LUT: bool, const FINE: bool>(
+        rows: &[*const u8],
+        k: usize,
+        (i0, n): (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: as gemm512, 8 rows per quarter.
+        unsafe {
+            let table = _mm_loadu_si128(w.lut.as_ptr() as *const __m128i);
+            let lut = _mm256_set_m128i(table, table);
+            let nib = _mm256_set1_epi32(0x0F0F_0F0F);
+            let ones = _mm256_set1_epi16(1);
+            for o in 0..4 {
+                let mut total = [_mm256_setzero_ps(); R];
+                for c in i0 / chunk..(i0 + n) / chunk {
+                    let mut a = [_mm256_setzero_si256(); R];
+                    let mut b = [_mm256_setzero_si256(); R];
+                    for blk in c * chunk / 8..(c + 1) * chunk / 8 {
+                        let d = _mm256_loadu_si256(codes.add(blk * 128 + 32 * o) as *const __m256i);
+                        let mut we = _mm256_and_si256(d, nib);
+                        let mut wo = _mm256_and_si256(_mm256_srli_epi32(d, 4), nib);
+                        if LUT {
+                            we = _mm256_shuffle_epi8(lut, we);
+                            wo = _mm256_shuffle_epi8(lut, wo);
+                        }
+                        // Σ over 8 inputs of the bytes at `x` (even words, then odd).
+                        let dot = |x: *const i32| {
+                            let p = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(x.read_unaligned())),
+                                _mm256_maddubs_epi16(
+                                    wo,
+                                    _mm256_set1_epi32(x.add(1).read_unaligned()),
+                                ),
+                            );
+                            _mm256_madd_epi16(p, ones)
+                        };
+                        for r in 0..R {
+                            let x = rows[r].add(8 * blk) as *const i32;
+                            a[r] = _mm256_add_epi32(a[r], dot(x));
+                            if FINE {
+                                let rr = rows[r].add(k + 8 * blk) as *const i32;
+                                b[r] = _mm256_add_epi32(b[r], dot(rr));
+                            }
+                        }
+                    }
+                    let g = (c * chunk) / group - i0 / group;
+                    let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
+                    let sw = scales8(at, w.scale_type);
+                    for r in 0..R {
+                        let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                        let mut f = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                            a[r],
+                            _mm256_set1_epi32(w.bias * xs),
+                        ));
+                        if FINE {
+                            let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                b[r],
+                                _mm256_set1_epi32(w.bias * rs),
+                            ));
+                            f = _mm256_fmadd_ps(fb, _mm256_set1_ps(1.0 / 254.0), f);
+                        }
+                        let swx = _mm256_mul_ps(sw, _mm256_set1_ps(s * w.inv_m));
+                        total[r] = _mm256_fmadd_ps(f, swx, total[r]);
+                    }
+                }
+                for r in 0..R {
+                    let p = out.add(r * 32 + 8 * o);
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), total[r]));
+                }
+            }
+        }
+    }
+
+    /// Instantiate `$kernel::<R, LUT>` for every row count up to the kernel's block.
+    macro_rules! dispatch_rows {
+        ($kernel:ident, $fine:literal, $args:expr, $name:literal, $($r:literal)+) => {{
+            let a: Args = $args;
+            match (a.0.len(), a.7.identity) {
+                $(
+                    ($r, true) => {
+                        $kernel::<$r, false, $fine>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8)
+                    }
+                    ($r, false) => {
+                        $kernel::<$r, true, $fine>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8)
+                    }
+                )+
+                (n, _) => panic!("{} takes 1 to {} rows, got {n}", $name, [$($r),+].len()),
+            }
+        }};
+    }
+
+    /// AVX-512 VNNI many-row kernel, 1 to [`GEMM_ROWS_512`] rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_gemm_avx512vnni(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            dispatch_rows!(
+                gemm512,
+                false,
+                (rows, k, range, chunk, group, codes, scales, w, out),
+                "the kgroup avx512 gemm kernel",
+                1 2 3 4 5 6 7 8 9 10 11 12
+            )
+        }
+    }
+
+    /// AVX2 many-row kernel, 1 to [`GEMM_ROWS_256`] rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_gemm_avx2(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            dispatch_rows!(
+                gemm256,
+                false,
+                (rows, k, range, chunk, group, codes, scales, w, out),
+                "the kgroup avx2 gemm kernel",
+                1 2 3 4
+            )
+        }
+    }
+
+    /// Rows per call of [`int_fine_gemm_avx512vnni`] (two int32 accumulators per row).
+    pub(crate) const FINE_ROWS_512: usize = 8;
+    /// Rows per call of [`int_fine_gemm_avx2`].
+    pub(crate) const FINE_ROWS_256: usize = 3;
+
+    /// AVX-512 VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_512`] rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fine_gemm_avx512vnni(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            dispatch_rows!(
+                gemm512,
+                true,
+                (rows, k, range, chunk, group, codes, scales, w, out),
+                "the kgroup avx512 fine gemm kernel",
+                1 2 3 4 5 6 7 8
+            )
+        }
+    }
+
+    /// AVX2 many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fine_gemm_avx2(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            dispatch_rows!(
+                gemm256,
+                true,
+                (rows, k, range, chunk, group, codes, scales, w, out),
+                "the kgroup avx2 fine gemm kernel",
+                1 2 3
+            )
+        }
+    }
+
     type Args<'a> = (
         &'a [*const u8],
         usize,
@@ -585,11 +957,27 @@ mod tests {
         out
     }
 
+    type KernelFor = fn(Level) -> Option<(IntFusedFn, usize)>;
+
     #[test]
     fn int_kernels_equal_their_scalar_twin() {
+        check_kernels_against_twin(int_fused_for, int_fused_scalar);
+    }
+
+    #[test]
+    fn int_gemm_kernels_equal_their_scalar_twin() {
+        check_kernels_against_twin(int_gemm_for, int_gemm_scalar);
+        check_kernels_against_twin(int_fine_gemm_for, int_fused_scalar);
+    }
+
+    fn check_kernels_against_twin(kernel_for: KernelFor, twin: IntFusedFn) {
         #[cfg(target_arch = "x86_64")]
         if crate::isa::allows(Level::Avx2) {
-            assert!(int_fused_for(Level::Avx2).is_some());
+            assert!(kernel_for(Level::Avx2).is_some());
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx512Vnni) {
+            assert!(kernel_for(Level::Avx512Vnni).is_some());
         }
         let mut rng = crate::rng::Rng::new(31);
         let k = 512;
@@ -614,7 +1002,7 @@ mod tests {
             ] {
                 let scales = native_scales(st, (range.1 / group + 1) * 32, &mut rng);
                 for level in &levels {
-                    let (kernel, max_rows) = int_fused_for(*level).unwrap();
+                    let (kernel, max_rows) = kernel_for(*level).unwrap();
                     for rows in 1..=max_rows {
                         let data: Vec<Vec<u8>> = (0..rows)
                             .map(|_| {
@@ -628,7 +1016,7 @@ mod tests {
                         let (mut want, mut got) = (start.clone(), start.clone());
                         // SAFETY: buffers sized as the contract asks; the level is allowed.
                         unsafe {
-                            int_fused_scalar(
+                            twin(
                                 &ptrs,
                                 k,
                                 range,
@@ -662,7 +1050,20 @@ mod tests {
     }
 
     #[test]
-    fn the_twin_computes_the_dot_product() {
+    fn the_twins_compute_the_dot_product() {
+        // Each twin against fp64 on the decoded values: only the activations' rounding differs
+        // (15 bits for the few-row kernels, 8 for the many-row ones).
+        // Tolerances relative to Σ|6·scale·x|: 15-bit rounding, and 8-bit rounding at about
+        // half its worst case (all 256 errors aligned).
+        for (twin, tolerance) in [
+            (int_fused_scalar as IntFusedFn, 1e-4),
+            (int_gemm_scalar as IntFusedFn, 8e-3),
+        ] {
+            check_twin_against_fp64(twin, tolerance);
+        }
+    }
+
+    fn check_twin_against_fp64(twin: IntFusedFn, tolerance: f64) {
         // The twin against fp64 on the decoded values: only the 15-bit activations differ.
         let mut rng = crate::rng::Rng::new(8);
         let k = 256;
@@ -682,7 +1083,7 @@ mod tests {
             let mut out = vec![0f32; 32];
             // SAFETY: buffers sized as the contract asks.
             unsafe {
-                int_fused_scalar(
+                twin(
                     &[row.as_ptr()],
                     k,
                     (0, k),
@@ -706,7 +1107,7 @@ mod tests {
                     .map(|i| (scales[(i / 32) * 32 + j] * x[i]).abs() as f64 * 6.0)
                     .sum();
                 assert!(
-                    (out[j] as f64 - want).abs() <= 1e-4 * scale,
+                    (out[j] as f64 - want).abs() <= tolerance * scale,
                     "{kind:?} {j}: {} vs {want}",
                     out[j]
                 );

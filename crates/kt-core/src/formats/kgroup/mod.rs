@@ -64,6 +64,10 @@ pub struct Spec {
     pub default_group: usize,
     /// Whether a per-tensor f32 multiplies each projection (NVFP4).
     pub global: bool,
+    /// Whether prefill may cut activations to 8 bits per chunk of 32 (the many-row integer
+    /// kernel at twice the rate): only where the original's own error leaves room (RAWINT4,
+    /// whose original computes with int8 activations); the others keep 15 bits.
+    pub coarse_prefill: bool,
     gpu_scales: GpuScales,
     /// The original's backend variable for this method.
     backend_var: Option<&'static str>,
@@ -76,6 +80,7 @@ pub const RAWINT4: Spec = Spec {
     scale_type: ScaleType::Bf16,
     default_group: 32,
     global: false,
+    coarse_prefill: true,
     gpu_scales: GpuScales::Native,
     backend_var: Some("KT_RAWINT4_BACKEND"),
 };
@@ -86,6 +91,7 @@ pub const GPTQ_INT4: Spec = Spec {
     scale_type: ScaleType::F16,
     default_group: 128,
     global: false,
+    coarse_prefill: false,
     gpu_scales: GpuScales::Native,
     backend_var: Some("KT_GPTQ_INT4_BACKEND"),
 };
@@ -96,6 +102,7 @@ pub const MXFP4: Spec = Spec {
     scale_type: ScaleType::E8M0,
     default_group: 32,
     global: false,
+    coarse_prefill: false,
     gpu_scales: GpuScales::Bf16Value,
     backend_var: Some("KT_MXFP4_BACKEND"),
 };
@@ -106,6 +113,7 @@ pub const NVFP4: Spec = Spec {
     scale_type: ScaleType::E4M3,
     default_group: 16,
     global: true,
+    coarse_prefill: false,
     gpu_scales: GpuScales::Bf16Value,
     backend_var: None,
 };
@@ -116,6 +124,7 @@ pub const MXFP8: Spec = Spec {
     scale_type: ScaleType::E8M0,
     default_group: 32,
     global: false,
+    coarse_prefill: false,
     gpu_scales: GpuScales::Native,
     backend_var: Some("KT_MXFP8_BACKEND"),
 };
@@ -224,6 +233,8 @@ pub struct KGroupExperts {
     code_kernels: KGroupKernels,
     /// The integer few-row kernel (4-bit kinds from AVX2 on) and the rows it takes.
     int: Option<(int_dot::IntFusedFn, usize)>,
+    /// The integer many-row kernel (prefill; where `int` exists) and the rows it takes.
+    int_gemm: Option<(int_dot::IntFusedFn, usize)>,
     weight_bytes: int_dot::WeightBytes,
     /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
     groups: [usize; 2],
@@ -314,6 +325,11 @@ impl KGroupExperts {
                 int_dot::int_fused_for(kernels.level())
             } else {
                 None
+            },
+            int_gemm: match (spec.kind.bits(), spec.coarse_prefill) {
+                (4, true) => int_dot::int_gemm_for(kernels.level()),
+                (4, false) => int_dot::int_fine_gemm_for(kernels.level()),
+                _ => None,
             },
             weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
             spec,
@@ -640,21 +656,38 @@ impl KGroupExperts {
         let out = &mut out[..n * PANEL];
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         let mut f32_scales = [0f32; 16 * PANEL];
-        if let (None, Some((int, max_rows))) = (path, self.int) {
-            if n <= max_rows {
-                out.fill(0.0);
-                let chunk = group.min(32);
-                let mut int_rows = [std::ptr::null::<u8>(); int_dot::MAX_INT_ROWS];
-                for (p, &row) in int_rows.iter_mut().zip(rows.prepared) {
-                    *p = row.wrapping_add(int_at);
-                }
+        // The integer kernels: the few-row one (15-bit activations) for decode, the many-row
+        // one (8-bit) for larger blocks unless AMX tiles take the expert.
+        let few = path.is_none() && self.int.is_some_and(|(_, max)| n <= max);
+        let amx = self
+            .kernels
+            .amx()
+            .is_some_and(|a| a.applies(rows.expert_rows));
+        let int = match (few, amx) {
+            (true, _) => self.int,
+            (false, false) => self.int_gemm,
+            (false, true) => None,
+        };
+        if let Some((kernel, max_rows)) = int {
+            out.fill(0.0);
+            let chunk = group.min(32);
+            let mut int_rows = [std::ptr::null::<u8>(); MAX_ROWS];
+            for (p, &row) in int_rows.iter_mut().zip(rows.prepared) {
+                *p = row.wrapping_add(int_at);
+            }
+            // Even blocks (25 rows: 9 + 8 + 8, not 12 + 12 + 1): a kernel's rate grows with
+            // its rows.
+            let blocks = n.div_ceil(max_rows);
+            for b in 0..blocks {
+                let (first, last) = (b * n / blocks, (b + 1) * n / blocks);
+                let block = &int_rows[first..last];
                 // SAFETY: the forward prepared every row of this block (prepares_x and
-                // prepares_act say yes whenever the integer kernel exists), int regions of k
+                // prepares_act say yes whenever the integer kernels exist), int regions of k
                 // inputs at `int_at`; 16·k code bytes, the panel's stored scales, 32 outputs
-                // per row; the level allows the kernel.
+                // per row from row `first`; the level allows the kernel.
                 unsafe {
-                    int(
-                        &int_rows[..n],
+                    kernel(
+                        block,
                         k,
                         (0, k),
                         chunk,
@@ -662,14 +695,14 @@ impl KGroupExperts {
                         codes.as_ptr(),
                         scales.as_ptr(),
                         &self.weight_bytes,
-                        out.as_mut_ptr(),
+                        out[first * PANEL..].as_mut_ptr(),
                     )
                 };
-                if global != 1.0 {
-                    out.iter_mut().for_each(|o| *o *= global);
-                }
-                return;
             }
+            if global != 1.0 {
+                out.iter_mut().for_each(|o| *o *= global);
+            }
+            return;
         }
         if let (None, Some((fused, max_rows))) = (path, self.code_kernels.fused) {
             if n <= max_rows {
