@@ -217,7 +217,7 @@ def test_module_reports_the_fp8_kernel_and_layout():
     want = {
         "generic": "fp8-scalar+",
         "avx2": "fp8-avx2+",
-        "avx512": "fp8-avx512+",
+        "avx512_base": "fp8-avx512+",
         "avx512_vnni": "fp8-avx512+",
     }.get(variant, "fp8-avx512-vbmi+")
     assert kt_kernel.__fp8_kernel__.startswith(want), (variant, kt_kernel.__fp8_kernel__)

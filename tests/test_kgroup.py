@@ -158,6 +158,20 @@ def test_every_panel_kernel_path_matches_the_dequantized_model(
         assert err < limit, (method, kernel, t, err, w.moe.kernel)
 
 
+def test_cpu_info_names_the_decode_and_prefill_kernels():
+    import kt_kernel
+
+    info = kt_kernel.cpu_info()
+    below_vnni = {"generic": None, "avx2": "avx2", "avx512_base": "avx2"}
+    isa = below_vnni.get(info["variant"], "avx512-vnni")
+    for method in METHODS:
+        assert method in info["kernels"], method
+        want = "bf16-panels"
+        if isa and method != "MXFP8":
+            want = f"{'int8' if method == 'RAWINT4' else 'int15'}-gemm-{isa}"
+        assert info["prefill_kernels"][method] == want, (method, info["variant"])
+
+
 def test_backend_variables_select_the_avx2_kernels(monkeypatch):
     import kt_kernel
 

@@ -118,9 +118,10 @@ fn kgroup_kernels(c: &mut Criterion) {
     let mut grp = c.benchmark_group("kgroup_k2048");
     grp.throughput(Throughput::Elements((32 * k) as u64));
     type KernelFor = fn(Level) -> Option<(int_dot::IntFusedFn, usize)>;
-    let families: [(&str, KernelFor); 2] = [
+    let families: [(&str, KernelFor); 3] = [
         ("int", int_dot::int_fused_for),
         ("gemm", int_dot::int_gemm_for),
+        ("finegemm", int_dot::int_fine_gemm_for),
     ];
     for level in &levels {
         for ((family, kernel_for), (kind, st, scales)) in families.into_iter().flat_map(|f| {
@@ -135,7 +136,7 @@ fn kgroup_kernels(c: &mut Criterion) {
             for rows in [1, max_rows] {
                 // Decode counts weights streamed; the many-row kernels multiply-adds.
                 grp.throughput(Throughput::Elements(
-                    (32 * k * if family == "gemm" { rows } else { 1 }) as u64,
+                    (32 * k * if family == "int" { 1 } else { rows }) as u64,
                 ));
                 let data: Vec<Vec<u8>> = (0..rows)
                     .map(|_| {

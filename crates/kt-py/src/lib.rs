@@ -57,6 +57,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("numa_nodes", nodes)?;
     d.set_item("physical_cores", topo.total_physical_cores())?;
     let kernels = PyDict::new(py);
+    let prefill_kernels = PyDict::new(py);
     kernels.set_item("BF16", KernelSet::best().py()?.name())?;
     let level = KernelSet::best().py()?.level();
     let int8 = kt_core::formats::int8::kernels::vector_kernel(level);
@@ -74,8 +75,12 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     ] {
         let decode = kt_core::formats::kgroup::decode_kernel_name(&spec, level);
         kernels.set_item(spec.method.name(), decode)?;
+        let prefill = kt_core::formats::kgroup::prefill_kernel_name(&spec, level);
+        prefill_kernels.set_item(spec.method.name(), prefill)?;
     }
     kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
+    // What the group-scaled methods multiply with once an expert has more than a few rows.
+    d.set_item("prefill_kernels", prefill_kernels)?;
     d.set_item(
         "amx_min_rows",
         kt_core::kernels::amx_min_rows_from_env().py()?,

@@ -73,6 +73,9 @@ pub struct Spec {
     backend_var: Option<&'static str>,
 }
 
+/// Rows per expert that the few-row (decode) integer kernels take; more go to the many-row ones.
+const FEW_ROWS: usize = 4;
+
 /// RAWINT4.
 pub const RAWINT4: Spec = Spec {
     method: Method::RawInt4,
@@ -175,6 +178,27 @@ pub fn decode_kernel_name(spec: &Spec, level: Level) -> &'static str {
         };
     }
     kernels::kernels_for(spec.kind, level).name
+}
+
+/// What multiplies `spec`'s codes for experts with more rows (prefill) at `level` without AMX:
+/// the many-row integer kernel for 4-bit codes (`int8-…`: 8-bit activations, `int15-…`: the
+/// two-byte 15-bit ones), else bf16 panels from the decoder.
+pub fn prefill_kernel_name(spec: &Spec, level: Level) -> &'static str {
+    if spec.kind.bits() == 4 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let vnni = level >= Level::Avx512Vnni;
+            if level >= Level::Avx2 {
+                return match (spec.coarse_prefill, vnni) {
+                    (true, true) => "int8-gemm-avx512-vnni",
+                    (true, false) => "int8-gemm-avx2",
+                    (false, true) => "int15-gemm-avx512-vnni",
+                    (false, false) => "int15-gemm-avx2",
+                };
+            }
+        }
+    }
+    "bf16-panels"
 }
 
 /// The kernels a method runs with: the original's backend variable may ask for the AVX2 ones
@@ -658,7 +682,9 @@ impl KGroupExperts {
         let mut f32_scales = [0f32; 16 * PANEL];
         // The integer kernels: the few-row one (15-bit activations) for decode, the many-row
         // one (8-bit) for larger blocks unless AMX tiles take the expert.
-        let few = path.is_none() && self.int.is_some_and(|(_, max)| n <= max);
+        // Up to 4 rows count as few on every ISA (AVX2's kernel takes them 2 at a time), so
+        // results do not depend on the ISA.
+        let few = path.is_none() && n <= FEW_ROWS;
         let amx = self
             .kernels
             .amx()
