@@ -158,3 +158,35 @@ def test_cpuinfer_compat_layer():
         ext.CPUInfer(0)
     with pytest.raises(TypeError):
         ext.CPUInfer("four")
+
+
+def test_kt_version_agrees_with_the_package_and_the_checkout():
+    import json
+    import re
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "version", "--json"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    facts = json.loads(r.stdout)
+    assert facts["package"] == metadata.version("kt-kernel") == kt_kernel.__version__
+    assert facts["extension"] == facts["core"] == kt_kernel.__version__
+    assert facts["profile"] in ("release", "debug")
+    rev = facts["git_revision"]
+    assert rev == "unknown" or re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", rev), rev
+    # Built from this checkout: the revision is its HEAD (when git can tell).
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    if head.returncode == 0 and rev != "unknown":
+        assert rev.split("+")[0] == head.stdout.strip(), (rev, head.stdout)
+    text = subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "version"], capture_output=True, text=True
+    ).stdout
+    assert text.startswith(f"kt_kernel {kt_kernel.__version__}") and rev in text, text

@@ -1,4 +1,5 @@
-"""``python -m kt_kernel`` (also the ``kt`` command): ``info``, ``bench`` and ``quant``."""
+"""``python -m kt_kernel`` (also the ``kt`` command): ``info``, ``version``, ``bench`` and
+``quant``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kt", description="kt_kernel command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="CPU features, chosen kernels, topology, build")
+    version = sub.add_parser("version", help="package, core crate, build profile and git revision")
+    version.add_argument("--json", action="store_true", help="one JSON object")
     bench = sub.add_parser("bench", help="benchmark MoE layers on synthetic weights")
     from .bench import add_arguments
 
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({"cpu": kt_kernel.cpu_info(), "build": kt_kernel.build_info()}, indent=2))
         return 0
+    if args.command == "version":
+        return print_version(args.json)
     if args.command == "quant":
         from .convert import run as convert
 
@@ -34,6 +39,37 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import run
 
     return run(args)
+
+
+def version_facts() -> dict:
+    """What ``kt version`` prints: the Python package's version (as installed), the compiled
+    extension's and the core crate's, the build profile and the git revision built from."""
+    from importlib import metadata
+
+    import kt_kernel
+
+    build = kt_kernel.build_info()
+    try:
+        installed = metadata.version("kt-kernel")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        installed = kt_kernel.__version__
+    return {
+        "package": installed,
+        "extension": kt_kernel.__version__,
+        "core": build["core_version"],
+        "profile": build["profile"],
+        "git_revision": build["git_revision"],
+    }
+
+
+def print_version(as_json: bool) -> int:
+    facts = version_facts()
+    if as_json:
+        print(json.dumps(facts))
+    else:
+        print(f"kt_kernel {facts['package']} (extension {facts['extension']})")
+        print(f"kt-core {facts['core']}, {facts['profile']} build, git {facts['git_revision']}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@
 #![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
 #![warn(missing_docs)]
 
+/// This crate's version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 pub mod affinity;
 pub mod codes;
 pub mod convert;

@@ -108,6 +108,8 @@ fn has_converted_layer(path: PathBuf, layer_idx: usize) -> PyResult<bool> {
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("core_version", kt_core::VERSION)?;
+    d.set_item("git_revision", env!("KT_GIT_REVISION"))?;
     d.set_item(
         "profile",
         if cfg!(debug_assertions) {
