@@ -181,17 +181,66 @@ pub(crate) unsafe fn add_decoded_block(
             }
         }
         let dst = &mut out[r0 * PANEL..(r0 + m) * PANEL];
-        if b == 0 {
-            dst.iter_mut()
-                .zip(&partial)
-                .for_each(|(o, v)| *o = scale * v);
-        } else {
-            dst.iter_mut()
-                .zip(&partial)
-                .for_each(|(o, v)| *o += scale * v);
-        }
+        scaled_into(kernels, dst, &partial[..m * PANEL], scale, b == 0);
         r0 += m;
     }
+}
+
+/// `dst = scale·src` (`assign`) or `dst += scale·src`, each element a multiply then an add
+/// rounded separately (no FMA), so every variant gives the scalar loop's bits. AVX-512 where
+/// the kernels may use it: the crate's plain loops compile for SSE2, and this runs once per
+/// decoded block and row block.
+pub(crate) fn scaled_into(
+    kernels: &KernelSet,
+    dst: &mut [f32],
+    src: &[f32],
+    scale: f32,
+    assign: bool,
+) {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    if kernels.level() >= crate::isa::Level::Avx512Base {
+        // SAFETY: the level guarantees AVX-512F; equal lengths checked above.
+        unsafe { scaled_into_avx512(dst, src, scale, assign) };
+        return;
+    }
+    let _ = kernels;
+    scaled_into_scalar(dst, src, scale, assign);
+}
+
+/// The scalar twin of [`scaled_into`].
+pub(crate) fn scaled_into_scalar(dst: &mut [f32], src: &[f32], scale: f32, assign: bool) {
+    if assign {
+        dst.iter_mut().zip(src).for_each(|(o, v)| *o = scale * v);
+    } else {
+        dst.iter_mut().zip(src).for_each(|(o, v)| *o += scale * v);
+    }
+}
+
+/// # Safety
+/// AVX-512F available; `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scaled_into_avx512(dst: &mut [f32], src: &[f32], scale: f32, assign: bool) {
+    use std::arch::x86_64::*;
+    let n = dst.len();
+    let s = _mm512_set1_ps(scale);
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 ≤ n elements of both slices.
+        unsafe {
+            let v = _mm512_mul_ps(s, _mm512_loadu_ps(src.as_ptr().add(i)));
+            let o = dst.as_mut_ptr().add(i);
+            let r = if assign {
+                v
+            } else {
+                _mm512_add_ps(_mm512_loadu_ps(o), v)
+            };
+            _mm512_storeu_ps(o, r);
+        }
+        i += 16;
+    }
+    scaled_into_scalar(&mut dst[i..], &src[i..], scale, assign);
 }
 
 /// The activation side of a format that feeds the bf16 panel kernels: x and SwiGLU rows staged
@@ -458,5 +507,31 @@ impl ExpertFormat for Bf16Experts {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scaled_into_equals_its_scalar_twin() {
+        let mut rng = crate::rng::Rng::new(17);
+        for level in [crate::isa::Level::Generic, crate::isa::Level::Avx512Base] {
+            if !crate::isa::allows(level) {
+                continue;
+            }
+            let kernels = KernelSet::for_level(level).unwrap();
+            for n in [1, 16, 37, 384] {
+                let src = rng.normals(n, 1.0);
+                for assign in [true, false] {
+                    let start = rng.normals(n, 1.0);
+                    let (mut want, mut got) = (start.clone(), start);
+                    scaled_into_scalar(&mut want, &src, 0.37, assign);
+                    scaled_into(&kernels, &mut got, &src, 0.37, assign);
+                    assert_eq!(got, want, "{level:?} n={n} assign={assign}");
+                }
+            }
+        }
     }
 }
