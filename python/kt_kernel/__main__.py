@@ -1,5 +1,5 @@
-"""``python -m kt_kernel`` (also the ``kt`` command): ``info``, ``version``, ``bench`` and
-``quant``."""
+"""``python -m kt_kernel`` (also the ``kt`` command): ``info``, ``version``, ``doctor``,
+``bench`` and ``quant``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="CPU features, chosen kernels, topology, build")
     version = sub.add_parser("version", help="package, core crate, build profile and git revision")
     version.add_argument("--json", action="store_true", help="one JSON object")
+    doctor = sub.add_parser(
+        "doctor", help="CPU, kernels, NUMA, memory, huge pages, CUDA, torch, and what to fix"
+    )
+    from .doctor import add_arguments as add_doctor_arguments
+
+    add_doctor_arguments(doctor)
     bench = sub.add_parser("bench", help="benchmark MoE layers on synthetic weights")
     from .bench import add_arguments
 
@@ -32,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "version":
         return print_version(args.json)
+    if args.command == "doctor":
+        from .doctor import run as doctor
+
+        return doctor(args)
     if args.command == "quant":
         from .convert import run as convert
 
