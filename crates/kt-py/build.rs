@@ -10,8 +10,28 @@ fn git(args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Whether git's work tree is this workspace (not an enclosing repository that happens to hold
+/// an unpacked sdist).
+fn in_own_checkout() -> bool {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    match (
+        git(&["rev-parse", "--show-toplevel"]),
+        workspace.canonicalize(),
+    ) {
+        (Some(top), Ok(ws)) => std::path::Path::new(&top)
+            .canonicalize()
+            .is_ok_and(|t| t == ws),
+        _ => false,
+    }
+}
+
 fn main() {
-    let revision = match git(&["rev-parse", "--short=12", "HEAD"]) {
+    let head = if in_own_checkout() {
+        git(&["rev-parse", "--short=12", "HEAD"])
+    } else {
+        None
+    };
+    let revision = match head {
         Some(rev) if !rev.is_empty() => {
             let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
                 .is_some_and(|s| !s.is_empty());
