@@ -82,8 +82,10 @@ def main() -> None:
         dram = engine.measure_read_bandwidth(1 << 30, 3)
         for m in args.methods:
             times, distinct = [], []
-            for c in range(args.calls):
-                ids, wt = _routing(gen, args.tokens, E, K)
+            # Routings drawn before the timed calls: torch's top-k leaves its OpenMP threads
+            # spinning, which took a core from calls made right after it.
+            routings = [_routing(gen, args.tokens, E, K) for _ in range(args.calls)]
+            for c, (ids, wt) in enumerate(routings):
                 w = layers[m][c % L]
                 t0 = time.perf_counter()
                 w.forward(x, ids, wt, None)
