@@ -160,12 +160,56 @@ unsafe fn chunk_sums(row: *const u8, k: usize, c: usize) -> (i32, i32, f32) {
     }
 }
 
-/// The scalar twin.
+/// The scalar twin of the few-row kernels (and of the 15-bit many-row ones).
 ///
 /// # Safety
 /// The [`IntFusedFn`] contract (any number of rows).
 #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
 pub unsafe fn int_fused_scalar(
+    rows: &[*const u8],
+    k: usize,
+    range: (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    // SAFETY: forwarded.
+    unsafe { scalar_twin::<true>(rows, k, range, chunk, group, codes, scales, w, out) }
+}
+
+/// The scalar twin of the many-row (prefill) kernels with 8-bit activations: as
+/// [`int_fused_scalar`] with only the first activation byte,
+/// `out[r·32 + j] += Σ_chunks (A − bias·X) · (scales[g·32 + j] · (s·inv_m))` (about 8 bits per
+/// input, per chunk of 32: the error budget of a prefill, half the `vpdpbusd` of the two-byte
+/// sum).
+///
+/// # Safety
+/// The [`IntFusedFn`] contract (any number of rows).
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+pub unsafe fn int_gemm_scalar(
+    rows: &[*const u8],
+    k: usize,
+    range: (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    // SAFETY: forwarded.
+    unsafe { scalar_twin::<false>(rows, k, range, chunk, group, codes, scales, w, out) }
+}
+
+/// Both twins: `FINE` adds the second activation byte (`B`, `R`) of each chunk.
+///
+/// # Safety
+/// The [`IntFusedFn`] contract (any number of rows).
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+unsafe fn scalar_twin<const FINE: bool>(
     rows: &[*const u8],
     k: usize,
     (i0, n): (usize, usize),
@@ -187,60 +231,19 @@ pub unsafe fn int_fused_scalar(
                         let byte = *codes.add(nibble_byte(i / 2, j));
                         let u = w.lut[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
                         a += u * (*row.add(slot(i)) as i8 as i32);
-                        b += u * (*row.add(k + slot(i)) as i8 as i32);
+                        if FINE {
+                            b += u * (*row.add(k + slot(i)) as i8 as i32);
+                        }
                     }
                     let (xs, rs, s) = chunk_sums(row, k, c);
-                    let fa = (a - w.bias * xs) as f32;
-                    let fb = (b - w.bias * rs) as f32;
-                    let f = fb.mul_add(1.0 / 254.0, fa);
+                    let mut f = (a - w.bias * xs) as f32;
+                    if FINE {
+                        f = ((b - w.bias * rs) as f32).mul_add(1.0 / 254.0, f);
+                    }
                     let g = (c * chunk) / group - i0 / group;
                     let st = w.scale_type;
                     let sw = st.value(st.read(scales, g * 32 + j));
                     total = f.mul_add(sw * (s * w.inv_m), total);
-                }
-                *out.add(r * 32 + j) += total;
-            }
-        }
-    }
-}
-
-/// The scalar twin of the many-row (prefill) kernels: as [`int_fused_scalar`] with only the
-/// first activation byte, `out[r·32 + j] += Σ_chunks (A − bias·X) · (scales[g·32 + j] · (s·inv_m))`
-/// (about 8 bits per input, per chunk of 32: the error budget of a prefill, a third of the
-/// operations of the two-byte sum).
-///
-/// # Safety
-/// The [`IntFusedFn`] contract (any number of rows).
-#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-pub unsafe fn int_gemm_scalar(
-    rows: &[*const u8],
-    k: usize,
-    (i0, n): (usize, usize),
-    chunk: usize,
-    group: usize,
-    codes: *const u8,
-    scales: *const u8,
-    w: &WeightBytes,
-    out: *mut f32,
-) {
-    // SAFETY: the contract.
-    unsafe {
-        for (r, &row) in rows.iter().enumerate() {
-            for j in 0..32 {
-                let mut total = 0f32;
-                for c in i0 / chunk..(i0 + n) / chunk {
-                    let mut a = 0i32;
-                    for i in c * chunk..(c + 1) * chunk {
-                        let byte = *codes.add(nibble_byte(i / 2, j));
-                        let u = w.lut[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
-                        a += u * (*row.add(slot(i)) as i8 as i32);
-                    }
-                    let (xs, _, s) = chunk_sums(row, k, c);
-                    let fa = (a - w.bias * xs) as f32;
-                    let g = (c * chunk) / group - i0 / group;
-                    let st = w.scale_type;
-                    let sw = st.value(st.read(scales, g * 32 + j));
-                    total = fa.mul_add(sw * (s * w.inv_m), total);
                 }
                 *out.add(r * 32 + j) += total;
             }
@@ -777,122 +780,72 @@ pub(crate) mod x86 {
         }};
     }
 
-    /// AVX-512 VNNI many-row kernel, 1 to [`GEMM_ROWS_512`] rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_gemm_avx512vnni(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            dispatch_rows!(
-                gemm512,
-                false,
-                (rows, k, range, chunk, group, codes, scales, w, out),
-                "the kgroup avx512 gemm kernel",
-                1 2 3 4 5 6 7 8 9 10 11 12
-            )
-        }
-    }
-
-    /// AVX2 many-row kernel, 1 to [`GEMM_ROWS_256`] rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_gemm_avx2(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            dispatch_rows!(
-                gemm256,
-                false,
-                (rows, k, range, chunk, group, codes, scales, w, out),
-                "the kgroup avx2 gemm kernel",
-                1 2 3 4
-            )
-        }
-    }
-
     /// Rows per call of [`int_fine_gemm_avx512vnni`] (two int32 accumulators per row).
     pub(crate) const FINE_ROWS_512: usize = 8;
     /// Rows per call of [`int_fine_gemm_avx2`].
     pub(crate) const FINE_ROWS_256: usize = 3;
 
-    /// AVX-512 VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_512`] rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_fine_gemm_avx512vnni(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            dispatch_rows!(
-                gemm512,
-                true,
-                (rows, k, range, chunk, group, codes, scales, w, out),
-                "the kgroup avx512 fine gemm kernel",
-                1 2 3 4 5 6 7 8
-            )
-        }
+    /// A public entry point: `$kernel::<R, LUT, $fine>` for 1 to the listed rows, with the
+    /// [`super::IntFusedFn`] signature.
+    macro_rules! gemm_entry {
+        ($(#[$doc:meta])* $name:ident, $kernel:ident, $fine:literal, $label:literal, $($r:literal)+) => {
+            $(#[$doc])*
+            #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+            pub unsafe fn $name(
+                rows: &[*const u8],
+                k: usize,
+                range: (usize, usize),
+                chunk: usize,
+                group: usize,
+                codes: *const u8,
+                scales: *const u8,
+                w: &WeightBytes,
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded.
+                unsafe {
+                    dispatch_rows!(
+                        $kernel,
+                        $fine,
+                        (rows, k, range, chunk, group, codes, scales, w, out),
+                        $label,
+                        $($r)+
+                    )
+                }
+            }
+        };
     }
 
-    /// AVX2 many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_fine_gemm_avx2(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            dispatch_rows!(
-                gemm256,
-                true,
-                (rows, k, range, chunk, group, codes, scales, w, out),
-                "the kgroup avx2 fine gemm kernel",
-                1 2 3
-            )
-        }
-    }
+    gemm_entry!(
+        /// AVX-512 VNNI many-row kernel, 1 to [`GEMM_ROWS_512`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+        int_gemm_avx512vnni, gemm512, false, "the kgroup avx512 gemm kernel",
+        1 2 3 4 5 6 7 8 9 10 11 12
+    );
+    gemm_entry!(
+        /// AVX2 many-row kernel, 1 to [`GEMM_ROWS_256`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+        int_gemm_avx2, gemm256, false, "the kgroup avx2 gemm kernel", 1 2 3 4
+    );
+    gemm_entry!(
+        /// AVX-512 VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_512`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+        int_fine_gemm_avx512vnni, gemm512, true, "the kgroup avx512 fine gemm kernel",
+        1 2 3 4 5 6 7 8
+    );
+    gemm_entry!(
+        /// AVX2 many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+        int_fine_gemm_avx2, gemm256, true, "the kgroup avx2 fine gemm kernel", 1 2 3
+    );
 
     type Args<'a> = (
         &'a [*const u8],
