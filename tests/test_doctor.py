@@ -88,3 +88,14 @@ def test_memory_and_huge_pages_come_from_sys(tmp_path):
     assert node0["memory"] == {"total": 2 * GIB, "free": GIB // 2}
     r = run_cli("--sys-root", str(tmp_path), "--model-bytes", str(GIB))
     assert r.returncode == 1 and "huge pages" in r.stdout and "1.0 GiB of expert" in r.stdout
+
+
+def test_impossible_plans_are_refused_with_a_message():
+    for args, word in (
+        (("--threadpool-count", "0"), "threadpool"),
+        (("--model-bytes", "-1"), "model"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "kt_kernel", "doctor", *args], capture_output=True, text=True
+        )
+        assert r.returncode == 1 and f"--{word}" in r.stderr and "Traceback" not in r.stderr

@@ -254,6 +254,10 @@ def render(facts: dict, problems: list[str]) -> str:
 
 
 def run(args) -> int:
+    if args.threadpool_count is not None and args.threadpool_count < 1:
+        raise SystemExit(f"kt doctor: --threadpool-count must be >= 1, got {args.threadpool_count}")
+    if args.model_bytes is not None and not args.model_bytes >= 0:
+        raise SystemExit(f"kt doctor: --model-bytes must be >= 0, got {args.model_bytes}")
     facts = collect(args.sys_root)
     problems = diagnose(facts, args.threadpool_count, args.model_bytes)
     if args.json:
