@@ -87,6 +87,11 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     )?;
     d.set_item("kernels", kernels)?;
     d.set_item("prefetch_bytes", prefetch_bytes)?;
+    // The group-scaled methods' kernels choose their own distance (kernels::prefetch).
+    d.set_item(
+        "prefetch_bytes_group_scaled",
+        kt_core::formats::kgroup::prefetch_distance().py()?,
+    )?;
     // The instruction mix each yardstick probe runs (the benchmark reports it beside the figures).
     let probes = PyDict::new(py);
     probes.set_item("read", kt_core::probe::read_probe_width())?;

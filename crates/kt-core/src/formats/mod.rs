@@ -355,10 +355,12 @@ pub fn build(
     builder(config, parts, kernels)
 }
 
-/// The prefetch distance the streaming kernels use, measured once per process with the int8
-/// kernel (or `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
+/// The prefetch distance the byte-group kernels use, measured once per process with the int8
+/// kernel (or `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`]. The group-scaled
+/// methods choose their own when their first layer is built.
 pub fn prefetch_distance() -> Result<usize> {
-    crate::kernels::calibrate::ensure_prefetch_chosen(int8::kernels::vector_kernel)
+    use crate::kernels::{calibrate::ensure_prefetch_chosen, prefetch::Family};
+    ensure_prefetch_chosen(Family::ByteGroups, int8::kernels::calibration_workload)
 }
 
 /// The kernels a caller names ([`KernelSet::from_choice`]), with the prefetch distance chosen

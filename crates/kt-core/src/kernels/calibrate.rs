@@ -1,34 +1,43 @@
 //! Measurements made once per process that pick among equivalent kernels: whether the
-//! AVX512-BF16 dot product beats fp32 FMA for prefill, and how far ahead the streaming kernels
-//! prefetch. Each measurement is a few milliseconds; an environment variable overrides it.
-use super::group_dot::VectorKernel;
-use super::{prefetch, KernelSet, MAX_ROWS};
+//! AVX512-BF16 dot product beats fp32 FMA for prefill, and how far ahead each family of
+//! streaming kernels prefetches. Each measurement is a few milliseconds; an environment variable overrides it.
+use super::prefetch::{self, Family};
+use super::{KernelSet, MAX_ROWS};
 use crate::isa::Level;
 use crate::pack::PANEL;
 use crate::{Error, Result};
 use std::sync::OnceLock;
 
-static CHOSEN: OnceLock<std::result::Result<usize, Error>> = OnceLock::new();
+static CHOSEN: [OnceLock<std::result::Result<usize, Error>>; 2] =
+    [const { OnceLock::new() }, const { OnceLock::new() }];
 
 /// Largest distance accepted from the environment.
 const MAX_DISTANCE: usize = 1 << 16;
 
-/// Choose the distance once per process (environment, else calibration) and apply it;
-/// returns it.
-pub fn ensure_prefetch_chosen(probe: fn(Level) -> VectorKernel) -> Result<usize> {
-    let chosen = CHOSEN
+/// Bytes a calibration streams per pass (far beyond any cache).
+pub const CALIBRATION_BYTES: usize = 64 << 20;
+
+/// A family's calibration workload: stream all of `buf` ([`CALIBRATION_BYTES`], every byte
+/// below `0x80`) once through one of the family's decode kernels at `level`, one activation
+/// row, on the calling thread.
+pub type Workload = fn(Level, &[u8]);
+
+/// Choose `family`'s distance once per process (`KT_KERNEL_PREFETCH`, else a calibration with
+/// `workload`) and apply it; returns it.
+pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usize> {
+    let chosen = CHOSEN[family as usize]
         .get_or_init(|| {
             let d = match from_env()? {
                 Some(d) => d,
-                None => calibrate(probe),
+                None => calibrate(family, workload),
             };
             if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-                eprintln!("[kt_kernel] prefetch distance: {d} bytes");
+                eprintln!("[kt_kernel] prefetch distance ({family:?}): {d} bytes");
             }
             Ok(d)
         })
         .clone()?;
-    prefetch::set(chosen);
+    prefetch::set_of(family, chosen);
     Ok(chosen)
 }
 
@@ -55,74 +64,67 @@ fn parse_setting(v: &str) -> Result<Option<usize>> {
     }
 }
 
-/// Stream 64 MiB through `probe`'s vector kernel at the process's level (one row, one thread),
-/// caches flushed before each pass, with and without prefetching; three interleaved rounds,
-/// best of each. Prefetching must win by 5% to be chosen. The probe is a byte group kernel
-/// (groups of `32·k` bytes, AMXINT8's), the one whose streaming rate decode depends on most.
-fn calibrate(probe: fn(Level) -> VectorKernel) -> usize {
+/// Rounds of the prefetch calibration, each one pass without and one with prefetching.
+const ROUNDS: usize = 5;
+
+/// The median of `v` (non-empty).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Stream [`CALIBRATION_BYTES`] through `workload` at the process's level (one thread),
+/// caches flushed before each pass, without and with prefetching in [`ROUNDS`] paired rounds.
+/// Prefetching is chosen when the median of the rounds' speed ratios is above 1.05.
+fn calibrate(family: Family, workload: Workload) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
         let level = crate::isa::global().map_or(Level::Generic, |s| s.chosen);
         if level < Level::Avx2 {
             return 0;
         }
-        let kernel = probe(level);
-        let k = 2048;
-        let group = 32 * k;
-        let groups = (64 << 20) / group;
-        let Ok(mut buf) = crate::pack::AlignedBuf::<u8>::zeroed(groups * group) else {
+        let Ok(mut buf) = crate::pack::AlignedBuf::<u8>::zeroed(CALIBRATION_BYTES) else {
             return 0;
         };
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8 & 0x7f;
         }
-        let a = super::group_dot::activation_row(&vec![129u8; k]);
-        let sums = [0i32; 32];
         let rate = |d: usize| {
-            prefetch::set(d);
+            prefetch::set_of(family, d);
             // SAFETY: the buffer is ours; clflush only evicts lines.
             unsafe { flush(buf.as_slice()) };
             let t = std::time::Instant::now();
-            let mut out = [0i32; 32];
-            for g in 0..groups {
-                // SAFETY: group g lies inside the buffer; one activation row of k values; 32
-                // sums; the probe's kernel runs at the process's level.
-                unsafe {
-                    (kernel.dot)(
-                        &[a.as_ptr()],
-                        k,
-                        buf.as_ptr().add(g * group),
-                        sums.as_ptr(),
-                        out.as_mut_ptr(),
-                    )
-                };
-                std::hint::black_box(&out);
-            }
-            (groups * group) as f64 / t.elapsed().as_secs_f64()
+            workload(level, buf.as_slice());
+            CALIBRATION_BYTES as f64 / t.elapsed().as_secs_f64()
         };
-        let (mut off, mut on) = (0f64, 0f64);
-        for _ in 0..3 {
-            off = off.max(rate(0));
-            on = on.max(rate(prefetch::CANDIDATE));
+        // Paired rounds: the VM's bandwidth drifts between rounds, so each round's ratio is
+        // taken against its own neighbour and the median ratio decides.
+        let mut ratios = Vec::with_capacity(ROUNDS);
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let (a, b) = (rate(0), rate(prefetch::CANDIDATE));
+            ratios.push(b / a);
+            off.push(a);
+            on.push(b);
         }
-        let chosen = if on > 1.05 * off {
-            prefetch::CANDIDATE
-        } else {
-            0
-        };
+        let gain = median(&mut ratios);
+        let chosen = if gain > 1.05 { prefetch::CANDIDATE } else { 0 };
         if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
             eprintln!(
-                "[kt_kernel] prefetch calibration (1 thread, int8 kernel from DRAM): off {:.1} GB/s, \
-                 {} B ahead {:.1} GB/s",
-                off / 1e9,
+                "[kt_kernel] prefetch calibration ({family:?}, 1 thread, from DRAM): off {:.1} \
+                 GB/s, {} B ahead {:.1} GB/s (medians of {ROUNDS}; median gain {gain:.3})",
+                median(&mut off) / 1e9,
                 prefetch::CANDIDATE,
-                on / 1e9
+                median(&mut on) / 1e9
             );
         }
         chosen
     }
     #[cfg(not(target_arch = "x86_64"))]
-    0
+    {
+        let _ = (family, workload);
+        0
+    }
 }
 
 /// Evict `buf` from every cache level.

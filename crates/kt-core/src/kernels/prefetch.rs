@@ -3,29 +3,53 @@
 //! Whether it helps depends on the core: on AMD Zen 3 a one-row int8 dot product streams at
 //! 8 GB/s per core without it and 17–18 GB/s with loads prefetched 4 KiB ahead (the hardware
 //! prefetchers do not keep enough lines in flight behind a compute loop); an earlier
-//! measurement on Zen 4 found prefetching slower. So the distance is measured once per process
-//! ([`super::calibrate::ensure_prefetch_chosen`]): the vector int8 kernel streams a cache-flushed buffer with and without
-//! prefetching, single-threaded, and the faster wins. `KT_KERNEL_PREFETCH=<bytes>|0|auto`
+//! measurement on Zen 4 found prefetching slower for that kernel and faster for the 4-bit
+//! group-scaled ones. So the distance is measured once per process and kernel [`Family`]
+//! ([`super::calibrate::ensure_prefetch_chosen`]): a kernel of the family streams a
+//! cache-flushed buffer with and without prefetching, single-threaded, and the faster wins. `KT_KERNEL_PREFETCH=<bytes>|0|auto`
 //! overrides. Prefetching never changes a result, only speed.
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Bytes ahead of the current load that streaming kernels prefetch (0 = none). Kernels read
-/// it once per call.
-static DISTANCE: AtomicUsize = AtomicUsize::new(0);
+/// Kernel families whose prefetch distances are chosen separately: whether the hardware
+/// prefetchers keep enough lines in flight depends on how much work the loop does per byte
+/// (on Zen 4 the int8 byte-group kernel streams at full speed without help while the 4-bit
+/// group-scaled kernels, with a table lookup and scale conversion per line, gain 8–12%).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// The byte-group kernels: AMXINT8/AMXINT4, BF16, the GGUF dots, FP8.
+    ByteGroups = 0,
+    /// The group-scaled native kernels (RAWINT4, GPTQ_INT4, MXFP4, NVFP4, MXFP8).
+    CodeGroups = 1,
+}
+
+/// Bytes ahead of the current load that each family's streaming kernels prefetch (0 = none).
+/// Kernels read it once per call.
+static DISTANCE: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 
 /// The distance tried by the calibration.
 pub const CANDIDATE: usize = 4096;
 
-/// The prefetch distance in bytes the kernels use now (0 = off).
+/// The prefetch distance in bytes the byte-group kernels use now (0 = off).
 #[inline(always)]
 pub fn distance() -> usize {
-    DISTANCE.load(Ordering::Relaxed)
+    distance_of(Family::ByteGroups)
 }
 
-/// Set the distance (a multiple of 64 bytes; 0 turns prefetching off). For tests and tools;
-/// [`super::calibrate::ensure_prefetch_chosen`] sets it for real use.
+/// The prefetch distance in bytes `family`'s kernels use now (0 = off).
+#[inline(always)]
+pub fn distance_of(family: Family) -> usize {
+    DISTANCE[family as usize].load(Ordering::Relaxed)
+}
+
+/// Set the byte-group kernels' distance (a multiple of 64 bytes; 0 turns prefetching off).
+/// For tests and tools; [`super::calibrate::ensure_prefetch_chosen`] sets it for real use.
 pub fn set(bytes: usize) {
-    DISTANCE.store(bytes / 64 * 64, Ordering::Relaxed);
+    set_of(Family::ByteGroups, bytes);
+}
+
+/// Set `family`'s distance (a multiple of 64 bytes; 0 turns prefetching off).
+pub fn set_of(family: Family, bytes: usize) {
+    DISTANCE[family as usize].store(bytes / 64 * 64, Ordering::Relaxed);
 }
 
 /// Prefetch the line holding `p` into L1 (nothing off x86-64). Any address is fine:

@@ -299,6 +299,43 @@ pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
     None
 }
 
+/// The group-scaled family's prefetch calibration workload
+/// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row panels of 2048 E2M1 codes with
+/// E8M0 scales per 32 (MXFP4, the table-lookup variant) through the one-row decode kernel.
+/// The scales of one panel are reused for all (they are 1/32 of the codes' bytes).
+pub fn calibration_workload(level: Level, buf: &[u8]) {
+    let Some((kernel, _)) = int_fused_for(level) else {
+        return;
+    };
+    let (k, chunk, group) = (2048, 32, 32);
+    let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
+    let mut row = vec![0u8; row_bytes(k, chunk)];
+    prepare_row(&x, chunk, &mut row);
+    let scales = vec![127u8; 32 * (k / group)]; // 2⁰
+    let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
+    let mut out = [0f32; 32];
+    let panel = 16 * k;
+    for p in 0..buf.len() / panel {
+        // SAFETY: panel p (16·k bytes) lies inside `buf`; one row of row_bytes(k, chunk);
+        // 32 scales per group of the whole range; 32 outputs; the kernel was picked for
+        // `level`, which the process runs at.
+        unsafe {
+            kernel(
+                &[row.as_ptr()],
+                k,
+                (0, k),
+                chunk,
+                group,
+                buf.as_ptr().add(p * panel),
+                scales.as_ptr(),
+                &w,
+                out.as_mut_ptr(),
+            )
+        };
+        std::hint::black_box(&out);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::{chunk_sums, WeightBytes};
@@ -393,7 +430,8 @@ pub(crate) mod x86 {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
             let nib = _mm512_set1_epi32(0x0F0F_0F0F);
             let inv254 = _mm512_set1_ps(1.0 / 254.0);
-            let dist = crate::kernels::prefetch::distance();
+            let dist =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm512_setzero_ps(); 2]; R];
             for c in i0 / chunk..(i0 + n) / chunk {
                 let mut a = [[_mm512_setzero_si512(); 2]; R];
@@ -470,7 +508,8 @@ pub(crate) mod x86 {
             let nib = _mm256_set1_epi32(0x0F0F_0F0F);
             let ones = _mm256_set1_epi16(1);
             let inv254 = _mm256_set1_ps(1.0 / 254.0);
-            let dist = crate::kernels::prefetch::distance();
+            let dist =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm256_setzero_ps(); 4]; R];
             for c in i0 / chunk..(i0 + n) / chunk {
                 let mut a = [[_mm256_setzero_si256(); 4]; R];

@@ -378,7 +378,7 @@ mod x86 {
                     let t = _mm512_setzero_ps();
                     let ss = scale_type.size();
                     let mut total = [[_mm512_setzero_ps(); 2]; R];
-                    let dist = crate::kernels::prefetch::distance();
+                    let dist = crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
                     for g in 0..lines / group_lines {
                         // Even and odd inputs in separate sums: four FMA chains per row.
                         let mut even = [[_mm512_setzero_ps(); 2]; R];
@@ -571,7 +571,7 @@ mod x86 {
                     let t = (_mm256_setzero_ps(), _mm256_setzero_ps());
                     let ss = scale_type.size();
                     let mut total = [[_mm256_setzero_ps(); 4]; R];
-                    let dist = crate::kernels::prefetch::distance();
+                    let dist = crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
                     for g in 0..lines / group_lines {
                         let mut even = [[_mm256_setzero_ps(); 4]; R];
                         let mut odd = [[_mm256_setzero_ps(); 4]; R];

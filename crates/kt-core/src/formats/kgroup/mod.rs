@@ -132,6 +132,15 @@ pub const MXFP8: Spec = Spec {
     backend_var: Some("KT_MXFP8_BACKEND"),
 };
 
+/// The prefetch distance of this family's decode kernels, measured once per process (or
+/// `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
+pub fn prefetch_distance() -> Result<usize> {
+    crate::kernels::calibrate::ensure_prefetch_chosen(
+        crate::kernels::prefetch::Family::CodeGroups,
+        int_dot::calibration_workload,
+    )
+}
+
 macro_rules! builder {
     ($name:ident, $spec:ident) => {
         #[doc = concat!("The registry's builder for ", stringify!($spec), ".")]
@@ -279,6 +288,7 @@ impl KGroupExperts {
         group_gu: usize,
         group_down: usize,
     ) -> Result<KGroupExperts> {
+        prefetch_distance()?;
         let method = spec.method;
         let (h, i) = (config.hidden, config.intermediate);
         kt_ensure!(
