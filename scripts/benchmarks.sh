@@ -20,6 +20,9 @@ echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
 echo "[benchmarks] converter and loading of converted weights"
 "$VENV/bin/python" benches/convert_bench.py --json "$OUT/convert.json" --markdown "$OUT/convert.md"
 
+echo "[benchmarks] write_weight_scale_to_buffer (one expert into every GPU rank's buffers)"
+"$VENV/bin/python" benches/write_weight_scale_bench.py >"$OUT/wwsb.md"
+
 echo "[benchmarks] cargo bench"
 cargo bench -p kt-benches --bench kernels --bench pool_vs_rayon -- --warm-up-time 1 --measurement-time 4 \
   2>&1 | tee "$OUT/cargo.txt" >/dev/null
@@ -73,6 +76,10 @@ lines += ["", "## Converter and loading converted weights (`benches/convert_benc
           "(fsync included). Load times include the first touch of the layer's fresh memory, "
           "which is slow on this VM the first time a process uses it.", ""]
 lines.append(open(f"{out}/convert.md").read())
+lines += ["", "## write_weight_scale_to_buffer (`benches/write_weight_scale_bench.py`)", "",
+          "One S1 expert (H=2048, I=768) written from the CPU parts into every GPU rank's "
+          "buffers, in the bytes the original writes (tests compare them); ranks in parallel.", ""]
+lines.append(open(f"{out}/wwsb.md").read())
 lines += ["", "## Kernels and pool (`cargo bench -p kt-benches`)", "",
           "Median of criterion's estimate. Panel kernels: throughput counts 2 flops per "
           "multiply-add (Gelem/s = GFLOP/s). Layer benches: bytes of expert weights touched per "
