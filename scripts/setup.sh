@@ -22,9 +22,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import numpy, torch, safetensors, gguf, pytest, maturin, ruff" 2>/dev/null; then
+if ! "$PY" -c "import numpy, torch, safetensors, gguf, pytest, maturin, ruff, transformers" 2>/dev/null; then
   echo "[setup] installing Python dependencies (torch is large)"
-  "$PY" -m pip install -q numpy torch safetensors gguf pytest maturin ruff
+  # transformers: the end-to-end tests build tiny Mixtral / Qwen3-MoE models with it.
+  "$PY" -m pip install -q numpy torch safetensors gguf pytest maturin ruff transformers
 fi
 echo "[setup] building and installing kt-kernel (release)"
 "$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall .

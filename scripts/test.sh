@@ -11,7 +11,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "[test] module layering"
 python3 scripts/check_module_cycles.py
 echo "[test] ruff"
-"$VENV/bin/ruff" check python tests benches scripts
+"$VENV/bin/ruff" check python tests benches scripts examples
+"$VENV/bin/ruff" format --check python tests benches scripts examples
 echo "[test] cargo test"
 cargo test --workspace
 echo "[test] pytest"
