@@ -9,11 +9,12 @@ without permission, little memory) to :func:`diagnose`, and a fake ``/sys`` to :
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
+import os
 import re
 from pathlib import Path
+
+from . import _kt_core
 
 GIB = 1 << 30
 
@@ -32,8 +33,8 @@ ISA_FLAGS = (
     ("AMX-BF16", "amx_bf16"),
 )
 
-# Libraries the CUDA-stream path opens at first use (no CUDA at build time).
-CUDA_LIBRARIES = ("libcuda.so.1", "libcudart.so")
+# The library the CUDA-stream path opens at first use (no CUDA at build time).
+CUDA_LIBRARIES = ("libcuda.so.1",)
 
 
 def add_arguments(parser) -> None:
@@ -93,16 +94,11 @@ def _thp(sys_root: Path) -> str | None:
 
 
 def _cuda() -> dict[str, str | None]:
-    """Each CUDA library the stream path would open: its resolved name, or None."""
-    found = {}
-    for name in CUDA_LIBRARIES:
-        try:
-            ctypes.CDLL(name)
-            found[name] = name
-        except OSError:
-            stem = name.removeprefix("lib").split(".so")[0]
-            found[name] = ctypes.util.find_library(stem)
-    return found
+    """The CUDA driver the stream path opens (``KT_KERNEL_CUDA_DRIVER`` or libcuda.so.1):
+    ``cuLaunchHostFunc`` found, or None."""
+    name = os.environ.get("KT_KERNEL_CUDA_DRIVER", CUDA_LIBRARIES[0])
+    found, _message = _kt_core.cuda_driver_status()
+    return {name: name if found else None}
 
 
 def _torch() -> dict:
@@ -225,7 +221,7 @@ def render(facts: dict, problems: list[str]) -> str:
     nodes = ", ".join(
         f"node{n['node']} {n['cores']} cores, {_gib(n['memory'])}" for n in facts["numa"]
     )
-    cuda = [f"{name} found" for name, path in facts["cuda"].items() if path]
+    cuda = [f"{name} (cuLaunchHostFunc) found" for name, path in facts["cuda"].items() if path]
     torch = facts["torch"]
     lines = [
         f"kt_kernel {v['package']} (kt-core {v['core']}, {v['profile']} build, "

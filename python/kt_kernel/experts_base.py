@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _kt_core
+from . import _kt_core, _stream
 from .kt_kernel_ext import CPUInfer, WorkerPoolConfig
 
 
@@ -154,10 +154,12 @@ class BaseMoEWrapper:
         self.cpu_infer = self._get_cpu_infer(cpuinfer_threads, threadpool_count, numa_nodes)
         self.threadpool_count = self.cpu_infer.engine.parts
         self._lock = threading.Lock()
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending: collections.deque[_Pending | None] = collections.deque()
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._deferred_alive: collections.deque[tuple[int, tuple]] = collections.deque()
         self.moe = None
+        self._stream_state = _stream.State()
+        self._force_sync_submit = _stream.force_sync_submit()
         BaseMoEWrapper._instances.add(self)
 
     # ----------------------------------------------------------------------------- set-up
@@ -273,7 +275,7 @@ class BaseMoEWrapper:
         if rows in BaseMoEWrapper._capture_batch_sizes:
             key = (kind, rows, dtype)
             buf = self._buffers.get(key)
-            if buf is not None and any(p.out is buf for p in self._pending):
+            if buf is not None and any(p is not None and p.out is buf for p in self._pending):
                 # A second submit before the sync: the first result still lives there.
                 return torch.empty((rows, self.hidden_size), dtype=dtype)
             if buf is None:
@@ -284,6 +286,13 @@ class BaseMoEWrapper:
 
     # ----------------------------------------------------------------------------- forward
     def _check_forward_inputs(self, hidden_states, topk_ids, topk_weights):
+        """Validate, then bring the inputs to the CPU in the dtypes the kernels take."""
+        x = self._validate_forward_inputs(hidden_states, topk_ids, topk_weights)
+        return self._to_cpu(x, hidden_states.device, topk_ids, topk_weights)
+
+    def _validate_forward_inputs(self, hidden_states, topk_ids, topk_weights) -> torch.Tensor:
+        """Check types, shapes and the mask without copying anything; returns the ``[T, H]``
+        view of the hidden states."""
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError("hidden_states must be a torch.Tensor")
         _check_dense("hidden_states", hidden_states)
@@ -335,9 +344,12 @@ class BaseMoEWrapper:
                 "gpu_experts_mask must stay a contiguous CPU bool tensor of num_experts entries "
                 "(update it in place with .copy_())"
             )
+        return x
+
+    @staticmethod
+    def _to_cpu(x, device, topk_ids, topk_weights):
         # Conversions only where needed: each torch call costs about a microsecond, and a
         # one-token decode is about a millisecond.
-        device = hidden_states.device
         if device.type != "cpu":
             x = x.to("cpu")
         if x.dtype not in _FLOAT_DTYPES:
@@ -359,19 +371,32 @@ class BaseMoEWrapper:
         return x, ids, w, device
 
     @staticmethod
-    def select_deferred_experts(expert_ids, expert_scores, protected_k: int):
+    def select_deferred_experts(expert_ids, expert_scores, protected_k: int, num_experts=None):
         """Split ``[B, k]`` ids into (immediate, deferred): the union over the batch of each
         token's top-``protected_k`` experts (by score) is protected and runs now; every other
-        (token, slot) is deferred to the next layer. Entries not in a tensor are -1."""
+        (token, slot) is deferred to the next layer. Entries not in a tensor are -1.
+        ``num_experts`` (default: from the ids) sizes the membership table."""
         k = expert_ids.shape[1]
+        if expert_ids.numel() == 0:
+            return expert_ids.clone(), expert_ids.clone()
         if protected_k <= 0:
             return torch.full_like(expert_ids, -1), expert_ids.clone()
         if protected_k >= k:
             return expert_ids.clone(), torch.full_like(expert_ids, -1)
         top = expert_scores.topk(protected_k, dim=1).indices
         protected = expert_ids.gather(1, top)
-        protected = torch.unique(protected[protected >= 0])
-        is_protected = torch.isin(expert_ids, protected) & (expert_ids >= 0)
+        # A membership table over the ids instead of torch.unique/isin: fixed shapes, so on a
+        # GPU nothing waits for the device (the stream path must not block the host).
+        ceiling = int(num_experts) if num_experts is not None else int(expert_ids.max()) + 1
+        ceiling = max(ceiling, 0)
+
+        def slot(ids):  # -1 and ids beyond the table land on the spare last entry
+            return torch.where((ids < 0) | (ids >= ceiling), ceiling, ids).long()
+
+        table = torch.zeros(ceiling + 1, dtype=torch.bool, device=expert_ids.device)
+        table[slot(protected).reshape(-1)] = True
+        table[ceiling] = False
+        is_protected = table[slot(expert_ids)]
         minus = torch.full_like(expert_ids, -1)
         return torch.where(is_protected, expert_ids, minus), torch.where(
             is_protected, minus, expert_ids
@@ -436,9 +461,24 @@ class BaseMoEWrapper:
     def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> None:
         """Queue this layer's CPU experts for ``hidden_states`` and return at once.
 
-        CPU tensors are used in place; tensors on another device are copied to the CPU first
-        (``cuda_stream`` is not used: there is no host-callback bridge in this build).
+        CPU tensors are used in place. CUDA tensors with a ``cuda_stream`` (a ``cudaStream_t``
+        int) take the stream path (``kt_kernel._stream``): copies into pinned buffers and the
+        CPU work are enqueued on that stream and nothing here waits. Tensors on another device
+        without a stream (or with ``KT_FORCE_SYNC_SUBMIT=1``) are copied to the CPU first.
         """
+        dev = _stream.device_for(hidden_states, cuda_stream, self._force_sync_submit)
+        if dev is not None:
+            x = self._validate_forward_inputs(hidden_states, topk_ids, topk_weights)
+            for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                if t.device != hidden_states.device:
+                    raise ValueError(
+                        f"{name} is on {t.device} but hidden_states on {hidden_states.device}"
+                    )
+            self._check_loaded()
+            with self._lock:
+                _stream.submit(self, dev, x, topk_ids, topk_weights, int(cuda_stream))
+                self._pending.append(None)  # a stream entry: sync_forward asks _stream
+            return
         x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
         qlen = x.shape[0]
         out_dtype = _out_dtype(hidden_states)
@@ -455,7 +495,7 @@ class BaseMoEWrapper:
         with self._lock:
             if d > 0:
                 immediate, deferred = self.select_deferred_experts(
-                    ids, w, self.num_experts_per_tok - d
+                    ids, w, self.num_experts_per_tok - d, self.num_experts
                 )
                 immediate, deferred = immediate.contiguous(), deferred.contiguous()
             else:
@@ -483,6 +523,8 @@ class BaseMoEWrapper:
                     f"layer {self.layer_idx}: sync_forward() without a matching submit_forward()"
                 )
             p = self._pending.popleft()
+            if p is None:
+                return _stream.sync(self)
         self.cpu_infer.engine.wait(p.ticket)
         with self._lock:
             while self._deferred_alive and self._deferred_alive[0][0] < p.ticket:
@@ -502,7 +544,8 @@ class BaseMoEWrapper:
 
     def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> torch.Tensor:
         """``submit_forward`` then ``sync_forward``; output has ``hidden_states``' shape."""
-        if self._can_run_now():
+        stream_path = _stream.device_for(hidden_states, cuda_stream, self._force_sync_submit)
+        if self._can_run_now() and stream_path is None:
             x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
             out = self._buffer("out", x.shape[0], _out_dtype(hidden_states))
             self._check_loaded()

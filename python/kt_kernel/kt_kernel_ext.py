@@ -45,10 +45,43 @@ class CPUInfer:
         self.engine = _kt_core.Engine(threads, nodes, pin)
         self.backend_ = self.engine
 
+    def submit(self, task) -> None:
+        """Queue ``task`` (a task of a layer's ``forward_task``/``stream_task``) and return."""
+        self.engine.submit_task(_task_address(task))
+
     def sync(self, allow_n_pending: int = 0) -> None:
         """Block until at most ``allow_n_pending`` tasks remain; raises a task's error."""
         self.engine.sync(allow_n_pending)
 
+    def submit_with_cuda_stream(self, user_cuda_stream: int, task) -> None:
+        """Queue ``task`` when CUDA stream ``user_cuda_stream`` reaches this point (a host
+        function on the stream, capturable into a CUDA graph); returns at once. Without a CUDA
+        driver this is ``submit``."""
+        if _stream_driver_found():
+            self.engine.start_on_stream(int(user_cuda_stream), _task_address(task))
+        else:
+            self.submit(task)
+
     def sync_with_cuda_stream(self, user_cuda_stream: int, allow_n_pending: int = 0) -> None:
-        """CPU-only build: there is no stream to order against, so this is ``sync``."""
-        self.engine.sync(allow_n_pending)
+        """Make work enqueued later on the stream wait until at most ``allow_n_pending`` tasks
+        remain; returns at once. Without a CUDA driver this is ``sync``."""
+        if _stream_driver_found():
+            self.engine.sync_on_stream(int(user_cuda_stream), allow_n_pending)
+            errors = _kt_core.stream_errors()
+            if errors:
+                raise RuntimeError(
+                    "a CPU task ordered on a CUDA stream failed: " + "; ".join(errors)
+                )
+        else:
+            self.engine.sync(allow_n_pending)
+
+
+def _task_address(task) -> int:
+    address = getattr(task, "address", task)
+    if isinstance(address, bool) or not isinstance(address, int):
+        raise TypeError(f"expected a task from forward_task/stream_task, got {type(task).__name__}")
+    return address
+
+
+def _stream_driver_found() -> bool:
+    return _kt_core.cuda_driver_status()[0]

@@ -27,6 +27,7 @@ pub mod affinity;
 pub mod codes;
 pub mod convert;
 pub mod converted;
+pub mod cuda_bridge;
 pub mod dtype;
 pub mod engine;
 pub mod error;

@@ -28,6 +28,30 @@ fn cpu_variant() -> PyResult<&'static str> {
     Ok(isa::global().py()?.chosen.name())
 }
 
+/// Errors met by stream tasks on the CUDA driver's thread since the last call.
+#[pyfunction]
+fn stream_errors() -> Vec<String> {
+    kt_core::cuda_bridge::take_errors()
+}
+
+/// Process-lifetime stream descriptors made so far (a steady loop does not add any).
+#[pyfunction]
+fn stream_descriptor_count() -> usize {
+    kt_core::cuda_bridge::descriptor_count()
+}
+
+/// Use the `cuLaunchHostFunc` of `library` from now on (a stand-in driver for tests).
+#[pyfunction]
+fn use_cuda_driver(library: &str) -> PyResult<()> {
+    kt_core::cuda_bridge::use_driver(library).py()
+}
+
+/// (found, message): whether `cuLaunchHostFunc` can be opened from the CUDA driver.
+#[pyfunction]
+fn cuda_driver_status() -> (bool, String) {
+    kt_core::cuda_bridge::driver_status()
+}
+
 /// Everything known about this CPU and process, as a dict.
 #[pyfunction]
 fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -253,6 +277,25 @@ impl Engine {
         self.inner.pending()
     }
 
+    /// Queue a stream task (`MoeLayer.stream_task`) on this engine now; returns its ticket.
+    fn submit_task(&self, task: usize) -> PyResult<u64> {
+        Ok(kt_core::cuda_bridge::task_at(task).py()?.submit())
+    }
+
+    /// Enqueue the start of a stream task on CUDA stream `stream` (a `cudaStream_t` as int):
+    /// the engine queues it when the stream gets there. Returns at once.
+    fn start_on_stream(&self, stream: usize, task: usize) -> PyResult<()> {
+        let task = kt_core::cuda_bridge::task_at(task).py()?;
+        kt_core::cuda_bridge::start_on_stream(stream, task).py()
+    }
+
+    /// Enqueue a wait on CUDA stream `stream`: work enqueued after it waits until at most
+    /// `allow_n_pending` of this engine's tasks remain. Returns at once.
+    #[pyo3(signature = (stream, allow_n_pending=0))]
+    fn sync_on_stream(&self, stream: usize, allow_n_pending: usize) -> PyResult<()> {
+        kt_core::cuda_bridge::sync_on_stream(stream, &self.inner, allow_n_pending).py()
+    }
+
     /// Best-of-`repeats` DRAM read bandwidth in GB/s over `bytes`, using every thread; the
     /// buffer in huge pages (as the weights) unless `huge_pages` is false.
     #[pyo3(signature = (bytes=1 << 30, repeats=5, huge_pages=true))]
@@ -299,7 +342,12 @@ impl Engine {
 struct MoeLayer {
     engine: Arc<CoreEngine>,
     layer: Arc<RwLock<CoreLayer>>,
+    /// Unique per layer object for the life of the process (keys its stream descriptors).
+    serial: usize,
 }
+
+/// Serial numbers of layer objects.
+static LAYER_SERIAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
 
 fn run_blocking(
     py: Python<'_>,
@@ -360,6 +408,7 @@ impl MoeLayer {
         Ok(MoeLayer {
             engine: engine.inner.clone(),
             layer: Arc::new(RwLock::new(layer)),
+            serial: LAYER_SERIAL.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -630,12 +679,103 @@ impl MoeLayer {
         let engine = &self.engine;
         py.detach(move || engine.run_now(task)).py()
     }
+
+    /// A forward a CUDA stream (or a replayed graph) may start any number of times: the
+    /// address of a process-lifetime descriptor, the same for the same arguments. With
+    /// `bsz_ptr` ≠ 0 the token count is read from that int32 cell when the task runs (1 to
+    /// `qlen`; the buffers are sized for `qlen`). The layer is not kept alive by it: a task of
+    /// a freed layer fails with an error.
+    #[pyo3(signature = (qlen, hidden_ptr, hidden_dtype, ids_ptr, ids_dtype, weights_ptr, out_ptr,
+                        out_dtype, residual_ptr=0, residual_dtype="float32", mask_ptr=0,
+                        bsz_ptr=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn stream_task(
+        &self,
+        qlen: usize,
+        hidden_ptr: usize,
+        hidden_dtype: &str,
+        ids_ptr: usize,
+        ids_dtype: &str,
+        weights_ptr: usize,
+        out_ptr: usize,
+        out_dtype: &str,
+        residual_ptr: usize,
+        residual_dtype: &str,
+        mask_ptr: usize,
+        bsz_ptr: usize,
+    ) -> PyResult<usize> {
+        let ptrs = [
+            hidden_ptr,
+            ids_ptr,
+            weights_ptr,
+            out_ptr,
+            residual_ptr,
+            mask_ptr,
+        ];
+        let dtypes = [hidden_dtype, ids_dtype, out_dtype, residual_dtype];
+        let args = self.forward_args(qlen, ptrs, dtypes)?;
+        if !bsz_ptr.is_multiple_of(4) {
+            return Err(kt_core::Error::Invalid(format!(
+                "bsz_ptr 0x{bsz_ptr:x} is not aligned for an int32"
+            )))
+            .py();
+        }
+        let mut key = vec![self.serial, qlen, bsz_ptr, usize::from(args.ids_i64)];
+        key.extend_from_slice(&ptrs);
+        key.extend([args.hidden_type, args.out_type, args.residual_type].map(|t| t as usize));
+        let layer = Arc::downgrade(&self.layer);
+        let task = kt_core::cuda_bridge::persistent_task(key, &self.engine, move || {
+            Arc::new(move |ctx| {
+                let Some(layer) = layer.upgrade() else {
+                    return Err(kt_core::Error::Runtime(
+                        "a stream task ran after its layer was freed".into(),
+                    ));
+                };
+                let mut run = args;
+                if bsz_ptr != 0 {
+                    // SAFETY: the caller keeps the int32 cell alive as long as the task may
+                    // run (the Python layer's buffers live for the process); a volatile read
+                    // because the stream writes it behind the compiler's back.
+                    let n = unsafe { std::ptr::read_volatile(bsz_ptr as *const i32) };
+                    if n < 1 || n as usize > args.qlen {
+                        return Err(kt_core::Error::Invalid(format!(
+                            "the batch-size cell holds {n}, outside 1..={}",
+                            args.qlen
+                        )));
+                    }
+                    run.qlen = n as usize;
+                }
+                let l = layer.read().unwrap();
+                // SAFETY: as `forward_task`: the Python layer validated every tensor against
+                // qlen and the layer shape and keeps them alive for the process.
+                unsafe { l.forward_raw(ctx.pool, ctx.workspace, &run) }
+            })
+        });
+        Ok(task as *const kt_core::cuda_bridge::StreamTask as usize)
+    }
 }
 
 impl MoeLayer {
     /// The engine task of one forward. `ptrs`: hidden, ids, weights, out, residual, mask
     /// (0 = none for the last two); `dtypes`: hidden, ids, out, residual.
     fn forward_task(&self, qlen: usize, ptrs: [usize; 6], dtypes: [&str; 4]) -> PyResult<Task> {
+        let args = self.forward_args(qlen, ptrs, dtypes)?;
+        let layer = self.layer.clone();
+        Ok(Box::new(move |ctx| {
+            let l = layer.read().unwrap();
+            // SAFETY: the Python layer validated every tensor against qlen and the layer shape,
+            // and keeps them alive until the forward is done.
+            unsafe { l.forward_raw(ctx.pool, ctx.workspace, &args) }
+        }))
+    }
+
+    /// The checked arguments of one forward (see `forward_task`).
+    fn forward_args(
+        &self,
+        qlen: usize,
+        ptrs: [usize; 6],
+        dtypes: [&str; 4],
+    ) -> PyResult<ForwardArgs> {
         let [hidden_ptr, ids_ptr, weights_ptr, out_ptr, residual_ptr, mask_ptr] = ptrs;
         let [hidden_dtype, ids_dtype, out_dtype, residual_dtype] = dtypes;
         let ids_i64 = match kt_core::dtype::IdType::parse(ids_dtype).py()? {
@@ -656,13 +796,7 @@ impl MoeLayer {
             gpu_mask: mask_ptr as *const u8,
         };
         args.check_addresses().py()?;
-        let layer = self.layer.clone();
-        Ok(Box::new(move |ctx| {
-            let l = layer.read().unwrap();
-            // SAFETY: the Python layer validated every tensor against qlen and the layer shape,
-            // and keeps them alive until the forward is done.
-            unsafe { l.forward_raw(ctx.pool, ctx.workspace, &args) }
-        }))
+        Ok(args)
     }
 }
 
@@ -778,6 +912,10 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_descriptor_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_status, m)?)?;
+    m.add_function(wrap_pyfunction!(use_cuda_driver, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     m.add_class::<Conversion>()?;

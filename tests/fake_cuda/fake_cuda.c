@@ -1,0 +1,176 @@
+/* A stand-in for the CUDA driver's host-function entry point, for tests on machines without
+ * a GPU. A "stream" runs its operations (host functions, memory copies, gates) one after the
+ * other on its own thread, as a CUDA stream does; capture records them into a "graph" that
+ * can be replayed with the same arguments. Build: cc -shared -fPIC -O2 -pthread. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*host_fn)(void *);
+
+enum kind { OP_HOST, OP_COPY, OP_GATE, OP_MARK };
+
+struct op {
+    enum kind kind;
+    host_fn fn;
+    void *arg;
+    void *dst;
+    const void *src;
+    size_t n;
+    struct op *next;
+};
+
+struct graph {
+    int count, cap;
+    struct op *ops;
+};
+
+struct stream {
+    pthread_mutex_t m;
+    pthread_cond_t cv, gate_cv;
+    struct op *head, *tail;
+    int busy, gate_open, stop;
+    long done_ops, host_calls, marks;
+    struct graph *capture;
+    pthread_t thread;
+};
+
+static void *run(void *p) {
+    struct stream *s = p;
+    pthread_mutex_lock(&s->m);
+    for (;;) {
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->m);
+        if (!s->head) break;
+        struct op *o = s->head;
+        s->head = o->next;
+        if (!s->head) s->tail = NULL;
+        s->busy = 1;
+        if (o->kind == OP_GATE) {
+            while (!s->gate_open) pthread_cond_wait(&s->gate_cv, &s->m);
+            s->gate_open = 0;
+        }
+        pthread_mutex_unlock(&s->m);
+        if (o->kind == OP_HOST) o->fn(o->arg);
+        if (o->kind == OP_COPY) memcpy(o->dst, o->src, o->n);
+        pthread_mutex_lock(&s->m);
+        if (o->kind == OP_HOST) s->host_calls++;
+        if (o->kind == OP_MARK) s->marks++;
+        s->done_ops++;
+        s->busy = 0;
+        free(o);
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->m);
+    return NULL;
+}
+
+void *fake_stream_create(void) {
+    struct stream *s = calloc(1, sizeof *s);
+    pthread_mutex_init(&s->m, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->gate_cv, NULL);
+    pthread_create(&s->thread, NULL, run, s);
+    return s;
+}
+
+static void push(struct stream *s, struct op o) {
+    pthread_mutex_lock(&s->m);
+    if (s->capture) {
+        struct graph *g = s->capture;
+        if (g->count == g->cap) {
+            g->cap = g->cap ? 2 * g->cap : 16;
+            g->ops = realloc(g->ops, g->cap * sizeof *g->ops);
+        }
+        g->ops[g->count++] = o;
+    } else {
+        struct op *p = malloc(sizeof *p);
+        *p = o;
+        p->next = NULL;
+        if (s->tail) s->tail->next = p; else s->head = p;
+        s->tail = p;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->m);
+}
+
+/* The entry point kt-kernel opens: CUresult cuLaunchHostFunc(CUstream, CUhostFn, void*). */
+int cuLaunchHostFunc(void *stream, host_fn fn, void *arg) {
+    if (!stream || !fn) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    push(stream, (struct op){.kind = OP_HOST, .fn = fn, .arg = arg});
+    return 0;
+}
+
+void fake_memcpy_async(void *stream, void *dst, const void *src, size_t n) {
+    push(stream, (struct op){.kind = OP_COPY, .dst = dst, .src = src, .n = n});
+}
+
+/* The stream stops at this point until fake_gate_open. */
+void fake_gate(void *stream) { push(stream, (struct op){.kind = OP_GATE}); }
+
+void fake_gate_open(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    s->gate_open = 1;
+    pthread_cond_broadcast(&s->gate_cv);
+    pthread_mutex_unlock(&s->m);
+}
+
+/* A marker: fake_marks counts those the stream has passed (an event). */
+void fake_mark(void *stream) { push(stream, (struct op){.kind = OP_MARK}); }
+
+long fake_marks(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    long n = s->marks;
+    pthread_mutex_unlock(&s->m);
+    return n;
+}
+
+void fake_stream_synchronize(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->m);
+    pthread_mutex_unlock(&s->m);
+}
+
+long fake_host_calls(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    long n = s->host_calls;
+    pthread_mutex_unlock(&s->m);
+    return n;
+}
+
+void fake_capture_begin(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    s->capture = calloc(1, sizeof(struct graph));
+    pthread_mutex_unlock(&s->m);
+}
+
+void *fake_capture_end(void *stream) {
+    struct stream *s = stream;
+    pthread_mutex_lock(&s->m);
+    struct graph *g = s->capture;
+    s->capture = NULL;
+    pthread_mutex_unlock(&s->m);
+    return g;
+}
+
+void fake_graph_launch(void *graph, void *stream) {
+    struct graph *g = graph;
+    for (int i = 0; i < g->count; i++) push(stream, g->ops[i]);
+}
+
+/* The host-function arguments a graph holds, in order; returns how many. */
+int fake_graph_host_args(void *graph, uintptr_t *out, int max) {
+    struct graph *g = graph;
+    int n = 0;
+    for (int i = 0; i < g->count; i++)
+        if (g->ops[i].kind == OP_HOST) {
+            if (n < max) out[n] = (uintptr_t)g->ops[i].arg;
+            n++;
+        }
+    return n;
+}
