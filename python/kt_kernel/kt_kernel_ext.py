@@ -1,10 +1,17 @@
-"""The original's low-level module name. Offers the task engine (``CPUInfer``) and pool config
-(``WorkerPoolConfig``) plus the metadata attributes; the per-method C++ MoE classes of the
-original are not reproduced — use ``KTMoEWrapper``."""
+"""The original's low-level module: the task engine (``CPUInfer``), the pool config
+(``WorkerPoolConfig``), ``QuantConfig``, the metadata attributes, and ``moe`` with
+``MOEConfig`` and the per-method MoE classes (``kt_kernel._ext_moe``). ``import kt_kernel_ext``
+and ``from kt_kernel_ext.moe import MOEConfig`` work after ``import kt_kernel``."""
 
 from __future__ import annotations
 
+import sys
+
+from . import _ext_moe as moe
 from . import _kt_core
+
+sys.modules.setdefault(__name__ + ".moe", moe)
+sys.modules.setdefault("kt_kernel_ext.moe", moe)
 
 __cpu_variant__ = _kt_core.cpu_variant()
 __int8_kernel__ = _kt_core.cpu_info()["kernels"]["AMXINT8"]
@@ -19,6 +26,18 @@ class WorkerPoolConfig:
         self.subpool_count = 0
         self.subpool_numa_map: list[int] = []
         self.subpool_thread_count: list[int] = []
+
+
+class QuantConfig:
+    """The original's quantization descriptor (fields only; the MoE classes take their format
+    from the class)."""
+
+    def __init__(self) -> None:
+        self.quant_method = ""
+        self.bits = 0
+        self.group_size = 0
+        self.zero_point = False
+        self.per_channel = False
 
 
 class CPUInfer:
@@ -46,7 +65,11 @@ class CPUInfer:
         self.backend_ = self.engine
 
     def submit(self, task) -> None:
-        """Queue ``task`` (a task of a layer's ``forward_task``/``stream_task``) and return."""
+        """Queue ``task`` (a ``forward_task``/``stream_task``) and return; load and warm-up
+        tasks run right here."""
+        if callable(task):
+            task()
+            return
         self.engine.submit_task(_task_address(task))
 
     def sync(self, allow_n_pending: int = 0) -> None:
@@ -57,7 +80,7 @@ class CPUInfer:
         """Queue ``task`` when CUDA stream ``user_cuda_stream`` reaches this point (a host
         function on the stream, capturable into a CUDA graph); returns at once. Without a CUDA
         driver this is ``submit``."""
-        if _stream_driver_found():
+        if _stream_driver_found() and not callable(task):
             self.engine.start_on_stream(int(user_cuda_stream), _task_address(task))
         else:
             self.submit(task)

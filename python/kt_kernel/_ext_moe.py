@@ -1,0 +1,254 @@
+"""``kt_kernel_ext.moe``: the original's low-level MoE classes over this library's native layer.
+
+Scripts written against the original's low-level API run unchanged on CPU tensors::
+
+    cpu_infer = kt_kernel_ext.CPUInfer(2)
+    config = kt_kernel_ext.moe.MOEConfig(E, k, H, I, 0)
+    config.pool = cpu_infer.backend_
+    config.max_len = 64
+    config.gate_proj, config.up_proj, config.down_proj = (t.data_ptr() for t in (g, u, d))
+    moe = kt_kernel_ext.moe.AMXInt8_MOE(config)
+    cpu_infer.submit(moe.load_weights_task(map.data_ptr()))
+    cpu_infer.sync()
+    cpu_infer.submit(moe.forward_task(bsz.data_ptr(), k, ids.data_ptr(), w.data_ptr(),
+                                      x.data_ptr(), out.data_ptr(), False))
+    cpu_infer.sync()
+
+Conventions of the original: weights at ``gate_proj``/``up_proj``/``down_proj`` are bf16
+``[E, I, H]``/``[E, I, H]``/``[E, H, I]`` (quantized at load by the quantized classes), or
+``config.path`` names converted AMX files (AMXInt8/AMXInt4), a Hugging Face checkpoint
+(the native classes) or a GGUF file/folder (``MOE``). ``forward_task`` reads the token count
+from the int32 at ``qlen_ptr`` when it runs (at most ``max_len``); ids int64 ``[q, k]``,
+weights fp32 ``[q, k]``, input and output bf16 ``[q, H]``. Tasks are process-lifetime
+descriptors, so ``CPUInfer.submit_with_cuda_stream`` can order them on a CUDA stream and a
+captured graph can replay them.
+
+Not provided: weights of the native formats passed by pointer (FP8 codes and scales, packed
+int4, ...: set ``config.path`` to the checkpoint instead), ``incremental=True`` (the original's
+accumulation into the output), ``write_weight_scale_to_buffer_task`` and the SFT classes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kt_core
+
+_UNSET = 0
+
+
+class MOEConfig:
+    """The original's ``MOEConfig(expert_num, num_experts_per_tok, hidden_size,
+    intermediate_size[, num_gpu_experts | gpu_experts_mask_ptr])``: a small fifth value is the
+    legacy ``num_gpu_experts`` (ignored, as in the original), a large one a mask address."""
+
+    def __init__(
+        self,
+        expert_num: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        intermediate_size: int,
+        fifth: int = 0,
+    ) -> None:
+        self.expert_num = int(expert_num)
+        self.num_experts_per_tok = int(num_experts_per_tok)
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        # pybind11 tries the C int overload first: values that fit an int are num_gpu_experts.
+        self._num_gpu_experts = int(fifth) if 0 <= int(fifth) < 2**31 else 0
+        self.gpu_experts_mask = int(fifth) if int(fifth) >= 2**31 else _UNSET
+        self.layer_idx = 0
+        self.pool = None
+        self.physical_to_logical_map = _UNSET
+        self.gate_proj = self.up_proj = self.down_proj = _UNSET
+        self.gate_scale = self.up_scale = self.down_scale = _UNSET
+        self.gate_zero = self.up_zero = self.down_zero = _UNSET
+        self.quant_config = None
+        self.max_len = 0
+        self.path = ""
+        self.save = False
+        self.load = False
+        self.m_block = 4
+        self.group_min_len = 0
+        self.group_max_len = 0
+        self.max_cache_depth = 1
+        self.swiglu_limit = 0.0
+        self.swiglu_alpha = 0.0
+
+    @property
+    def num_gpu_experts(self) -> int:
+        return self._num_gpu_experts
+
+
+class _HostTask:
+    """A task run on the calling thread when submitted (loading and warm-up block in the
+    original's tests anyway: they sync right after)."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+
+    def __call__(self) -> None:
+        self._run()
+
+
+class _MoE:
+    """One layer of ``METHOD`` built from a :class:`MOEConfig`."""
+
+    METHOD = "BF16"
+    # Where config.path points for this class: "converted", "checkpoint" or "gguf".
+    PATH_KIND = "checkpoint"
+    # Whether pointer weights are bf16 values this class quantizes (else: native data).
+    QUANTIZES_BF16 = True
+
+    def __init__(self, config: MOEConfig) -> None:
+        if not isinstance(config, MOEConfig):
+            raise TypeError(f"{type(self).__name__} takes a MOEConfig")
+        engine = config.pool
+        if not isinstance(engine, _kt_core.Engine):
+            raise ValueError("config.pool must be a CPUInfer's backend_ (cpu_infer.backend_)")
+        self.config = config
+        self.engine = engine
+        self.max_len = max(1, int(config.max_len))
+        e, h = config.expert_num, config.hidden_size
+        self._mask = torch.zeros(e, dtype=torch.bool)
+        self._mask_ptr = config.gpu_experts_mask or self._mask.data_ptr()
+        self.layer = _kt_core.MoeLayer(
+            engine,
+            int(config.layer_idx),
+            e,
+            config.num_experts_per_tok,
+            h,
+            config.intermediate_size,
+            self.max_len,
+            float(config.swiglu_limit),
+            float(config.swiglu_alpha),
+            method=self.METHOD,
+        )
+
+    # -------------------------------------------------------------------------- loading
+    def load_weights(self, physical_to_logical_map: int = 0) -> None:
+        c = self.config
+        map_ptr = int(physical_to_logical_map) or int(c.physical_to_logical_map)
+        map_len = c.expert_num if map_ptr else 0
+        if c.path:
+            loader = {
+                "converted": self.layer.load_from_converted,
+                "checkpoint": self.layer.load_from_checkpoint,
+                "gguf": self.layer.load_from_gguf,
+            }[self.PATH_KIND]
+            loader(c.path, int(c.layer_idx), map_ptr, map_len)
+            return
+        if not (c.gate_proj and c.up_proj and c.down_proj):
+            raise ValueError("set config.gate_proj/up_proj/down_proj (bf16 weights) or config.path")
+        if not self.QUANTIZES_BF16 or c.gate_scale or c.up_scale or c.down_scale:
+            raise NotImplementedError(
+                f"{type(self).__name__}: weights of this format passed by pointer are not "
+                "supported; set config.path to the checkpoint folder instead"
+            )
+        self.layer.load_from_tensors(
+            int(c.gate_proj),
+            int(c.up_proj),
+            int(c.down_proj),
+            "bfloat16",
+            c.expert_num,
+            map_ptr,
+            map_len,
+        )
+
+    def load_weights_task(self, physical_to_logical_map: int = 0) -> _HostTask:
+        return _HostTask(lambda: self.load_weights(physical_to_logical_map))
+
+    def warm_up(self) -> None:
+        """Nothing to warm: the layer's buffers are planned when it is made."""
+
+    def warm_up_task(self) -> _HostTask:
+        return _HostTask(self.warm_up)
+
+    # -------------------------------------------------------------------------- forward
+    def forward_task(
+        self,
+        qlen_ptr: int,
+        k: int,
+        expert_ids: int,
+        weights: int,
+        input: int,  # noqa: A002 (the original's name)
+        output: int,
+        incremental: bool = False,
+    ) -> int:
+        if incremental:
+            raise NotImplementedError(
+                "forward_task(..., incremental=True) is not supported: KTMoEWrapper's "
+                "max_deferred_experts_per_token gives the deferred-experts behaviour"
+            )
+        if int(k) != self.config.num_experts_per_tok:
+            raise ValueError(f"k={k} but the config has num_experts_per_tok="
+                             f"{self.config.num_experts_per_tok}")  # fmt: skip
+        if not qlen_ptr:
+            raise ValueError("qlen_ptr must point to an int32 token count")
+        return self.layer.stream_task(
+            self.max_len,
+            int(input),
+            "bfloat16",
+            int(expert_ids),
+            "int64",
+            int(weights),
+            int(output),
+            "bfloat16",
+            mask_ptr=self._mask_ptr,
+            bsz_ptr=int(qlen_ptr),
+        )
+
+    def forward(self, qlen_ptr, k, expert_ids, weights, input, output, incremental=False):  # noqa: A002
+        """Run ``forward_task`` now on the engine and wait for it."""
+        task = self.forward_task(qlen_ptr, k, expert_ids, weights, input, output, incremental)
+        self.engine.wait(self.engine.submit_task(task))
+
+
+def _class(name: str, method: str, path_kind: str = "checkpoint", quantizes_bf16: bool = True):
+    return type(name, (_MoE,), {"METHOD": method, "PATH_KIND": path_kind,
+                                "QUANTIZES_BF16": quantizes_bf16,
+                                "__doc__": f"The original's {name}: method {method}."})  # fmt: skip
+
+
+AMXInt8_MOE = _class("AMXInt8_MOE", "AMXINT8", "converted")
+AMXInt4_MOE = _class("AMXInt4_MOE", "AMXINT4", "converted")
+AMXBF16_MOE = _class("AMXBF16_MOE", "BF16")
+AVX2BF16_MOE = _class("AVX2BF16_MOE", "BF16")
+AMXFP8_MOE = _class("AMXFP8_MOE", "FP8", quantizes_bf16=False)
+AVX2FP8_MOE = _class("AVX2FP8_MOE", "FP8", quantizes_bf16=False)
+AMXFP8PerChannel_MOE = _class("AMXFP8PerChannel_MOE", "FP8_PERCHANNEL", quantizes_bf16=False)
+AMXInt4_KGroup_MOE = _class("AMXInt4_KGroup_MOE", "RAWINT4", quantizes_bf16=False)
+AVX2RawInt4_MOE = _class("AVX2RawInt4_MOE", "RAWINT4", quantizes_bf16=False)
+AVXVNNI256RawInt4_MOE = _class("AVXVNNI256RawInt4_MOE", "RAWINT4", quantizes_bf16=False)
+AVX2GPTQInt4_MOE = _class("AVX2GPTQInt4_MOE", "GPTQ_INT4", quantizes_bf16=False)
+AVXVNNI256GPTQInt4_MOE = _class("AVXVNNI256GPTQInt4_MOE", "GPTQ_INT4", quantizes_bf16=False)
+AVXVNNI256GPTQInt4Packed_MOE = _class(
+    "AVXVNNI256GPTQInt4Packed_MOE", "GPTQ_INT4", quantizes_bf16=False
+)
+AMXFP4_KGroup_MOE = _class("AMXFP4_KGroup_MOE", "MXFP4", quantizes_bf16=False)
+AVX2MXFP4_MOE = _class("AVX2MXFP4_MOE", "MXFP4", quantizes_bf16=False)
+AMXMXFP8_KGroup_MOE = _class("AMXMXFP8_KGroup_MOE", "MXFP8", quantizes_bf16=False)
+AVX2MXFP8_MOE = _class("AVX2MXFP8_MOE", "MXFP8", quantizes_bf16=False)
+MOE = _class("MOE", "LLAMAFILE", "gguf", quantizes_bf16=False)
+
+__all__ = [
+    "MOEConfig",
+    "AMXInt8_MOE",
+    "AMXInt4_MOE",
+    "AMXBF16_MOE",
+    "AVX2BF16_MOE",
+    "AMXFP8_MOE",
+    "AVX2FP8_MOE",
+    "AMXFP8PerChannel_MOE",
+    "AMXInt4_KGroup_MOE",
+    "AVX2RawInt4_MOE",
+    "AVXVNNI256RawInt4_MOE",
+    "AVX2GPTQInt4_MOE",
+    "AVXVNNI256GPTQInt4_MOE",
+    "AVXVNNI256GPTQInt4Packed_MOE",
+    "AMXFP4_KGroup_MOE",
+    "AVX2MXFP4_MOE",
+    "AMXMXFP8_KGroup_MOE",
+    "AVX2MXFP8_MOE",
+    "MOE",
+]
