@@ -16,7 +16,7 @@ from kt_kernel import convert
 from kt_kernel_ext.moe import MOEConfig
 from safetensors.torch import save_file
 
-E, K, H, I = 8, 2, 256, 256
+E, K, H, I = 8, 2, 256, 256  # noqa: E741 (the MoE shape letters)
 MAX_LEN = 16
 
 
