@@ -41,7 +41,11 @@ class TorchCuda:
         key = (stream, device.index or 0)
         s = self._streams.get(key)
         if s is None:
-            s = torch.cuda.ExternalStream(stream, device=device)
+            # Handle 0 is the legacy default stream, which ExternalStream does not wrap.
+            if stream == 0:
+                s = torch.cuda.default_stream(device)
+            else:
+                s = torch.cuda.ExternalStream(stream, device=device)
             self._streams[key] = s
         return torch.cuda.stream(s)
 
