@@ -161,3 +161,30 @@ def test_config_overloads_and_module_names():
     assert sys.modules["kt_kernel_ext.moe"] is kt_kernel_ext.moe
     q = kt_kernel_ext.QuantConfig()
     assert (q.quant_method, q.bits, q.group_size) == ("", 0, 0)
+
+
+def test_write_weight_scale_to_buffer_task_writes_the_wrappers_bytes():
+    gate, up, down = _weights(seed=8)
+    cpu_infer = kt_kernel_ext.CPUInfer(2)
+    moe = _original_style_layer("AMXBF16_MOE", cpu_infer, gate, up, down, layer_idx=2)
+    wrapper = make_wrapper(layer_idx=3, e=E, k=K, h=H, i=I, method="BF16")
+    wrapper.load_weights_from_tensors(gate, up, down, torch.arange(E))
+    tp = 2
+    sizes = moe.layer.gpu_rank_bytes(tp)
+
+    def buffers():
+        bufs = [[torch.zeros(n, dtype=torch.uint8) for _ in range(tp)] for n in sizes]
+        return bufs, [[b.data_ptr() for b in ranks] for ranks in bufs]
+
+    ours, ptrs = buffers()
+    cpu_infer.submit(moe.write_weight_scale_to_buffer_task(tp, 5, *ptrs))
+    cpu_infer.sync()
+    theirs, wptrs = buffers()
+    wrapper.submit_write_weight_scale_to_buffer(tp, 5, *wptrs)
+    wrapper.sync_write_weight_scale_to_buffer()
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y) and (x.numel() == 0 or x.any())  # BF16: no scales
+    amx = _original_style_layer("AMXInt8_MOE", cpu_infer, gate, up, down, layer_idx=4)
+    with pytest.raises(NotImplementedError):
+        amx.write_weight_scale_to_buffer_task(1, 0, [1], [1], [1], [1])

@@ -25,7 +25,7 @@ captured graph can replay them.
 
 Not provided: weights of the native formats passed by pointer (FP8 codes and scales, packed
 int4, ...: set ``config.path`` to the checkpoint instead), ``incremental=True`` (the original's
-accumulation into the output), ``write_weight_scale_to_buffer_task`` and the SFT classes.
+accumulation into the output), ``run_layerwise_fp8_batch`` and the SFT classes.
 """
 
 from __future__ import annotations
@@ -196,6 +196,27 @@ class _MoE:
             "bfloat16",
             mask_ptr=self._mask_ptr,
             bsz_ptr=int(qlen_ptr),
+        )
+
+    def write_weight_scale_to_buffer_task(
+        self,
+        gpu_tp_count: int,
+        expert_id: int,
+        w13_weight_ptrs: list[int],
+        w13_scale_ptrs: list[int],
+        w2_weight_ptrs: list[int],
+        w2_scale_ptrs: list[int],
+    ) -> _HostTask:
+        """Queue (when submitted) the write of one expert into every GPU rank's buffers, in the
+        bytes ``KTMoEWrapper.submit_write_weight_scale_to_buffer`` writes; ``CPUInfer.sync()``
+        waits for it. Arguments are checked now."""
+        ptrs = [[int(p) for p in lst] for lst in
+                (w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs)]  # fmt: skip
+        self.layer.gpu_rank_bytes(int(gpu_tp_count))  # raises for methods without a GPU layout
+        return _HostTask(
+            lambda: self.layer.submit_write_weight_scale_to_buffer(
+                int(gpu_tp_count), int(expert_id), *ptrs
+            )
         )
 
     def forward(self, qlen_ptr, k, expert_ids, weights, input, output, incremental=False):  # noqa: A002
