@@ -34,6 +34,8 @@ pub mod error;
 pub mod expert;
 pub mod file_stamp;
 pub mod formats;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ggml;
 pub mod gguf;
 pub mod isa;
