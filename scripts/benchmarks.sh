@@ -5,30 +5,43 @@
 # against this implementation through the same black-box script, one after the other; and
 # llama.cpp's ggml CPU path (built from PyPI's llama-cpp-python sdist) against LLAMAFILE.
 # Run nothing else heavy meanwhile: the machine has 2 cores.
+# KT_BENCH_STEPS="layer convert wwsb cargo original peer" (default: all) reruns only some steps;
+# the others keep their last results in bench-results/ and BENCHMARKS.md is assembled again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV="${KT_VENV:-$HOME/.cache/kt-kernel/venv}"
 OUT=bench-results
 mkdir -p "$OUT"
+STEPS="${KT_BENCH_STEPS:-layer convert wwsb cargo original peer}"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 
+if step layer; then
 echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
 "$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 FP8 FP8_PERCHANNEL RAWINT4 \
   GPTQ_INT4 MXFP4 NVFP4 MXFP8 LLAMAFILE \
   --gguf-type Q4_K Q8_0 --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
 
+fi
+if step convert; then
 echo "[benchmarks] converter and loading of converted weights"
 "$VENV/bin/python" benches/convert_bench.py --json "$OUT/convert.json" --markdown "$OUT/convert.md"
+fi
 
+if step wwsb; then
 echo "[benchmarks] write_weight_scale_to_buffer (one expert into every GPU rank's buffers)"
 "$VENV/bin/python" benches/write_weight_scale_bench.py >"$OUT/wwsb.md"
+fi
 
+if step cargo; then
 echo "[benchmarks] cargo bench"
 cargo bench -p kt-benches --bench kernels --bench pool_vs_rayon -- --warm-up-time 1 --measurement-time 4 \
   2>&1 | tee "$OUT/cargo.txt" >/dev/null
+fi
 
 ORIG_OK=0
-if [ "${KT_SKIP_ORIGINAL:-0}" != 1 ] && bash benches/setup_original_venv.sh >"$OUT/orig-setup.log" 2>&1; then
+[ -s "$OUT/original.json" ] && [ -s "$OUT/ours.json" ] && ! step original && ORIG_OK=1
+if step original && [ "${KT_SKIP_ORIGINAL:-0}" != 1 ] && bash benches/setup_original_venv.sh >"$OUT/orig-setup.log" 2>&1; then
   ORIG="${KT_ORIG_VENV:-/root/.cache/kt-kernel/orig-venv}"
   # The original's AMXINT8/AMXINT4 exist only in its AVX-512 and AMX builds.
   METHODS=$(KT_FORCE_SYNC_SUBMIT=1 "$ORIG/bin/python" -c "import kt_kernel
@@ -51,7 +64,8 @@ print(' '.join(['BF16', 'LLAMAFILE'] + (['AMXINT8', 'AMXINT4'] if hasattr(m, 'AM
 fi
 
 PEER_OK=0
-if [ "${KT_SKIP_PEER:-0}" != 1 ]; then
+[ -s "$OUT/llamacpp.json" ] && ! step peer && PEER_OK=1
+if step peer && [ "${KT_SKIP_PEER:-0}" != 1 ]; then
   echo "[benchmarks] llama.cpp (ggml mul_mat_id) vs LLAMAFILE, alternating"
   if "$VENV/bin/python" benches/compare_llamacpp.py --json "$OUT/llamacpp.json" \
       --markdown "$OUT/llamacpp.md" >"$OUT/llamacpp.log" 2>&1; then

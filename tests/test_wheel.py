@@ -73,7 +73,7 @@ def test_a_fresh_environment_runs_it_without_the_system_hwloc(wheel, tmp_path):
     for line in ldd.stdout.splitlines():
         lib = line.split()[0]
         target = line.split("=>")[-1].split("(")[0].strip()
-        if GLIBC.match(lib):
+        if GLIBC.match(os.path.basename(lib)):
             continue
         assert "not found" not in line, line
         assert target.startswith(fresh_site), f"{lib} resolves outside the wheel: {line}"
