@@ -14,8 +14,11 @@ use crate::weights::{Checkpoint, HfLayerSource};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// A harness: arbitrary bytes in, nothing out (it must simply return).
+pub type Harness = fn(&[u8]);
+
 /// The harnesses by name, as the fuzz targets and the corpus folders are named.
-pub const TARGETS: [(&str, fn(&[u8])); 5] = [
+pub const TARGETS: [(&str, Harness); 5] = [
     ("safetensors", safetensors),
     ("shard_index", shard_index),
     ("gguf", gguf),
