@@ -26,7 +26,7 @@ if command -v cargo-fuzz >/dev/null && rustup toolchain list 2>/dev/null | grep 
       echo "[test] fuzz target $t failed: the input is in fuzz/artifacts/$t (copy it to fuzz/regressions/$t)"
       exit 1
     fi
-    echo "$t: $(grep -E '^#[0-9]+ +DONE' "work/$t.log" | cut -c1-80)"
+    echo "$t: $(grep -E '^#[0-9]+[[:space:]]+DONE' "work/$t.log" | cut -c1-80)"
   done)
 else
   echo "[test] no cargo-fuzz or nightly toolchain: the fuzz corpora run in cargo test only"
