@@ -418,7 +418,8 @@ impl MoeLayer {
         self.layer.read().unwrap().kernel_name()
     }
 
-    /// Bytes of packed weights.
+    /// Bytes the layer's expert weights take in bf16 (2 per weight for every method: a size
+    /// for GB/s and GFLOP/s figures, not what a quantized method holds in memory).
     #[getter]
     fn weight_bytes(&self) -> usize {
         self.layer.read().unwrap().config().weight_bytes()
