@@ -222,3 +222,22 @@ def test_the_low_level_engine_orders_a_task_on_a_stream(lib):
     assert torch.equal(out, w.forward(x, ids, wt))
     with pytest.raises(ValueError, match="not a task"):
         cpu_infer.submit(12345)
+
+
+def test_bad_stream_inputs_are_refused_clearly(lib, device):
+    w = _layer(layer_idx=7, h=64, i=64)
+    x, ids, wt = _inputs(2, h=64)
+    stream = lib.fake_stream_create()
+    with pytest.raises(ValueError, match="topk_ids is on meta"):
+        w.submit_forward(x, ids.to("meta"), wt, stream)
+    out = torch.zeros(2, 64, dtype=torch.bfloat16)
+    args = (2, x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(), out.data_ptr())
+    with pytest.raises(ValueError, match="not aligned for an int32"):
+        w.moe.stream_task(*args, "bfloat16", bsz_ptr=out.data_ptr() + 1)
+    with pytest.raises(RuntimeError, match="dlopen failed"):
+        _kt_core.use_cuda_driver("/nonexistent/libcuda.so.1")
+    # The driver in use is still the stand-in: the stream path goes on working.
+    w.submit_forward(x, ids, wt, stream)
+    got = w.sync_forward(x, stream)
+    lib.fake_stream_synchronize(stream)
+    assert torch.equal(got, w.forward(x, ids, wt))
