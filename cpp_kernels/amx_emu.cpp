@@ -23,6 +23,14 @@ struct EmuTiles {
   int fault = kOk;
   alignas(64) uint8_t data[8][16][64];
 
+  // Prefetch is only a hint: the emulator computes the addresses (with a distance, so that
+  // code runs) and reads nothing.
+  size_t prefetch_bytes() const { return 4096; }
+  void prefetch(const void*) {}
+  void unpack_int4(const uint8_t* tile, uint8_t* lo, uint8_t* hi) {
+    kt_amx::unpack_int4_tile(tile, lo, hi);
+  }
+
   void fail(int f) {
     if (fault == kOk) fault = f;
   }

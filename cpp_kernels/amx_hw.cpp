@@ -1,14 +1,39 @@
 // AMX hardware backend: the tile programs of amx_program.hpp on the real instructions.
-// Compiled with -mamx-tile -mamx-int8 -mamx-bf16. The Rust side calls these only when CPUID,
-// XCR0 and Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) all allow AMX.
+// Compiled with -mamx-tile -mamx-int8 -mamx-bf16 and AVX-512 F/BW (every AMX CPU has them; the
+// Rust side's amx level requires them). The Rust side calls these only when CPUID, XCR0 and
+// Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) all allow AMX.
 #include <immintrin.h>
+
+#include <atomic>
 
 #include "amx_program.hpp"
 
 namespace {
+// Bytes ahead of the tile being loaded that the programs prefetch (kt_amx_set_prefetch).
+std::atomic<size_t> g_prefetch_bytes{8192};
+}  // namespace
 
-// GCC's tile intrinsics are macros that paste the tile number into the assembly text, so the
-// number must be a literal: these expand one branch per tile (or per operand triple we use).
+namespace {
+
+// Our own asm, not GCC's tile intrinsics: GCC 12's _tile_loadconfig tells the compiler it reads
+// 8 bytes (so the stores that fill rows and column widths may be dropped as dead; seen: tilezero
+// then faults with #UD) and _tile_loadd tells it it reads no memory (so stores to a buffer a
+// tile is loaded from may be moved past the load). Here the configuration is a 64-byte "m"
+// operand and every tile load or store clobbers memory.
+#define KT_STR(x) #x
+#define KT_XSTR(x) KT_STR(x)
+#define KT_TILE_LOAD(t, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" KT_XSTR(t)::"r"(base), "r"(stride) : "memory")
+#define KT_TILE_STORE(t, base, stride) \
+  __asm__ volatile("tilestored %%tmm" KT_XSTR(t) ", (%0,%1,1)" ::"r"(base), "r"(stride) : "memory")
+#define KT_TILE_ZERO(t, unused) __asm__ volatile("tilezero %%tmm" KT_XSTR(t)::)
+#define KT_TDPBUSD(c, a, b) \
+  __asm__ volatile("tdpbusd %%tmm" KT_XSTR(b) ", %%tmm" KT_XSTR(a) ", %%tmm" KT_XSTR(c)::)
+#define KT_TDPBF16PS(c, a, b) \
+  __asm__ volatile("tdpbf16ps %%tmm" KT_XSTR(b) ", %%tmm" KT_XSTR(a) ", %%tmm" KT_XSTR(c)::)
+
+// The tile number is part of the instruction text, so it must be a literal: these expand one
+// branch per tile (or per operand triple we use).
 #define KT_EACH_TILE(T, OP, ...)                  \
   do {                                            \
     if constexpr ((T) == 0) OP(0, __VA_ARGS__);   \
@@ -21,9 +46,9 @@ namespace {
     else OP(7, __VA_ARGS__);                      \
   } while (0)
 
-#define KT_ZERO(t, unused) _tile_zero(t)
-#define KT_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define KT_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define KT_ZERO(t, unused) KT_TILE_ZERO(t, unused)
+#define KT_LOAD(t, base, stride) KT_TILE_LOAD(t, base, stride)
+#define KT_STORE(t, base, stride) KT_TILE_STORE(t, base, stride)
 
 template <int C, int A, int B>
 constexpr bool kKnownTriple = (C == 0 && A == 4 && B == 6) || (C == 1 && A == 4 && B == 7) ||
@@ -39,9 +64,24 @@ constexpr bool kKnownTriple = (C == 0 && A == 4 && B == 6) || (C == 1 && A == 4 
   } while (0)
 
 struct HwTiles {
+  size_t prefetch_bytes() const { return g_prefetch_bytes.load(std::memory_order_relaxed); }
+  // Into L2 (measured on Emerald Rapids: T0, T1 and T2 alike, NTA half as fast), leaving L1
+  // to the activations. asm, not _mm_prefetch: GCC 12 dropped the builtin's prefetches from
+  // these loops.
+  void prefetch(const void* line) { __asm__ volatile("prefetcht1 (%0)" ::"r"(line)); }
+  void unpack_int4(const uint8_t* tile, uint8_t* lo, uint8_t* hi) {
+    const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+    for (size_t i = 0; i < 2048; i += 64) {
+      const __m512i v = _mm512_loadu_si512(tile + i);
+      // A 16-bit shift moves each byte's low nibble into its high nibble; the mask drops what
+      // crossed over from the neighbouring byte.
+      _mm512_store_si512(lo + i, _mm512_and_si512(_mm512_slli_epi16(v, 4), high));
+      _mm512_store_si512(hi + i, _mm512_and_si512(v, high));
+    }
+  }
   // Loaded on every call: other code on the same thread (oneDNN inside torch, say) may have
   // changed the tile configuration since our last kernel ran.
-  void configure(const kt_amx::TileConfig& c) { _tile_loadconfig(&c); }
+  void configure(const kt_amx::TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
   template <int T>
   void zero() {
     KT_EACH_TILE(T, KT_ZERO, 0);
@@ -56,17 +96,19 @@ struct HwTiles {
   }
   template <int C, int A, int B>
   void dpbusd() {
-    KT_EACH_TRIPLE(C, A, B, _tile_dpbusd);
+    KT_EACH_TRIPLE(C, A, B, KT_TDPBUSD);
   }
   template <int C, int A, int B>
   void dpbf16ps() {
-    KT_EACH_TRIPLE(C, A, B, _tile_dpbf16ps);
+    KT_EACH_TRIPLE(C, A, B, KT_TDPBF16PS);
   }
 };
 
 }  // namespace
 
 extern "C" {
+
+void kt_amx_set_prefetch(size_t bytes) { g_prefetch_bytes.store(bytes, std::memory_order_relaxed); }
 
 void kt_amx_int8_dot(const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
                      const int32_t* sums, int32_t* out) {

@@ -13,6 +13,9 @@
 //   template <int T> void store(void* base, size_t stride);
 //   template <int C, int A, int B> void dpbusd();    // u8 x s8 -> s32
 //   template <int C, int A, int B> void dpbf16ps();  // bf16 pairs -> f32
+//   size_t prefetch_bytes();                       // how far ahead to prefetch weights (0: off)
+//   void prefetch(const void* line);               // a hint for one 64-byte line; may be a no-op
+//   void unpack_int4(const uint8_t* tile, uint8_t* lo, uint8_t* hi);  // see unpack_int4_tile
 //
 // Weight layouts (see crates/kt-core/src/quant.rs and pack.rs):
 // - AMXINT8 group of 32 outputs: per 64 inputs a 2048-byte tile; its half h (outputs 16h..16h+16)
@@ -104,6 +107,23 @@ class ActivationBlocks {
   alignas(64) uint8_t stage_[kMaxRows * 64];
 };
 
+// The two int8 tiles of one 2048-byte AMXINT4 tile: each nibble moved to the top of its byte
+// (16*v as a signed byte). The hardware backend does the same with vector instructions.
+inline void unpack_int4_tile(const uint8_t* tile, uint8_t* lo, uint8_t* hi) {
+  for (size_t i = 0; i < 2048; ++i) {
+    lo[i] = static_cast<uint8_t>(tile[i] << 4);
+    hi[i] = static_cast<uint8_t>(tile[i] & 0xF0);
+  }
+}
+
+// Prefetch the weight bytes [at + dist, at + dist + bytes): a tile load that misses the caches
+// stalls the in-order tile unit, so weights are asked for well before their tiles load.
+template <class Tiles>
+inline void prefetch_ahead(Tiles& tm, const uint8_t* at, size_t bytes, size_t dist) {
+  if (dist == 0) return;
+  for (size_t off = 0; off < bytes; off += 64) tm.prefetch(at + dist + off);
+}
+
 // One K step: both weight halves loaded, every live (row block, half) accumulator updated.
 template <class Tiles, bool kBf16>
 inline void step(Tiles& tm, const ActivationBlocks& act, bool second_block, const void* b0,
@@ -161,10 +181,12 @@ template <class Tiles>
 void int8_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
                 const int32_t* sums, int32_t* out) {
   const bool second = begin(tm, m);
+  const size_t dist = tm.prefetch_bytes();
   ActivationBlocks act(a, m);
   for (size_t t = 0; t < k / 64; ++t) {
     act.select(t * 64);
     const uint8_t* tile = group + t * 2048;
+    prefetch_ahead(tm, tile, 2048, dist);
     step<Tiles, false>(tm, act, second, tile, tile + 1024, 64);
   }
   store_all(tm, out, second);
@@ -173,22 +195,25 @@ void int8_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const ui
 }
 
 // The same for an AMXINT4 group (k % 128 == 0): each 2048-byte tile is unpacked to the two
-// int8 tiles it holds, then multiplied like AMXINT8.
+// int8 tiles it holds, then multiplied like AMXINT8. Tile t+1 is unpacked before tile t is
+// multiplied, so the tile loads never wait for the stores that just wrote their bytes.
 template <class Tiles>
 void int4_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
                 const int32_t* sums, int32_t* out) {
   const bool second = begin(tm, m);
+  const size_t dist = tm.prefetch_bytes();
   ActivationBlocks act(a, m);
-  alignas(64) uint8_t unpacked[2][2048];
-  for (size_t t = 0; t < k / 128; ++t) {
+  alignas(64) uint8_t unpacked[2][2][2048];  // [ping-pong][low / high nibbles]
+  const size_t tiles = k / 128;
+  tm.unpack_int4(group, unpacked[0][0], unpacked[0][1]);
+  for (size_t t = 0; t < tiles; ++t) {
     const uint8_t* tile = group + t * 2048;
-    for (size_t i = 0; i < 2048; ++i) {
-      unpacked[0][i] = static_cast<uint8_t>(tile[i] << 4);
-      unpacked[1][i] = static_cast<uint8_t>(tile[i] & 0xF0);
-    }
+    prefetch_ahead(tm, tile, 2048, dist);
+    if (t + 1 < tiles) tm.unpack_int4(tile + 2048, unpacked[(t + 1) % 2][0], unpacked[(t + 1) % 2][1]);
     for (size_t s = 0; s < 2; ++s) {
+      const uint8_t* b = unpacked[t % 2][s];
       act.select(t * 128 + s * 64);
-      step<Tiles, false>(tm, act, second, unpacked[s], unpacked[s] + 1024, 64);
+      step<Tiles, false>(tm, act, second, b, b + 1024, 64);
     }
   }
   store_all(tm, out, second);
@@ -202,11 +227,13 @@ template <class Tiles>
 void bf16_panel(Tiles& tm, const uint32_t* const* a, size_t m, size_t k, const uint16_t* panel,
                 float* out) {
   const bool second = begin(tm, m);
+  const size_t dist = tm.prefetch_bytes();
   ActivationBlocks act(a, m);
   const uint8_t* p = reinterpret_cast<const uint8_t*>(panel);
   for (size_t s = 0; s < k / 32; ++s) {
     act.select(s * 64);  // 16 pairs = 64 bytes per row
     const uint8_t* pairs = p + s * 16 * 128;
+    prefetch_ahead(tm, pairs, 16 * 128, dist);
     step<Tiles, true>(tm, act, second, pairs, pairs + 64, 128);
   }
   store_all(tm, out, second);

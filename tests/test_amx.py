@@ -84,20 +84,25 @@ def test_emulated_bf16_tiles_stay_within_bf16_accuracy(tmp_path):
     assert rel_l2(emulated, ref) < 1e-2
 
 
-def test_amx_reported_and_refused_clearly_without_it():
+def test_amx_reported_used_where_allowed_and_refused_clearly_without_it():
     info = kt_kernel.cpu_info()
     assert "AMX" in info["kernels"] and info["amx_min_rows"] >= 0
-    if info["amx_permission"]:
-        pytest.skip("this CPU has AMX: the hardware kernels are in use")
-    assert info["kernels"]["AMX"] is None
+    assert info["amx_prefetch_bytes"] >= 0
     core = kt_kernel._kt_core
     eng = core.Engine([2], [0])
+    if info["amx_permission"]:
+        assert info["kernels"]["AMX"] == "amx"
+        layer = core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", method="AMXINT8")
+        assert layer.kernel.startswith("amx+"), layer.kernel
+        return
+    assert info["kernels"]["AMX"] is None
     with pytest.raises(NotImplementedError, match="amx level"):
         core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", method="AMXINT8")
 
 
-def test_bad_threshold_is_a_clear_error(tmp_path):
-    env = dict(os.environ, KT_KERNEL_AMX_MIN_ROWS="many")
+@pytest.mark.parametrize("var", ["KT_KERNEL_AMX_MIN_ROWS", "KT_KERNEL_AMX_PREFETCH"])
+def test_bad_threshold_or_distance_is_a_clear_error(var):
+    env = dict(os.environ, **{var: "many"})
     code = "import kt_kernel; kt_kernel.cpu_info()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert r.returncode != 0 and "KT_KERNEL_AMX_MIN_ROWS" in r.stderr, r.stderr
+    assert r.returncode != 0 and var in r.stderr, r.stderr

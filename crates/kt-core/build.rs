@@ -26,7 +26,13 @@ fn main() {
     let target_x86 = std::env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|a| a == "x86_64");
     if target_x86 {
         let mut hw = base();
-        let flags = ["-mamx-tile", "-mamx-int8", "-mamx-bf16"];
+        let flags = [
+            "-mamx-tile",
+            "-mamx-int8",
+            "-mamx-bf16",
+            "-mavx512f",
+            "-mavx512bw",
+        ];
         if flags
             .iter()
             .all(|f| hw.is_flag_supported(f).unwrap_or(false))

@@ -109,6 +109,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         "amx_min_rows",
         kt_core::kernels::amx_min_rows_from_env().py()?,
     )?;
+    d.set_item(
+        "amx_prefetch_bytes",
+        kt_core::kernels::amx_prefetch_from_env().py()?,
+    )?;
     d.set_item("kernels", kernels)?;
     d.set_item("prefetch_bytes", prefetch_bytes)?;
     // The group-scaled methods' kernels choose their own distance (kernels::prefetch).

@@ -64,6 +64,23 @@ extern "C" {
         out: *mut i32,
     );
     fn kt_amx_bf16_dot(a: *const *const u32, m: usize, k: usize, panel: *const u16, out: *mut f32);
+    fn kt_amx_set_prefetch(bytes: usize);
+}
+
+/// Default distance, in bytes, at which the hardware tile programs prefetch weights.
+pub const PREFETCH_BYTES: usize = 8192;
+
+/// How far ahead of the tile being loaded the hardware tile programs prefetch weights into
+/// L2 (0: off), process-wide. A tile load that misses the caches stalls the in-order tile unit
+/// for the whole DRAM latency; the prefetches overlap it with the tiles before.
+pub fn set_prefetch_bytes(bytes: usize) {
+    #[cfg(kt_amx_hw)]
+    // SAFETY: stores one integer the tile programs read.
+    unsafe {
+        kt_amx_set_prefetch(bytes)
+    };
+    #[cfg(not(kt_amx_hw))]
+    let _ = bytes;
 }
 
 /// Whether this build contains the hardware AMX kernels (the compiler knew `-mamx-*`).

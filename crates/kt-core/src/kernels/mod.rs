@@ -124,6 +124,19 @@ pub fn amx_min_rows_from_env() -> Result<usize> {
     }
 }
 
+/// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or the
+/// default.
+pub fn amx_prefetch_from_env() -> Result<usize> {
+    match std::env::var("KT_KERNEL_AMX_PREFETCH") {
+        Err(_) => Ok(amx::PREFETCH_BYTES),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::Invalid(format!(
+                "KT_KERNEL_AMX_PREFETCH={v:?} is not a byte count (use 0 to turn it off)"
+            ))
+        }),
+    }
+}
+
 /// Function pointers for one ISA level, selected once.
 #[derive(Clone, Copy)]
 pub struct KernelSet {
@@ -314,6 +327,7 @@ impl KernelSet {
         }
         #[cfg(kt_amx_hw)]
         {
+            amx::set_prefetch_bytes(amx_prefetch_from_env()?);
             Ok(KernelSet {
                 amx: Some(AmxPath {
                     int8: amx::dot_int8,

@@ -132,6 +132,8 @@ type Payload = Box<dyn Any + Send>;
 struct TeamJob<'a> {
     f: &'a (dyn Fn(usize) + Sync),
     n_tasks: usize,
+    /// Threads taking tasks (guided chunk sizes are a share of the rest per thread).
+    threads: usize,
     next: AtomicUsize,
     remaining_helpers: AtomicUsize,
     leader: Thread,
@@ -139,16 +141,31 @@ struct TeamJob<'a> {
 }
 
 impl TeamJob<'_> {
+    /// Guided hand-out: each take is half of the remaining tasks' share per thread, at least
+    /// one. Neighbouring tasks (a matrix's consecutive panels) then run on one thread, which
+    /// streams them in address order (prefetchers see one sequential stream per core instead
+    /// of every other panel), while the last, small takes still balance uneven tasks.
     fn run_tasks(&self) {
         loop {
-            let i = self.next.fetch_add(1, SeqCst);
-            if i >= self.n_tasks {
+            let start = self.next.load(SeqCst);
+            if start >= self.n_tasks {
                 return;
             }
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
-                // Skip the remaining tasks; the leader re-raises the first panic.
-                self.next.store(self.n_tasks, SeqCst);
-                self.panic.lock().unwrap().get_or_insert(p);
+            let take = ((self.n_tasks - start) / (2 * self.threads)).max(1);
+            if self
+                .next
+                .compare_exchange_weak(start, start + take, SeqCst, SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            for i in start..start + take {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| (self.f)(i))) {
+                    // Skip the remaining tasks; the leader re-raises the first panic.
+                    self.next.store(self.n_tasks, SeqCst);
+                    self.panic.lock().unwrap().get_or_insert(p);
+                    return;
+                }
             }
         }
     }
@@ -238,6 +255,7 @@ impl Team {
         let job = TeamJob {
             f,
             n_tasks,
+            threads: helpers + 1,
             next: AtomicUsize::new(0),
             remaining_helpers: AtomicUsize::new(helpers),
             leader: thread::current(),

@@ -156,3 +156,31 @@ fn pinning_plan_on_a_synthetic_two_node_machine() {
         "pin=false must not plan a caller CPU"
     );
 }
+
+/// Tasks go out in guided runs: neighbouring tasks mostly run on one thread (so a thread
+/// streams consecutive panels in address order), yet a slow thread does not hold the rest.
+#[test]
+fn parallel_for_hands_out_runs_of_neighbouring_tasks() {
+    let pool = unpinned(2, 1);
+    let n = 1000;
+    let owner: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(u64::MAX)).collect();
+    pool.run_parts(&|_, team| {
+        team.parallel_for(n, &|i| {
+            // Which thread ran task i (a small per-thread id from the thread's address).
+            let me = std::thread::current().id();
+            let id = format!("{me:?}");
+            let hash = id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+            owner[i].store(hash, Ordering::SeqCst);
+            // Every task takes a while (both threads stay busy); the early ones are slower, so
+            // a fixed split would leave one thread idle.
+            let micros = if i < 50 { 200 } else { 20 };
+            std::thread::sleep(std::time::Duration::from_micros(micros));
+        });
+    })
+    .unwrap();
+    let owners: Vec<u64> = owner.iter().map(|o| o.load(Ordering::SeqCst)).collect();
+    assert!(owners.iter().all(|&o| o != u64::MAX));
+    let switches = owners.windows(2).filter(|w| w[0] != w[1]).count();
+    // Guided runs halve each time: about 2·log2(n) runs in all; one at a time gives ~n/2.
+    assert!(switches < 60, "{switches} switches between neighbouring tasks");
+}
