@@ -33,7 +33,9 @@ def test_probes_name_the_widest_instructions_of_this_cpu():
         assert probes["int8"] == "avx512-vnni"
     if flags.get("avx512_bf16"):
         assert probes["bf16"] == "avx512-bf16"
-    assert set(probes) == {"read", "fma", "int8", "bf16"}
+    amx = "amx-int8" if info["amx_permission"] else None
+    assert probes["amx_int8"] == amx and probes["amx_bf16"] == (amx and "amx-bf16")
+    assert set(probes) == {"read", "fma", "int8", "bf16", "amx_int8", "amx_bf16"}
 
 
 def test_unknown_peak_kind_and_tiny_buffers_are_refused(engine):
@@ -45,7 +47,7 @@ def test_unknown_peak_kind_and_tiny_buffers_are_refused(engine):
 
 def test_peaks_are_positive_where_the_cpu_has_the_instructions(engine):
     probes = kt_kernel.cpu_info()["probes"]
-    for kind in ("fma", "int8", "bf16"):
+    for kind in ("fma", "int8", "bf16", "amx_int8", "amx_bf16"):
         value = engine.measure_peak_gflops(kind, 50)
         if probes[kind] is None:
             assert value is None
@@ -108,3 +110,15 @@ def test_probes_agree_with_the_reference(engine, tmp_path):
     assert {"dram_read", "peak_fp32_fma", "peak_int8_madd"} <= set(ratios)
     for name, rs in ratios.items():
         assert agrees(name), (name, [round(r, 3) for r in rs])
+
+
+def test_amx_tile_peaks_exceed_the_vector_peaks_where_amx_runs(engine):
+    """The tile unit's yardstick: on an AMX CPU one tdpbusd does 16 times the multiply-adds of
+    a 512-bit vpdpbusd at a sixteenth of the rate, so its peak must be well above the vector
+    one (Sapphire/Emerald Rapids: about 4x for int8, 8x for bf16)."""
+    if not kt_kernel.cpu_info()["amx_permission"]:
+        pytest.skip("no AMX on this CPU (or no Linux permission)")
+    amx_int8 = engine.measure_peak_gflops("amx_int8", 200)
+    amx_bf16 = engine.measure_peak_gflops("amx_bf16", 200)
+    assert amx_int8 > 2 * engine.measure_peak_gflops("int8", 200)
+    assert amx_bf16 > 2 * engine.measure_peak_gflops("bf16", 200)

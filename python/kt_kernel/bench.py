@@ -5,8 +5,11 @@ stream from DRAM; LLAMAFILE quantizes them to ``--gguf-type`` with kt_kernel's o
 loads them from GGUF files written to a temporary folder), then for each token count runs fresh
 random routing through the layers in turn and reports latency, tokens/s, GB/s of expert weights
 read, GFLOP/s and the error against a float64 reference, beside a plain torch bf16 implementation
-and this machine's own measured limits (DRAM read bandwidth, fp32-FMA and bf16-dot peaks), all
-from the same run.
+and this machine's own measured limits (DRAM read bandwidth, fp32-FMA, int8, bf16-dot and, where
+the CPU has them, AMX tile peaks), all from the same run. Each row's floor is the roofline of
+its method here: the larger of its weight bytes over the DRAM bandwidth sampled during the run
+and its multiply-adds over the peak of the instruction its many-row kernel computes with
+(``_compute_family``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,45 @@ PRESETS = {
     "deepseek-v3": (32, 8, 7168, 2048, 1),
     "mixtral": (8, 2, 4096, 14336, 1),
 }
+
+
+# The limit (key of the measured limits) each compute family divides by.
+LIMIT_OF = {
+    "fma": "fp32_fma_gflops",
+    "bf16": "bf16_dot_gflops",
+    "int8": "int8_madd_gops",
+    "amx-bf16": "amx_bf16_gflops",
+    "amx-int8": "amx_int8_gops",
+}
+
+
+def _compute_family(name: str, info: dict) -> str:
+    """The instruction family a method's many-row (prefill) kernels compute with on this CPU:
+    AMX tiles where they are in use (int8 tiles for AMXINT8/AMXINT4, bf16 tiles for the formats
+    that decode to bf16 panels), else the vector kernel's (bf16 dot or fp32 FMA, as the BF16
+    calibration chose; int8 multiply-adds for the integer formats and GGUF)."""
+    method = name.split("-")[0]
+    if method == "torch":
+        return "fma"
+    amx = info["kernels"].get("AMX") == "amx" and info["amx_min_rows"] > 0
+    if method in ("AMXINT8", "AMXINT4"):
+        return "amx-int8" if amx else "int8"
+    if method == "LLAMAFILE":
+        return "int8"
+    if amx:
+        return "amx-bf16"
+    if method in ("RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4"):
+        return "int8"
+    return "bf16" if "bf16dot" in info["kernels"]["BF16"] else "fma"
+
+
+def _set_floor(row: dict, limits: dict) -> None:
+    """The row's roofline floor: its weight bytes at the sampled DRAM bandwidth, or its
+    operations at the peak of its compute family, whichever takes longer."""
+    compute_ms = row["giga_ops"] / limits[LIMIT_OF[row["compute_family"]]] * 1e3
+    row["floor_ms"] = max(row["memory_floor_ms"], compute_ms)
+    row["floor_bound"] = "memory" if row["memory_floor_ms"] >= compute_ms else "compute"
+    row["x_floor"] = row["median_ms"] / row["floor_ms"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -274,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
             "fp32_fma_gflops": engine.measure_peak_gflops("fma", 300),
             "bf16_dot_gflops": engine.measure_peak_gflops("bf16", 300),
             "int8_madd_gops": engine.measure_peak_gflops("int8", 300),
+            "amx_int8_gops": engine.measure_peak_gflops("amx_int8", 300),
+            "amx_bf16_gflops": engine.measure_peak_gflops("amx_bf16", 300),
         }
         if old:  # best of the measurements before and after the runs
             new = {k: max(v, old[k]) if v is not None else None for k, v in new.items()}
@@ -294,6 +338,13 @@ def run(args: argparse.Namespace) -> int:
             limits["fp32_fma_gflops"] or 0,
             limits["int8_madd_gops"] or 0,
             f"{limits['bf16_dot_gflops']:.0f}" if limits["bf16_dot_gflops"] else "n/a",
+        )
+        + (
+            ", AMX tiles int8 {:.0f} GOP/s, bf16 {:.0f} GFLOP/s".format(
+                limits["amx_int8_gops"], limits["amx_bf16_gflops"]
+            )
+            if limits["amx_int8_gops"]
+            else ""
         )
     )
 
@@ -336,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
             expert_bytes = method_bytes.get(name, bytes_per_expert)
             gbps = distinct * expert_bytes / med / 1e9
             gflops = 2 * 3 * hidden * inter * tokens * k / med / 1e9
+            family = _compute_family(name, info)
             row = {
                 "impl": name,
                 "tokens": tokens,
@@ -355,8 +407,12 @@ def run(args: argparse.Namespace) -> int:
                 "frac_bf16_peak": gflops / limits["bf16_dot_gflops"]
                 if limits["bf16_dot_gflops"]
                 else None,
+                "compute_family": family,
+                "memory_floor_ms": distinct * expert_bytes / dram_median / 1e6,
+                "giga_ops": 2 * 3 * hidden * inter * tokens * k / 1e9,
                 "repeats": len(times),
             }
+            _set_floor(row, limits)
             results.append(row)
             progress.step(f"{name} tokens={tokens}")
 
@@ -369,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
                 r["frac_fma_peak"] = r["gflops"] / limits["fp32_fma_gflops"]
             if limits["bf16_dot_gflops"]:
                 r["frac_bf16_peak"] = r["gflops"] / limits["bf16_dot_gflops"]
+            _set_floor(r, limits)
         print(
             "limits re-measured after the runs (best of both): DRAM {:.1f} GB/s, fp32 FMA {:.0f}, "
             "bf16 dot {:.0f} GFLOP/s".format(
@@ -380,9 +437,9 @@ def run(args: argparse.Namespace) -> int:
     by = {(r["impl"], r["tokens"]): r for r in results}
     lines = [
         "| impl | tokens | median ms | best ms | tok/s | weights GB/s median (% of DRAM read "
-        "sampled between blocks) | GFLOP/s (% fp32-FMA / % bf16-dot peak) | rel L2 err "
-        "| × torch (median) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "sampled between blocks) | GFLOP/s (% fp32-FMA / % bf16-dot peak) | floor ms "
+        "(× floor, bound by) | rel L2 err | × torch (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         t = by.get(("torch-bf16", r["tokens"]))
@@ -393,7 +450,9 @@ def run(args: argparse.Namespace) -> int:
             f"| {r['impl']} | {r['tokens']} | {r['median_ms']:.2f} | {r['best_ms']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {r['weight_gbps']:.1f} ({100 * r['frac_dram_now']:.0f}% "
             f"of {r['dram_now_gbps']:.1f}) | "
-            f"{r['gflops']:.1f} ({fma} / {bf}) | {r['rel_l2_err']:.1e} | {speedup} |"
+            f"{r['gflops']:.1f} ({fma} / {bf}) | {r['floor_ms']:.2f} ({r['x_floor']:.2f}×, "
+            f"{r['floor_bound'] if r['floor_bound'] == 'memory' else r['compute_family']}) | "
+            f"{r['rel_l2_err']:.1e} | {speedup} |"
         )
     table = "\n".join(lines)
     print(table)

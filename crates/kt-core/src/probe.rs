@@ -104,11 +104,12 @@ fn sum_u64(s: &[u64]) -> u64 {
 }
 
 /// The instruction families [`simd_peak_gflops`] measures.
-pub const PEAK_KINDS: [&str; 3] = ["fma", "int8", "bf16"];
+pub const PEAK_KINDS: [&str; 5] = ["fma", "int8", "bf16", "amx_int8", "amx_bf16"];
 
 /// Peak rate of the instruction family `kind` on every thread, in G operations per second:
 /// "fma" = fp32 FMA (2 flops per lane), "int8" = u8·s8 multiply-adds into i32 (2 ops per
-/// byte pair), "bf16" = bf16 dot products (2 flops per pair). None when the CPU lacks them.
+/// byte pair), "bf16" = bf16 dot products (2 flops per pair), "amx_int8" / "amx_bf16" the same
+/// on AMX tiles. None when the CPU (or this build) lacks them.
 pub fn simd_peak_gflops(pool: &Pool, kind: &str, millis: u64) -> Result<Option<f64>> {
     kt_ensure!(
         PEAK_KINDS.contains(&kind),
@@ -165,7 +166,8 @@ fn peak_select(kind: &str) -> Option<(PeakFn, &'static str)> {
         let level = crate::isa::global().ok()?.detected;
         let vnni256 = crate::isa::has_feature("avx_vnni");
         // (kind, whether this CPU runs it, loop, name): the first that runs is the widest.
-        let table: [(&str, bool, PeakLoop, &'static str); 7] = [
+        let amx = level >= Level::Amx && crate::kernels::amx::HARDWARE_BUILT;
+        let table: [(&str, bool, PeakLoop, &'static str); 9] = [
             ("fma", level >= Level::Avx512Base, x86::fma512, "avx512"),
             ("fma", level >= Level::Avx2, x86::fma256, "avx2"),
             (
@@ -192,6 +194,18 @@ fn peak_select(kind: &str) -> Option<(PeakFn, &'static str)> {
                 level >= Level::Avx512Bf16,
                 x86::dpbf16,
                 "avx512-bf16",
+            ),
+            (
+                "amx_int8",
+                amx,
+                crate::kernels::amx::peak_int8_loop,
+                "amx-int8",
+            ),
+            (
+                "amx_bf16",
+                amx,
+                crate::kernels::amx::peak_bf16_loop,
+                "amx-bf16",
             ),
         ];
         let (_, _, f, name) = table

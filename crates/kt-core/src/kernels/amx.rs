@@ -65,6 +65,39 @@ extern "C" {
     );
     fn kt_amx_bf16_dot(a: *const *const u32, m: usize, k: usize, panel: *const u16, out: *mut f32);
     fn kt_amx_set_prefetch(bytes: usize);
+    fn kt_amx_peak_int8(iters: u64) -> u64;
+    fn kt_amx_peak_bf16(iters: u64) -> u64;
+}
+
+/// `iters` rounds of four independent `tdpbusd` on full tiles (the tile unit's int8 peak);
+/// returns the operations done (2 per multiply-add). 0 in builds without the hardware kernels.
+///
+/// # Safety
+/// AMX usable by this process (the amx level).
+pub unsafe fn peak_int8_loop(iters: u64) -> u64 {
+    #[cfg(kt_amx_hw)]
+    // SAFETY: the caller's contract; the C++ side uses only its own tiles and constants.
+    return unsafe { kt_amx_peak_int8(iters) };
+    #[cfg(not(kt_amx_hw))]
+    {
+        let _ = iters;
+        0
+    }
+}
+
+/// As [`peak_int8_loop`] with `tdpbf16ps` (the tile unit's bf16 peak).
+///
+/// # Safety
+/// AMX usable by this process (the amx level).
+pub unsafe fn peak_bf16_loop(iters: u64) -> u64 {
+    #[cfg(kt_amx_hw)]
+    // SAFETY: as peak_int8_loop.
+    return unsafe { kt_amx_peak_bf16(iters) };
+    #[cfg(not(kt_amx_hw))]
+    {
+        let _ = iters;
+        0
+    }
 }
 
 /// Default distance, in bytes, at which the hardware tile programs prefetch weights.

@@ -169,7 +169,9 @@ fn parallel_for_hands_out_runs_of_neighbouring_tasks() {
             // Which thread ran task i (a small per-thread id from the thread's address).
             let me = std::thread::current().id();
             let id = format!("{me:?}");
-            let hash = id.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+            let hash = id
+                .bytes()
+                .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
             owner[i].store(hash, Ordering::SeqCst);
             // Every task takes a while (both threads stay busy); the early ones are slower, so
             // a fixed split would leave one thread idle.
@@ -182,5 +184,8 @@ fn parallel_for_hands_out_runs_of_neighbouring_tasks() {
     assert!(owners.iter().all(|&o| o != u64::MAX));
     let switches = owners.windows(2).filter(|w| w[0] != w[1]).count();
     // Guided runs halve each time: about 2·log2(n) runs in all; one at a time gives ~n/2.
-    assert!(switches < 60, "{switches} switches between neighbouring tasks");
+    assert!(
+        switches < 60,
+        "{switches} switches between neighbouring tasks"
+    );
 }
