@@ -104,7 +104,7 @@ fn kgroup_kernels(c: &mut Criterion) {
     use kt_core::codes::{CodeKind, ScaleType, INT4_VALUES};
     use kt_core::formats::kgroup::{int_dot, kernels};
     let detected = kt_core::isa::global().unwrap().detected;
-    let levels: Vec<Level> = [Level::Avx2, Level::Avx512Vnni]
+    let levels: Vec<Level> = [Level::Avx2, Level::Avx512Vnni, Level::Avx512Bf16]
         .into_iter()
         .filter(|l| *l <= detected)
         .collect();

@@ -113,6 +113,30 @@ impl Bf16Experts {
     }
 }
 
+thread_local! {
+    /// A whole decoded bf16 panel (32 × k values), per thread, grown to the largest k seen.
+    static WHOLE_PANEL: std::cell::RefCell<Option<crate::pack::AlignedBuf<u16>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` on this thread's buffer for one whole decoded bf16 panel of `k` inputs (`32·k`
+/// values, 64-byte aligned; contents left from the last use). Formats that decode codes to
+/// bf16 decode a whole panel into it and multiply once over all k, so the tile programs (or
+/// the bf16 dot) pay their per-call cost once per panel, not once per decoded block.
+pub(crate) fn with_whole_panel<R>(k: usize, f: impl FnOnce(&mut [u16]) -> R) -> R {
+    WHOLE_PANEL.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let len = crate::pack::PANEL * k;
+        if buf.as_ref().is_none_or(|b| b.len() < len) {
+            // A few hundred KiB at most (k = 7168: 448 KiB), once per thread and size.
+            *buf = Some(
+                crate::pack::AlignedBuf::zeroed(len).expect("allocating a decoded panel buffer"),
+            );
+        }
+        f(&mut buf.as_mut().expect("allocated above").as_mut_slice()[..len])
+    })
+}
+
 /// Whether `kernels` can stage bf16 activations at all (a bf16 dot or AMX path).
 pub(crate) fn stages(kernels: &KernelSet) -> bool {
     kernels.bf16().is_some() || kernels.amx().is_some()

@@ -464,6 +464,22 @@ impl Fp8Experts {
                 return;
             }
         }
+        if path.is_some() && scales.iter().all(|&s| s == 1.0) {
+            // Unit block scales (FP8_PERCHANNEL scales the outputs afterwards): decode the
+            // whole panel and multiply once over all k (see bf16::with_whole_panel).
+            bf16::with_whole_panel(k, |decoded| {
+                for (b, dst) in decoded.chunks_exact_mut(PANEL * BLOCK).enumerate() {
+                    let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
+                    // SAFETY: 32·128 codes in, as many values out; as below.
+                    unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), dst.as_mut_ptr()) };
+                }
+                // SAFETY: the caller's contract, all k inputs as one block.
+                unsafe {
+                    bf16::add_decoded_block(&self.kernels, path, rows, k, 0, decoded, 1.0, out)
+                };
+            });
+            return;
+        }
         let mut decoded = Decoded([0; PANEL * BLOCK]);
         for (b, &scale) in scales.iter().enumerate() {
             let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];

@@ -689,7 +689,6 @@ impl KGroupExperts {
         assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
         let out = &mut out[..n * PANEL];
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
-        let mut f32_scales = [0f32; 16 * PANEL];
         // The integer kernels: the few-row one (15-bit activations) for decode, the many-row
         // one (8-bit) for larger blocks unless AMX tiles take the expert.
         // Up to 4 rows count as few on every ISA (AVX2's kernel takes them 2 at a time), so
@@ -772,13 +771,15 @@ impl KGroupExperts {
         assert!(
             k.is_multiple_of(block) && (block.is_multiple_of(group) || group.is_multiple_of(block))
         );
-        let mut decoded = Decoded([0; PANEL * 128]);
-        for b in 0..k / block {
+        // Decode block b (scales folded in) into `dst` (PANEL·block values, panel order).
+        let decode_block = |b: usize, dst: &mut [u16]| {
             let (line0, lines) = (b * block / 2, block / 2);
             let (g0, groups) = (line0 / gl, (lines / gl).max(1));
+            let mut f32_scales = [0f32; 16 * PANEL];
             let s = &mut f32_scales[..groups * PANEL];
             self.scales_f32(&scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss], s);
-            // SAFETY: `lines` lines of codes in, 64 values each out (≤ 32·128); the decoder's
+            assert!(dst.len() >= PANEL * block);
+            // SAFETY: `lines` lines of codes in, 64 values each out (≤ dst); the decoder's
             // ISA was checked when the layer was built; NaN codes were refused at load.
             unsafe {
                 (self.code_kernels.decode)(
@@ -787,9 +788,32 @@ impl KGroupExperts {
                     gl.min(lines),
                     s.as_ptr(),
                     table,
-                    decoded.0.as_mut_ptr(),
+                    dst.as_mut_ptr(),
                 )
             };
+        };
+        if path.is_some() {
+            // With staged bf16 rows, decode the whole panel and multiply once over all k: the
+            // panel layout is pair-major, so the blocks' panels laid end to end are the whole
+            // panel's, and the tile programs (or the bf16 dot) pay their per-call cost once per
+            // panel instead of once per block (AMX, 512-token S1 layer: RAWINT4 123 -> 91 ms).
+            bf16::with_whole_panel(k, |decoded| {
+                for (b, dst) in decoded.chunks_exact_mut(PANEL * block).enumerate() {
+                    decode_block(b, dst);
+                }
+                // SAFETY: the caller's contract, all k inputs as one block; scales are folded.
+                unsafe {
+                    bf16::add_decoded_block(&self.kernels, path, rows, k, 0, decoded, 1.0, out)
+                };
+            });
+            if global != 1.0 {
+                out.iter_mut().for_each(|o| *o *= global);
+            }
+            return;
+        }
+        let mut decoded = Decoded([0; PANEL * 128]);
+        for b in 0..k / block {
+            decode_block(b, &mut decoded.0);
             // SAFETY: the caller's contract, block b of k inputs; scales are folded in.
             unsafe {
                 bf16::add_decoded_block(&self.kernels, path, rows, block, b, &decoded.0, 1.0, out)
