@@ -104,6 +104,32 @@ struct HwTiles {
   }
 };
 
+template <bool kBf16>
+uint64_t tile_peak(uint64_t iters) {
+  alignas(64) static const uint8_t zeros[1024] = {};
+  HwTiles tm;
+  kt_amx::begin(tm, 32);
+  tm.load<kt_amx::A0>(zeros, 64);
+  tm.load<kt_amx::A1>(zeros, 64);
+  tm.load<kt_amx::B0>(zeros, 64);
+  tm.load<kt_amx::B1>(zeros, 64);
+  for (uint64_t i = 0; i < iters; ++i) {
+    if constexpr (kBf16) {
+      tm.dpbf16ps<kt_amx::C00, kt_amx::A0, kt_amx::B0>();
+      tm.dpbf16ps<kt_amx::C01, kt_amx::A0, kt_amx::B1>();
+      tm.dpbf16ps<kt_amx::C10, kt_amx::A1, kt_amx::B0>();
+      tm.dpbf16ps<kt_amx::C11, kt_amx::A1, kt_amx::B1>();
+    } else {
+      tm.dpbusd<kt_amx::C00, kt_amx::A0, kt_amx::B0>();
+      tm.dpbusd<kt_amx::C01, kt_amx::A0, kt_amx::B1>();
+      tm.dpbusd<kt_amx::C10, kt_amx::A1, kt_amx::B0>();
+      tm.dpbusd<kt_amx::C11, kt_amx::A1, kt_amx::B1>();
+    }
+  }
+  // Multiply-adds per instruction: 16 x 16 outputs, 64 bytes (int8) or 32 bf16 each.
+  return iters * 4 * (16 * 16 * (kBf16 ? 32 : 64)) * 2;
+}
+
 }  // namespace
 
 extern "C" {
@@ -113,39 +139,9 @@ void kt_amx_set_prefetch(size_t bytes) { g_prefetch_bytes.store(bytes, std::memo
 // Peak rate of this core's tile unit (the yardstick of the AMX kernels): `iters` rounds of four
 // independent tdpbusd (or tdpbf16ps) on full 16x64-byte tiles. Returns the operations done,
 // 2 per multiply-add.
-uint64_t kt_amx_peak_int8(uint64_t iters) {
-  alignas(64) static const uint8_t zeros[1024] = {};
-  HwTiles tm;
-  kt_amx::begin(tm, 32);
-  tm.load<kt_amx::A0>(zeros, 64);
-  tm.load<kt_amx::A1>(zeros, 64);
-  tm.load<kt_amx::B0>(zeros, 64);
-  tm.load<kt_amx::B1>(zeros, 64);
-  for (uint64_t i = 0; i < iters; ++i) {
-    tm.dpbusd<kt_amx::C00, kt_amx::A0, kt_amx::B0>();
-    tm.dpbusd<kt_amx::C01, kt_amx::A0, kt_amx::B1>();
-    tm.dpbusd<kt_amx::C10, kt_amx::A1, kt_amx::B0>();
-    tm.dpbusd<kt_amx::C11, kt_amx::A1, kt_amx::B1>();
-  }
-  return iters * 4 * (16 * 16 * 64) * 2;
-}
+uint64_t kt_amx_peak_int8(uint64_t iters) { return tile_peak<false>(iters); }
 
-uint64_t kt_amx_peak_bf16(uint64_t iters) {
-  alignas(64) static const uint8_t zeros[1024] = {};
-  HwTiles tm;
-  kt_amx::begin(tm, 32);
-  tm.load<kt_amx::A0>(zeros, 64);
-  tm.load<kt_amx::A1>(zeros, 64);
-  tm.load<kt_amx::B0>(zeros, 64);
-  tm.load<kt_amx::B1>(zeros, 64);
-  for (uint64_t i = 0; i < iters; ++i) {
-    tm.dpbf16ps<kt_amx::C00, kt_amx::A0, kt_amx::B0>();
-    tm.dpbf16ps<kt_amx::C01, kt_amx::A0, kt_amx::B1>();
-    tm.dpbf16ps<kt_amx::C10, kt_amx::A1, kt_amx::B0>();
-    tm.dpbf16ps<kt_amx::C11, kt_amx::A1, kt_amx::B1>();
-  }
-  return iters * 4 * (16 * 16 * 32) * 2;
-}
+uint64_t kt_amx_peak_bf16(uint64_t iters) { return tile_peak<true>(iters); }
 
 void kt_amx_int8_dot(const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
                      const int32_t* sums, int32_t* out) {

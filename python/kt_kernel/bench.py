@@ -476,6 +476,12 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
     if args.markdown:
+        amx = (
+            f", AMX tiles int8 {limits['amx_int8_gops']:.0f} GOP/s and bf16 "
+            f"{limits['amx_bf16_gflops']:.0f} GFLOP/s"
+            if limits["amx_int8_gops"]
+            else ""
+        )
         with open(args.markdown, "w") as f:
             f.write(
                 f"Preset {args.preset} (E={experts}, top-{k}, H={hidden}, I={inter}), "
@@ -484,8 +490,11 @@ def run(args: argparse.Namespace) -> int:
                 f"Measured limits in this run: DRAM read {limits['dram_read_gbps']:.1f} GB/s, "
                 f"fp32 FMA {limits['fp32_fma_gflops'] or 0:.0f} GFLOP/s, int8 multiply-add "
                 f"{limits['int8_madd_gops'] or 0:.0f} GOP/s, bf16 dot "
-                f"{limits['bf16_dot_gflops'] or 0:.0f} GFLOP/s (probes: read {probes['read']}, "
-                f"fma {probes['fma']}, int8 {probes['int8']}, bf16 {probes['bf16']}; DRAM in "
-                f"huge pages, as the weights).\n\n{table}\n"
+                f"{limits['bf16_dot_gflops'] or 0:.0f} GFLOP/s{amx} (probes: read "
+                f"{probes['read']}, fma {probes['fma']}, int8 {probes['int8']}, bf16 "
+                f"{probes['bf16']}; DRAM in huge pages, as the weights). The floor column: the "
+                f"larger of the weight bytes at the DRAM bandwidth sampled during the row and "
+                f"the multiply-adds at the peak of the instruction the method's many-row "
+                f"kernels compute with.\n\n{table}\n"
             )
     return 0
