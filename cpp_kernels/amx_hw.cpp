@@ -9,11 +9,9 @@
 #include "amx_program.hpp"
 
 namespace {
+
 // Bytes ahead of the tile being loaded that the programs prefetch (kt_amx_set_prefetch).
 std::atomic<size_t> g_prefetch_bytes{8192};
-}  // namespace
-
-namespace {
 
 // Our own asm, not GCC's tile intrinsics: GCC 12's _tile_loadconfig tells the compiler it reads
 // 8 bytes (so the stores that fill rows and column widths may be dropped as dead; seen: tilezero

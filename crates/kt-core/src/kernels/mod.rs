@@ -114,26 +114,32 @@ pub const AMX_MIN_ROWS: usize = 4;
 
 /// The AMX threshold from `KT_KERNEL_AMX_MIN_ROWS` (0 disables AMX), or the default.
 pub fn amx_min_rows_from_env() -> Result<usize> {
-    match std::env::var("KT_KERNEL_AMX_MIN_ROWS") {
-        Err(_) => Ok(AMX_MIN_ROWS),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            Error::Invalid(format!(
-                "KT_KERNEL_AMX_MIN_ROWS={v:?} is not a row count (use 0 to disable AMX)"
-            ))
-        }),
-    }
+    count_from_env(
+        "KT_KERNEL_AMX_MIN_ROWS",
+        AMX_MIN_ROWS,
+        "a row count (use 0 to disable AMX)",
+    )
 }
 
 /// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or the
 /// default.
 pub fn amx_prefetch_from_env() -> Result<usize> {
-    match std::env::var("KT_KERNEL_AMX_PREFETCH") {
-        Err(_) => Ok(amx::PREFETCH_BYTES),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            Error::Invalid(format!(
-                "KT_KERNEL_AMX_PREFETCH={v:?} is not a byte count (use 0 to turn it off)"
-            ))
-        }),
+    count_from_env(
+        "KT_KERNEL_AMX_PREFETCH",
+        amx::PREFETCH_BYTES,
+        "a byte count (use 0 to turn it off)",
+    )
+}
+
+/// A whole number from environment variable `var`, `default` when unset; a set value that is
+/// not one is an error naming the variable and `what` it should be.
+fn count_from_env(var: &str, default: usize, what: &str) -> Result<usize> {
+    match std::env::var(var) {
+        Err(_) => Ok(default),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| Error::Invalid(format!("{var}={v:?} is not {what}"))),
     }
 }
 

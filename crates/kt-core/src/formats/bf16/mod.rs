@@ -119,11 +119,24 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Run `f` on this thread's buffer for one whole decoded bf16 panel of `k` inputs (`32·k`
-/// values, 64-byte aligned; contents left from the last use). Formats that decode codes to
-/// bf16 decode a whole panel into it and multiply once over all k, so the tile programs (or
-/// the bf16 dot) pay their per-call cost once per panel, not once per decoded block.
-pub(crate) fn with_whole_panel<R>(k: usize, f: impl FnOnce(&mut [u16]) -> R) -> R {
+/// `out` (32 per row) = one whole panel of `k` inputs against `rows`, decoded block by block
+/// (`decode(b, dst)` writes block b's `PANEL·block` values, panel order, scales folded in) into
+/// this thread's whole-panel buffer, then multiplied once over all k through `path`. The
+/// panel layout is pair-major, so the blocks' panels laid end to end are the whole panel's;
+/// the tile programs (or the bf16 dot) pay their per-call cost once per panel, not per block.
+///
+/// # Safety
+/// The [`ExpertFormat::gate_up_panel`] contract for `rows` of `k` inputs, with staged bf16
+/// rows (as `path`, a bf16 path, reads them).
+pub(crate) unsafe fn multiply_decoded_panel(
+    kernels: &KernelSet,
+    path: Bf16Path,
+    rows: &RowBlock,
+    k: usize,
+    block: usize,
+    mut decode: impl FnMut(usize, &mut [u16]),
+    out: &mut [f32],
+) {
     WHOLE_PANEL.with(|buf| {
         let mut buf = buf.borrow_mut();
         let len = crate::pack::PANEL * k;
@@ -133,7 +146,15 @@ pub(crate) fn with_whole_panel<R>(k: usize, f: impl FnOnce(&mut [u16]) -> R) -> 
                 crate::pack::AlignedBuf::zeroed(len).expect("allocating a decoded panel buffer"),
             );
         }
-        f(&mut buf.as_mut().expect("allocated above").as_mut_slice()[..len])
+        let decoded = &mut buf.as_mut().expect("allocated above").as_mut_slice()[..len];
+        for (b, dst) in decoded
+            .chunks_exact_mut(crate::pack::PANEL * block)
+            .enumerate()
+        {
+            decode(b, dst);
+        }
+        // SAFETY: the caller's contract, all k inputs as one block.
+        unsafe { add_decoded_block(kernels, Some(path), rows, k, 0, decoded, 1.0, out) };
     })
 }
 

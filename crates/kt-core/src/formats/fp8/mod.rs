@@ -464,20 +464,19 @@ impl Fp8Experts {
                 return;
             }
         }
-        if path.is_some() && scales.iter().all(|&s| s == 1.0) {
-            // Unit block scales (FP8_PERCHANNEL scales the outputs afterwards): decode the
-            // whole panel and multiply once over all k (see bf16::with_whole_panel).
-            bf16::with_whole_panel(k, |decoded| {
-                for (b, dst) in decoded.chunks_exact_mut(PANEL * BLOCK).enumerate() {
-                    let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
-                    // SAFETY: 32·128 codes in, as many values out; as below.
-                    unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), dst.as_mut_ptr()) };
-                }
-                // SAFETY: the caller's contract, all k inputs as one block.
-                unsafe {
-                    bf16::add_decoded_block(&self.kernels, path, rows, k, 0, decoded, 1.0, out)
-                };
-            });
+        if let (Some(path), Scaling::PerChannel) = (path, self.scaling) {
+            // Unit block scales (the row scales apply to the outputs afterwards): decode the
+            // whole panel and multiply once over all k.
+            let decode = |b: usize, dst: &mut [u16]| {
+                let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
+                assert!(dst.len() >= block.len());
+                // SAFETY: 32·128 codes in, as many values out; as below.
+                unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), dst.as_mut_ptr()) };
+            };
+            // SAFETY: the caller's contract; `path` reads the staged rows.
+            unsafe {
+                bf16::multiply_decoded_panel(&self.kernels, path, rows, k, BLOCK, decode, out)
+            };
             return;
         }
         let mut decoded = Decoded([0; PANEL * BLOCK]);

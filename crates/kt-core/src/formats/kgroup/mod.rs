@@ -792,20 +792,13 @@ impl KGroupExperts {
                 )
             };
         };
-        if path.is_some() {
-            // With staged bf16 rows, decode the whole panel and multiply once over all k: the
-            // panel layout is pair-major, so the blocks' panels laid end to end are the whole
-            // panel's, and the tile programs (or the bf16 dot) pay their per-call cost once per
-            // panel instead of once per block (AMX, 512-token S1 layer: RAWINT4 123 -> 91 ms).
-            bf16::with_whole_panel(k, |decoded| {
-                for (b, dst) in decoded.chunks_exact_mut(PANEL * block).enumerate() {
-                    decode_block(b, dst);
-                }
-                // SAFETY: the caller's contract, all k inputs as one block; scales are folded.
-                unsafe {
-                    bf16::add_decoded_block(&self.kernels, path, rows, k, 0, decoded, 1.0, out)
-                };
-            });
+        if let Some(path) = path {
+            // With staged bf16 rows, decode the whole panel and multiply once over all k (AMX,
+            // 512-token S1 layer: RAWINT4 123 -> 91 ms).
+            // SAFETY: the caller's contract; `path` reads the staged rows.
+            unsafe {
+                bf16::multiply_decoded_panel(&self.kernels, path, rows, k, block, decode_block, out)
+            };
             if global != 1.0 {
                 out.iter_mut().for_each(|o| *o *= global);
             }
