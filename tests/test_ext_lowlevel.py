@@ -103,6 +103,30 @@ def test_the_token_count_is_read_when_the_task_runs():
         cpu_infer.sync()
 
 
+@pytest.mark.parametrize("cls_name", ["AMXBF16_MOE", "AMXInt8_MOE"])
+def test_incremental_adds_what_the_output_buffer_holds(cls_name):
+    """The original's deferred-experts step: layer L+1's task runs with incremental=True and
+    adds the bf16 partial that layer L's deferred task left in the same buffer."""
+    gate, up, down = _weights(seed=11)
+    cpu_infer = kt_kernel_ext.CPUInfer(2)
+    moe = _original_style_layer(cls_name, cpu_infer, gate, up, down)
+    bsz, ids, w, x, plain = _buffers(7, seed=12)
+    args = lambda out: (bsz.data_ptr(), K, ids.data_ptr(), w.data_ptr(), x.data_ptr(),  # noqa: E731
+                        out.data_ptr())  # fmt: skip
+    moe.forward(*args(plain), False)
+    before = (torch.randn(7, H, generator=torch.Generator().manual_seed(13))).to(torch.bfloat16)
+    out = before.clone()
+    cpu_infer.submit(moe.forward_task(*args(out), True))
+    cpu_infer.sync()
+    want = plain.double() + before.double()
+    # One bf16 rounding of the sum (plus the plain result's own rounding).
+    assert ((out.double() - want).abs() <= want.abs() * 2**-7 + 1e-3).all()
+    assert not torch.equal(out, plain) and not torch.equal(out, before)
+    again = before.clone()
+    moe.forward(*args(again), True)  # the direct form, and the same result
+    assert torch.equal(again, out)
+
+
 def test_amxint8_from_converted_files_by_path(tmp_path):
     gate, up, down = _weights(seed=5)
     ckpt = tmp_path / "ckpt"
@@ -141,8 +165,6 @@ def test_unsupported_inputs_are_refused_clearly():
     moe = _original_style_layer("AMXBF16_MOE", cpu_infer, gate, up, down)
     bsz, ids, w, x, out = _buffers(2)
     ptrs = (bsz.data_ptr(), K, ids.data_ptr(), w.data_ptr(), x.data_ptr(), out.data_ptr())
-    with pytest.raises(NotImplementedError, match="incremental"):
-        moe.forward_task(*ptrs, True)
     with pytest.raises(ValueError, match="k=3"):
         moe.forward_task(ptrs[0], 3, *ptrs[2:])
     with pytest.raises(TypeError):

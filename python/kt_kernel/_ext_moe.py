@@ -23,9 +23,12 @@ weights fp32 ``[q, k]``, input and output bf16 ``[q, H]``. Tasks are process-lif
 descriptors, so ``CPUInfer.submit_with_cuda_stream`` can order them on a CUDA stream and a
 captured graph can replay them.
 
+``forward_task(..., incremental=True)`` adds the bf16 values already in the output buffer (the
+previous layer's deferred experts) to this layer's result before rounding it to bf16 once.
+
 Not provided: weights of the native formats passed by pointer (FP8 codes and scales, packed
-int4, ...: set ``config.path`` to the checkpoint instead), ``incremental=True`` (the original's
-accumulation into the output), ``run_layerwise_fp8_batch`` and the SFT classes.
+int4, ...: set ``config.path`` to the checkpoint instead), ``run_layerwise_fp8_batch`` and the
+SFT classes.
 """
 
 from __future__ import annotations
@@ -175,11 +178,6 @@ class _MoE:
         output: int,
         incremental: bool = False,
     ) -> int:
-        if incremental:
-            raise NotImplementedError(
-                "forward_task(..., incremental=True) is not supported: KTMoEWrapper's "
-                "max_deferred_experts_per_token gives the deferred-experts behaviour"
-            )
         if int(k) != self.config.num_experts_per_tok:
             raise ValueError(f"k={k} but the config has num_experts_per_tok="
                              f"{self.config.num_experts_per_tok}")  # fmt: skip
@@ -194,6 +192,10 @@ class _MoE:
             int(weights),
             int(output),
             "bfloat16",
+            # incremental: the output buffer is also the addend, read strip by strip before
+            # each strip is written (the core allows exactly this overlap).
+            residual_ptr=int(output) if incremental else 0,
+            residual_dtype="bfloat16",
             mask_ptr=self._mask_ptr,
             bsz_ptr=int(qlen_ptr),
         )

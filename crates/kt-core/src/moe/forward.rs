@@ -113,6 +113,13 @@ impl ForwardArgs {
         ] {
             kt_ensure!(!null, Invalid, "{name} pointer is null");
         }
+        kt_ensure!(
+            self.residual != self.out as *const u8 || self.residual_type == self.out_type,
+            Invalid,
+            "the residual is the output buffer but of another element type ({} vs {})",
+            self.residual_type.name(),
+            self.out_type.name()
+        );
         Ok(())
     }
 }
@@ -164,7 +171,9 @@ impl MoeLayer {
     ///
     /// # Safety
     /// Every pointer in `args` must be valid for the extent its comment gives, for the whole
-    /// call, and `out` must not overlap the inputs. Null `residual`/`gpu_mask` mean "none".
+    /// call, and `out` must not overlap the inputs, except that `residual` may be `out` itself
+    /// (same address and element type: each strip of a row is read before it is written, the
+    /// original's `incremental` accumulation). Null `residual`/`gpu_mask` mean "none".
     pub unsafe fn forward_raw(
         &self,
         pool: &Pool,
@@ -704,7 +713,8 @@ impl Chunk<'_> {
     ///
     /// # Safety
     /// Each part's partial buffer has row `t` of `H` floats; `out`/`residual` rows `t` exist,
-    /// and no one else writes row `t` of `out` meanwhile.
+    /// and no one else writes row `t` of `out` meanwhile. `residual` may be `out` (same type):
+    /// each strip is read into `res` before the same strip of `out` is written.
     unsafe fn finish_row(&self, parts: &[PartPtrs], t: usize) {
         const STRIP: usize = 256;
         let (args, h) = (self.args, self.layer.config.hidden);

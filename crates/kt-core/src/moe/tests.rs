@@ -412,6 +412,58 @@ fn nan_in_one_token_stays_in_that_token_and_residual_and_dtypes_work() {
 }
 
 #[test]
+fn the_output_buffer_may_be_its_own_addend() {
+    // The original's `incremental` forward: out = bf16(result + out), read before written.
+    let mut rng = Rng::new(31);
+    let (e, k, h, i) = (4, 2, 320, 96);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let qlen = 9;
+    let x = rng.normals(qlen * h, 1.0);
+    let ids: Vec<i64> = (0..qlen * k).map(|j| ((j * 3) % e) as i64).collect();
+    let w: Vec<f32> = (0..qlen * k).map(|_| rng.uniform()).collect();
+    let before: Vec<u16> = rng
+        .normals(qlen * h, 1.0)
+        .iter()
+        .map(|&v| f32_to_bf16_bits(v))
+        .collect();
+    let ident: Vec<usize> = (0..e).collect();
+    let mut want = wts.reference(&x, &ids, &w, k, None, &ident, 0.0, 0.0);
+    for (wv, b) in want.iter_mut().zip(&before) {
+        *wv += bf16_bits_to_f32(*b) as f64;
+    }
+    for parts in [1, 2] {
+        let pool = pool(parts, 2);
+        let mut layer = MoeLayer::new(config(e, k, h, i, 16), parts, exact_kernels()).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut out = before.clone();
+        let mut args = ForwardArgs {
+            qlen,
+            hidden: x.as_ptr() as *const u8,
+            hidden_type: FloatType::F32,
+            ids: ids.as_ptr() as *const u8,
+            ids_i64: true,
+            weights: w.as_ptr(),
+            out: out.as_mut_ptr() as *mut u8,
+            out_type: FloatType::BF16,
+            residual: out.as_ptr() as *const u8,
+            residual_type: FloatType::BF16,
+            gpu_mask: std::ptr::null(),
+        };
+        // SAFETY: every address is a live vector of the size its field requires; residual
+        // is out itself, which forward_raw allows.
+        unsafe { layer.forward_raw(&pool, &mut Workspace::new(), &args) }.unwrap();
+        let got: Vec<f32> = out.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        let err = rel_l2(&got, &want);
+        assert!(err < 5e-3, "parts={parts}: rel err {err}");
+        args.residual_type = FloatType::F32;
+        assert!(
+            args.check_addresses().is_err(),
+            "aliasing with another type"
+        );
+    }
+}
+
+#[test]
 fn swiglu_variants_match_reference() {
     let mut rng = Rng::new(21);
     let (e, k, h, i) = (4, 2, 64, 64);
