@@ -26,9 +26,17 @@ captured graph can replay them.
 ``forward_task(..., incremental=True)`` adds the bf16 values already in the output buffer (the
 previous layer's deferred experts) to this layer's result before rounding it to bf16 once.
 
-Not provided: weights of the native formats passed by pointer (FP8 codes and scales, packed
-int4, ...: set ``config.path`` to the checkpoint instead), ``run_layerwise_fp8_batch`` and the
-SFT classes.
+The native classes (and the BF16 ones) also take their experts the way the original's
+``NativeMoEWrapper`` hands them over: ``config.gate_projs``/``up_projs``/``down_projs`` and
+``gate_scales``/``up_scales``/``down_scales`` as ``[[address of expert 0, 1, ...]]`` (one NUMA
+entry), each tensor in the layout its loader leaves in memory, and
+``config.quant_config.group_size`` (the layouts: ``kt_core::expert_pointers``). Converted
+AMXINT8/AMXINT4 data and GGUF blocks are read from files (``config.path``).
+
+``run_layerwise_fp8_batch(transport, epoch, layer_id, expert_count)`` is rank zero's side of
+layerwise prefill over a ``kt_kernel_ext.FP8LayerwiseTransport`` (``kt_core::layerwise``).
+
+Not provided: the SFT classes.
 """
 
 from __future__ import annotations
@@ -38,6 +46,19 @@ import torch
 from . import _kt_core
 
 _UNSET = 0
+_PROJS = ("gate", "up", "down")
+
+
+class QuantConfig:
+    """The original's quantization descriptor: ``bits``, ``group_size`` (read when experts are
+    handed over by address), ``zero_point``, ``per_channel`` (the class decides the format)."""
+
+    def __init__(self) -> None:
+        self.quant_method = ""
+        self.bits = 0
+        self.group_size = 0
+        self.zero_point = False
+        self.per_channel = False
 
 
 class MOEConfig:
@@ -66,7 +87,14 @@ class MOEConfig:
         self.gate_proj = self.up_proj = self.down_proj = _UNSET
         self.gate_scale = self.up_scale = self.down_scale = _UNSET
         self.gate_zero = self.up_zero = self.down_zero = _UNSET
-        self.quant_config = None
+        self.quant_config = QuantConfig()
+        # [numa][expert] addresses (the original's per-expert form; one NUMA entry).
+        self.gate_projs: list[list[int]] = []
+        self.up_projs: list[list[int]] = []
+        self.down_projs: list[list[int]] = []
+        self.gate_scales: list[list[int]] = []
+        self.up_scales: list[list[int]] = []
+        self.down_scales: list[list[int]] = []
         self.max_len = 0
         self.path = ""
         self.save = False
@@ -141,12 +169,24 @@ class _MoE:
             }[self.PATH_KIND]
             loader(c.path, int(c.layer_idx), map_ptr, map_len)
             return
+        if any(c.gate_projs) or any(c.up_projs) or any(c.down_projs):
+            weights = [_one_numa_entry(c, f"{p}_projs") for p in _PROJS]
+            scales = [_one_numa_entry(c, f"{p}_scales") for p in _PROJS]
+            if not any(any(lst) for lst in scales):
+                scales = [[], [], []]  # BF16: no scales (the original passes zeros)
+            group = int(getattr(c.quant_config, "group_size", 0) or 0)
+            self.layer.load_from_addresses(weights, scales, group, map_ptr, map_len)
+            return
         if not (c.gate_proj and c.up_proj and c.down_proj):
-            raise ValueError("set config.gate_proj/up_proj/down_proj (bf16 weights) or config.path")
+            raise ValueError(
+                "set config.gate_proj/up_proj/down_proj (bf16 weights), config.gate_projs/"
+                "gate_scales/... (per-expert tensors by address) or config.path"
+            )
         if not self.QUANTIZES_BF16 or c.gate_scale or c.up_scale or c.down_scale:
             raise NotImplementedError(
-                f"{type(self).__name__}: weights of this format passed by pointer are not "
-                "supported; set config.path to the checkpoint folder instead"
+                f"{type(self).__name__}: config.gate_proj/up_proj/down_proj take bf16 [E, I, H] "
+                "weights to quantize; pass this format's tensors per expert "
+                "(config.gate_projs/gate_scales/...) or set config.path to the checkpoint"
             )
         self.layer.load_from_tensors(
             int(c.gate_proj),
@@ -221,10 +261,37 @@ class _MoE:
             )
         )
 
+    def run_layerwise_fp8_batch(self, transport, epoch: int, layer_id: int, expert_count: int):
+        """Rank zero of layerwise prefill: write this layer's first ``expert_count`` experts
+        into every rank's host slots of ``transport`` as its ranks copy them to their GPUs;
+        returns this rank's figures. Blocks (sync the engine first, as the original's wrapper
+        does)."""
+        return self.layer.run_layerwise_fp8_batch(
+            transport, int(epoch), int(layer_id), int(expert_count)
+        )
+
     def forward(self, qlen_ptr, k, expert_ids, weights, input, output, incremental=False):  # noqa: A002
         """Run ``forward_task`` now on the engine and wait for it."""
         task = self.forward_task(qlen_ptr, k, expert_ids, weights, input, output, incremental)
         self.engine.wait(self.engine.submit_task(task))
+
+
+def _one_numa_entry(config: MOEConfig, field: str) -> list[int]:
+    """``config.<field>`` as one list of expert addresses (``[[...]]``, one NUMA entry)."""
+    value = getattr(config, field)
+    if not value:
+        return []
+    if len(value) != 1:
+        raise ValueError(
+            f"config.{field} has {len(value)} NUMA entries; native-format experts are split at "
+            "load, so pass one list of per-expert addresses ([[ptr_0, ptr_1, ...]])"
+        )
+    addrs = [int(a) for a in value[0]]
+    if len(addrs) != config.expert_num:
+        raise ValueError(
+            f"config.{field} holds {len(addrs)} addresses; expert_num is {config.expert_num}"
+        )
+    return addrs
 
 
 def _class(name: str, method: str, path_kind: str = "checkpoint", quantizes_bf16: bool = True):

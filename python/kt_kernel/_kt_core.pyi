@@ -1,4 +1,5 @@
 # Type stubs of the native module (crates/kt-py). Addresses are ints (tensor.data_ptr()).
+from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
@@ -6,6 +7,8 @@ __version__: str
 MAX_THREADS: int
 METHODS: list[str]
 IMPLEMENTED_METHODS: list[str]
+FP8_LAYERWISE_CONTROL_BYTES: int
+FP8_LAYERWISE_MAX_TP_SIZE: int
 
 def cpu_variant() -> str: ...
 def cpu_info() -> dict[str, Any]: ...
@@ -22,6 +25,7 @@ def stream_errors() -> list[str]: ...
 def stream_descriptor_count() -> int: ...
 def use_cuda_driver(library: str) -> None: ...
 def cuda_driver_status() -> tuple[bool, str]: ...
+def initialize_fp8_layerwise_control(control_ptr: int, control_size: int, tp_size: int) -> None: ...
 
 class Engine:
     def __init__(self, threads: list[int], numa_nodes: list[int], pin: bool = True) -> None: ...
@@ -73,6 +77,14 @@ class MoeLayer:
         down_ptr: int,
         dtype: str,
         experts: int,
+        map_ptr: int = 0,
+        map_len: int = 0,
+    ) -> None: ...
+    def load_from_addresses(
+        self,
+        weights: Sequence[Sequence[int]],
+        scales: Sequence[Sequence[int]],
+        group_size: int,
         map_ptr: int = 0,
         map_len: int = 0,
     ) -> None: ...
@@ -138,6 +150,36 @@ class MoeLayer:
         w2_weight_ptrs: list[int],
         w2_scale_ptrs: list[int],
     ) -> int: ...
+    def run_layerwise_fp8_batch(
+        self, transport: FP8LayerwiseTransport, epoch: int, layer_id: int, expert_count: int
+    ) -> dict[str, Any]: ...
+
+class FP8LayerwiseTransport:
+    def __init__(
+        self,
+        control_ptr: int,
+        control_size: int,
+        rank: int,
+        tp_size: int,
+        cuda_device: int,
+        local_host_ptrs: Sequence[int],
+        local_gpu_ptrs: Sequence[int],
+        all_rank_host_ptrs: Sequence[Any],
+        expert_nbytes: Sequence[int],
+        num_experts: int,
+        timeout_ms: int = 60000,
+    ) -> None: ...
+    def join(self, epoch: int, layer_id: int, expert_count: int) -> None: ...
+    def wait(self, epoch: int) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
 
 class Conversion:
     def __init__(

@@ -458,6 +458,23 @@ class BaseMoEWrapper:
         for ticket in tickets:
             self.cpu_infer.engine.wait(ticket)
 
+    def run_layerwise_fp8_batch(self, transport, epoch: int, layer_id: int, expert_count: int):
+        """Rank zero of layerwise prefill (block FP8, as the original): write this layer's
+        first ``expert_count`` experts into every GPU rank's host slots of ``transport`` (a
+        ``kt_kernel_ext.FP8LayerwiseTransport``), each rank's copy thread moving them to its
+        GPU as they land; returns this rank's figures (``writer_ms``, ``slot_wait_ms``,
+        ``h2d_ms``, ``total_ms``, ...) once its own copies are done. Queued work of this
+        process's engine is finished first."""
+        if self.method != "FP8":
+            raise RuntimeError(
+                "run_layerwise_fp8_batch is only valid for the block-FP8 backend "
+                f"(this layer is {self.method})"
+            )
+        self.cpu_infer.engine.sync(0)
+        return self.moe.run_layerwise_fp8_batch(
+            transport, int(epoch), int(layer_id), int(expert_count)
+        )
+
     def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None) -> None:
         """Queue this layer's CPU experts for ``hidden_states`` and return at once.
 

@@ -9,9 +9,16 @@ import sys
 
 from . import _ext_moe as moe
 from . import _kt_core
+from ._ext_moe import QuantConfig  # noqa: F401  (the original exports it here)
 
 sys.modules.setdefault(__name__ + ".moe", moe)
 sys.modules.setdefault("kt_kernel_ext.moe", moe)
+
+# Layerwise prefill's expert transport (kt_core::layerwise).
+FP8LayerwiseTransport = _kt_core.FP8LayerwiseTransport
+initialize_fp8_layerwise_control = _kt_core.initialize_fp8_layerwise_control
+FP8_LAYERWISE_CONTROL_BYTES = _kt_core.FP8_LAYERWISE_CONTROL_BYTES
+FP8_LAYERWISE_MAX_TP_SIZE = _kt_core.FP8_LAYERWISE_MAX_TP_SIZE
 
 __cpu_variant__ = _kt_core.cpu_variant()
 __int8_kernel__ = _kt_core.cpu_info()["kernels"]["AMXINT8"]
@@ -26,18 +33,6 @@ class WorkerPoolConfig:
         self.subpool_count = 0
         self.subpool_numa_map: list[int] = []
         self.subpool_thread_count: list[int] = []
-
-
-class QuantConfig:
-    """The original's quantization descriptor (fields only; the MoE classes take their format
-    from the class)."""
-
-    def __init__(self) -> None:
-        self.quant_method = ""
-        self.bits = 0
-        self.group_size = 0
-        self.zero_point = False
-        self.per_channel = False
 
 
 class CPUInfer:

@@ -43,6 +43,8 @@ def build(folder: Path):
     for name in ("fake_marks", "fake_host_calls"):
         getattr(lib, name).argtypes = [vp]
         getattr(lib, name).restype = ctypes.c_long
+    lib.fake_bound_device.restype = ctypes.c_int
+    lib.fake_htod_copies.restype = ctypes.c_long
     lib.fake_capture_end.argtypes = [vp]
     lib.fake_capture_end.restype = vp
     lib.fake_graph_host_args.argtypes = [vp, ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]

@@ -174,3 +174,47 @@ int fake_graph_host_args(void *graph, uintptr_t *out, int max) {
         }
     return n;
 }
+
+/* The driver entry points of the layerwise transport's copy thread. "Device" memory is host
+ * memory; the context calls only record that they happened (fake_bound_device). */
+static int bound_device = -1;
+static long htod_copies;
+
+int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; /* CUDA_ERROR_INVALID_VALUE */ }
+
+int cuDeviceGet(int *dev, int ordinal) {
+    if (ordinal < 0 || ordinal > 7) return 101; /* CUDA_ERROR_INVALID_DEVICE */
+    *dev = ordinal;
+    return 0;
+}
+
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    *ctx = (void *)(uintptr_t)(0x1000 + dev);
+    return 0;
+}
+
+int cuCtxSetCurrent(void *ctx) {
+    __atomic_store_n(&bound_device, (int)((uintptr_t)ctx - 0x1000), __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+int cuStreamCreate(void **stream, unsigned flags) {
+    (void)flags;
+    *stream = fake_stream_create();
+    return 0;
+}
+
+int cuMemcpyHtoDAsync_v2(uint64_t dst, const void *src, size_t n, void *stream) {
+    if (!stream) return 400;
+    __atomic_add_fetch(&htod_copies, 1, __ATOMIC_SEQ_CST);
+    fake_memcpy_async(stream, (void *)(uintptr_t)dst, src, n);
+    return 0;
+}
+
+int cuStreamSynchronize(void *stream) {
+    fake_stream_synchronize(stream);
+    return 0;
+}
+
+int fake_bound_device(void) { return __atomic_load_n(&bound_device, __ATOMIC_SEQ_CST); }
+long fake_htod_copies(void) { return __atomic_load_n(&htod_copies, __ATOMIC_SEQ_CST); }

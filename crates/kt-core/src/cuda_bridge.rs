@@ -28,8 +28,9 @@ type HostFn = unsafe extern "C" fn(*mut c_void);
 /// `CUresult cuLaunchHostFunc(CUstream, CUhostFn, void*)`.
 type LaunchHostFunc = unsafe extern "C" fn(*mut c_void, HostFn, *mut c_void) -> i32;
 
-/// The opened driver entry point.
+/// The opened driver: its handle (for other entry points, [`symbol`]) and `cuLaunchHostFunc`.
 struct Driver {
+    handle: usize,
     launch: LaunchHostFunc,
 }
 
@@ -59,6 +60,7 @@ fn open_driver(name: &str) -> Result<Driver> {
             return Err(Error::Runtime(format!("{name:?} has no cuLaunchHostFunc")));
         }
         Ok(Driver {
+            handle: handle as usize,
             launch: std::mem::transmute::<*mut c_void, LaunchHostFunc>(sym),
         })
     }
@@ -79,6 +81,21 @@ fn driver() -> Result<&'static Driver> {
             .map_err(|e| e.to_string())
     });
     found.clone().map_err(Error::Runtime)
+}
+
+/// The address of driver entry point `name` (e.g. `cuMemcpyHtoDAsync_v2`) in the driver in use.
+pub fn symbol(name: &std::ffi::CStr) -> Result<*mut c_void> {
+    let d = driver()?;
+    // SAFETY: a handle dlopen returned and that is never closed; a NUL-terminated name.
+    let sym = unsafe { libc::dlsym(d.handle as *mut c_void, name.as_ptr()) };
+    if sym.is_null() {
+        return Err(Error::Runtime(format!(
+            "the CUDA driver {:?} has no {}",
+            driver_library(),
+            name.to_string_lossy()
+        )));
+    }
+    Ok(sym)
 }
 
 /// Whether the driver entry point can be found (opens it on first call), and what was found.

@@ -36,6 +36,22 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+impl Error {
+    /// The same error with `what: ` in front of its message (the variant, i.e. the Python
+    /// exception class, is kept).
+    pub fn context(self, what: &str) -> Error {
+        let prefix = |m: String| format!("{what}: {m}");
+        match self {
+            Error::Invalid(m) => Error::Invalid(prefix(m)),
+            Error::Dtype(m) => Error::Dtype(prefix(m)),
+            Error::NotFound(m) => Error::NotFound(prefix(m)),
+            Error::Format(m) => Error::Format(prefix(m)),
+            Error::Unsupported(m) => Error::Unsupported(prefix(m)),
+            Error::Runtime(m) => Error::Runtime(prefix(m)),
+        }
+    }
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         if e.kind() == std::io::ErrorKind::NotFound {

@@ -32,6 +32,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod expert;
+pub mod expert_pointers;
 pub mod file_stamp;
 pub mod formats;
 #[doc(hidden)]
@@ -40,6 +41,7 @@ pub mod ggml;
 pub mod gguf;
 pub mod isa;
 pub mod kernels;
+pub mod layerwise;
 pub mod method;
 pub mod moe;
 pub mod pack;

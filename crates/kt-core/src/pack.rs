@@ -233,6 +233,19 @@ unsafe impl Send for MatrixView {}
 unsafe impl Sync for MatrixView {}
 
 impl MatrixView {
+    /// A 0 × 0 view of nothing (a placeholder to overwrite).
+    pub fn empty() -> Self {
+        MatrixView {
+            ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+            dtype: FloatType::F32,
+            rows: 0,
+            cols: 0,
+            row_stride: 0,
+            block_scale: None,
+            coded: None,
+        }
+    }
+
     /// A contiguous view from a byte slice, checked for size.
     pub fn from_bytes(bytes: &[u8], dtype: FloatType, rows: usize, cols: usize) -> Result<Self> {
         let need = rows * cols * dtype.size();

@@ -5,6 +5,7 @@
 use kt_core::convert::{ConversionJob, ConvertOptions, ConvertReport, InputType};
 use kt_core::dtype::FloatType;
 use kt_core::engine::{Engine as CoreEngine, Task};
+use kt_core::expert_pointers::{ExpertAddresses, PointerSource};
 use kt_core::formats::GpuRankDst;
 use kt_core::ggml::{self, GgmlType};
 use kt_core::isa;
@@ -20,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
 
 mod errors;
+mod layerwise;
 use errors::IntoPy;
 
 /// Variant name in force (raises if `KT_KERNEL_CPU_VARIANT` is invalid or too high).
@@ -479,6 +481,43 @@ impl MoeLayer {
         )
     }
 
+    /// Pack experts handed over one tensor per expert and projection, by address, in the
+    /// layouts the original's native loaders leave in memory (`kt_core::expert_pointers`):
+    /// `weights`/`scales` are `[gate, up, down]` lists of one address per logical expert
+    /// (scales empty for BF16); `group_size` is the original's `quant_config.group_size`.
+    /// Blocks until loaded.
+    #[pyo3(signature = (weights, scales, group_size, map_ptr=0, map_len=0))]
+    fn load_from_addresses(
+        &self,
+        py: Python<'_>,
+        weights: [Vec<usize>; 3],
+        scales: [Vec<usize>; 3],
+        group_size: usize,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        let (method, hidden, intermediate) = {
+            let l = layer.read().unwrap();
+            (l.method(), l.config().hidden, l.config().intermediate)
+        };
+        let addrs = ExpertAddresses { weights, scales };
+        // SAFETY: the caller (the ext layer's load_weights) passes addresses of live tensors
+        // of the documented layouts and keeps them alive until this blocking call returns.
+        let source =
+            unsafe { PointerSource::new(method, hidden, intermediate, group_size, &addrs) }.py()?;
+        let source = SendPointers(source);
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let s = source;
+                layer.write().unwrap().load(ctx.pool, &s.0, map.as_deref())
+            }),
+        )
+    }
+
     /// Read this layer's experts from a Hugging Face safetensors checkpoint. Blocks.
     #[pyo3(signature = (path, layer_idx, map_ptr=0, map_len=0))]
     fn load_from_checkpoint(
@@ -601,6 +640,59 @@ impl MoeLayer {
     /// `gpu_tp_count` ranks; NotImplementedError for methods without a GPU layout.
     fn gpu_rank_bytes(&self, gpu_tp_count: usize) -> PyResult<[usize; 4]> {
         self.layer.read().unwrap().gpu_rank_bytes(gpu_tp_count).py()
+    }
+
+    /// Rank zero of layerwise prefill: write this layer's first `expert_count` experts into
+    /// every rank's host slots of `transport`, publishing each as it is written, and return
+    /// this rank's figures once its own copies are done (the original's
+    /// `run_layerwise_fp8_batch`). Blocks, on the engine's pool.
+    fn run_layerwise_fp8_batch<'py>(
+        &self,
+        py: Python<'py>,
+        transport: &layerwise::Fp8LayerwiseTransport,
+        epoch: u64,
+        layer_id: i64,
+        expert_count: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let t = transport.inner.clone();
+        let (experts, bytes) = {
+            let l = self.layer.read().unwrap();
+            (l.config().num_experts, l.gpu_rank_bytes(t.tp_size()).py()?)
+        };
+        if bytes != t.expert_nbytes() {
+            return Err(kt_core::Error::Invalid(format!(
+                "the transport's expert_nbytes {:?} differ from the {:?} bytes this layer writes                  per expert at {} ranks",
+                t.expert_nbytes(),
+                bytes,
+                t.tp_size()
+            )))
+            .py();
+        }
+        if expert_count as usize > experts {
+            return Err(kt_core::Error::Invalid(format!(
+                "expert_count {expert_count} exceeds this layer's {experts} experts"
+            )))
+            .py();
+        }
+        let layer = self.layer.clone();
+        let out = Arc::new(Mutex::new(None));
+        let result = out.clone();
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                let l = layer.read().unwrap();
+                let stats = t.run_batch(epoch, layer_id, expert_count, &mut |e, dst| {
+                    // SAFETY: the transport's contract: each rank's slot buffers hold the
+                    // sizes checked above and only the producer writes them until published.
+                    unsafe { l.write_weight_scale_to_buffer(ctx.pool, e, dst) }
+                })?;
+                *result.lock().unwrap() = Some(stats);
+                Ok(())
+            }),
+        )?;
+        let stats = out.lock().unwrap().take().expect("the batch ran");
+        layerwise::stats_dict(py, &stats)
     }
 
     /// Queue the write of one expert into every GPU rank's buffers (the original's
@@ -805,6 +897,11 @@ impl MoeLayer {
     }
 }
 
+/// Moves a PointerSource into an engine task (its addresses outlive the blocking call).
+struct SendPointers(PointerSource);
+// SAFETY: see load_from_addresses: the memory stays alive and unchanged while the task runs.
+unsafe impl Send for SendPointers {}
+
 /// Moves a TensorSource into an engine task (its pointers outlive the blocking call).
 struct SendSource(TensorSource);
 // SAFETY: see load_from_tensors: the memory stays alive and unchanged while the task runs.
@@ -924,5 +1021,6 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     m.add_class::<Conversion>()?;
+    layerwise::register(m)?;
     Ok(())
 }

@@ -1,8 +1,10 @@
 """The original's ``kt_kernel.utils.loader`` names for scripts that read weight files
 themselves: ``SafeTensorLoader`` (converted AMXINT8/AMXINT4 files, any safetensors tensor),
 ``GGUFLoader`` (GGUF files and folders), ``translate_name_to_gguf``, and the ggml type table.
-The wrappers do not use these (the native layer reads the files); the per-format native
-loaders of the original (``FP8SafeTensorLoader`` ...) are not provided.
+The per-format native loaders (``FP8SafeTensorLoader``, ``BF16SafeTensorLoader``,
+``CompressedSafeTensorLoader``, ``GPTQSafeTensorLoader``, ``MXFP4SafeTensorLoader``,
+``NVFP4SafeTensorLoader``, ``MXFP8SafeTensorLoader``) live in ``native_loaders`` and are
+importable from here. The wrappers use none of these (the native layer reads the files).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ except ImportError:  # pragma: no cover - exercised only without gguf
     GGML_QUANT_SIZES = GGMLQuantizationType = GGUFReader = None
 
 __all__ = [
+    "BF16SafeTensorLoader",
+    "CompressedSafeTensorLoader",
+    "FP8SafeTensorLoader",
+    "GPTQSafeTensorLoader",
+    "MXFP4SafeTensorLoader",
+    "MXFP8SafeTensorLoader",
+    "NVFP4SafeTensorLoader",
     "GGML_QUANT_SIZES",
     "GGMLQuantizationType",
     "GGUFLoader",
@@ -244,3 +253,15 @@ def _field_value(field):
     values = [p.tolist() for p in parts]
     flat = [v[0] if isinstance(v, list) and len(v) == 1 else v for v in values]
     return flat[0] if len(flat) == 1 else flat
+
+
+# At the end: the native loaders build on SafeTensorLoader above.
+from .native_loaders import (  # noqa: E402
+    BF16SafeTensorLoader,
+    CompressedSafeTensorLoader,
+    FP8SafeTensorLoader,
+    GPTQSafeTensorLoader,
+    MXFP4SafeTensorLoader,
+    MXFP8SafeTensorLoader,
+    NVFP4SafeTensorLoader,
+)

@@ -114,7 +114,7 @@ impl ForwardArgs {
             kt_ensure!(!null, Invalid, "{name} pointer is null");
         }
         kt_ensure!(
-            self.residual != self.out as *const u8 || self.residual_type == self.out_type,
+            !std::ptr::eq(self.residual, self.out) || self.residual_type == self.out_type,
             Invalid,
             "the residual is the output buffer but of another element type ({} vs {})",
             self.residual_type.name(),

@@ -1067,19 +1067,34 @@ impl ExpertFormat for KGroupExperts {
         gate: &MatrixView,
         down: &MatrixView,
     ) -> Result<()> {
+        // Codes of this kind are kept as they come, scales in the source's own type (the
+        // kernels read every scale type): MXFP4 handed over with bf16 scales, as the original's
+        // loader leaves them in memory, stays bf16. A per-tensor factor needs a format that
+        // stores one.
         let own = |v: &MatrixView| {
             v.coded
-                .filter(|m| m.kind == self.spec.kind && m.scale_type == self.spec.scale_type)
-                .map(|m| m.group)
+                .filter(|m| m.kind == self.spec.kind && (m.global == 1.0 || self.spec.global))
         };
+        let (g, d) = (own(gate), own(down));
+        let scale_type = match (g, d) {
+            (Some(a), Some(b)) if a.scale_type != b.scale_type => self.spec.scale_type,
+            (Some(m), _) | (_, Some(m)) => m.scale_type,
+            _ => self.spec.scale_type,
+        };
+        let same_type = |m: CodedMatrix| m.scale_type == scale_type;
         let groups = [
-            own(gate).unwrap_or(self.groups[0]),
-            own(down).unwrap_or(self.groups[1]),
+            g.filter(|&m| same_type(m))
+                .map_or(self.groups[0], |m| m.group),
+            d.filter(|&m| same_type(m))
+                .map_or(self.groups[1], |m| m.group),
         ];
-        if groups != self.groups {
+        if groups != self.groups || scale_type != self.spec.scale_type {
             let parts = self.parts.len();
-            *self =
-                KGroupExperts::new(config, parts, self.kernels, self.spec, groups[0], groups[1])?;
+            let spec = Spec {
+                scale_type,
+                ..self.spec
+            };
+            *self = KGroupExperts::new(config, parts, self.kernels, spec, groups[0], groups[1])?;
         }
         Ok(())
     }
