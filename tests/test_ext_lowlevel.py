@@ -151,6 +151,55 @@ def test_amxint8_from_converted_files_by_path(tmp_path):
     assert torch.equal(out, online.forward(x, ids, w))
 
 
+@pytest.mark.parametrize("method, parts", [("int8", 1), ("int8", 2), ("int4", 2)])
+def test_converted_tensors_by_address_as_the_originals_amx_wrapper_passes_them(
+    tmp_path, method, parts
+):
+    """The original's AMX wrapper over merged converted files: SafeTensorLoader.load_experts
+    ("blk.L") gives [numa][expert] arrays, their addresses go into gate_projs/gate_scales."""
+    from kt_kernel.utils.loader import SafeTensorLoader
+
+    gate, up, down = _weights(seed=14)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tensors = {
+        f"model.layers.0.mlp.experts.{e}.{name}.weight": m[e].contiguous()
+        for e in range(E)
+        for name, m in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))
+    }
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    config = {"hidden_size": H, "moe_intermediate_size": I, "num_experts": E}
+    (ckpt / "config.json").write_text(json.dumps(config | {"num_experts_per_tok": K}))
+    out_dir = tmp_path / method
+    args = ["-i", str(ckpt), "-o", str(out_dir), "--quant-method", method]
+    assert convert.main([*args, "--threadpool-count", str(parts), "-q"]) == 0
+    pools = kt_kernel_ext.WorkerPoolConfig()
+    pools.subpool_count, pools.subpool_numa_map = parts, [0] * parts
+    pools.subpool_thread_count = [2 // parts] * parts
+    cpu_infer = kt_kernel_ext.CPUInfer(pools)
+    cls = {"int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}[method]
+    arrays = SafeTensorLoader(str(out_dir)).load_experts("blk.0")
+    config = MOEConfig(E, K, H, I, 0)
+    config.pool, config.max_len = cpu_infer.backend_, MAX_LEN
+    for proj in ("gate", "up", "down"):
+        ptrs = lambda key: [[a.ctypes.data for a in numa] for numa in arrays[key]]  # noqa: E731
+        setattr(config, f"{proj}_projs", ptrs(proj))
+        setattr(config, f"{proj}_scales", ptrs(f"{proj}_scale"))
+    by_address = getattr(kt_kernel_ext.moe, cls)(config)
+    by_address.load_weights()
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    by_path = _original_style_layer(cls, cpu_infer, empty, empty, empty, path=str(out_dir))
+    bsz, ids, w, x, out = _buffers(9, seed=15)
+    ref_out = out.clone()
+    ptrs = (bsz.data_ptr(), K, ids.data_ptr(), w.data_ptr(), x.data_ptr())
+    by_address.forward(*ptrs, out.data_ptr())
+    by_path.forward(*ptrs, ref_out.data_ptr())
+    assert torch.equal(out, ref_out) and out.abs().sum() > 0
+    config.gate_projs = config.gate_projs[:1] * (3 - parts)  # the other NUMA split
+    with pytest.raises(ValueError, match="NUMA entries"):
+        getattr(kt_kernel_ext.moe, cls)(config).load_weights()
+
+
 def test_unsupported_inputs_are_refused_clearly():
     gate, up, down = _weights()
     cpu_infer = kt_kernel_ext.CPUInfer(2)

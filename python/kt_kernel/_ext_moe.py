@@ -30,8 +30,10 @@ The native classes (and the BF16 ones) also take their experts the way the origi
 ``NativeMoEWrapper`` hands them over: ``config.gate_projs``/``up_projs``/``down_projs`` and
 ``gate_scales``/``up_scales``/``down_scales`` as ``[[address of expert 0, 1, ...]]`` (one NUMA
 entry), each tensor in the layout its loader leaves in memory, and
-``config.quant_config.group_size`` (the layouts: ``kt_core::expert_pointers``). Converted
-AMXINT8/AMXINT4 data and GGUF blocks are read from files (``config.path``).
+``config.quant_config.group_size`` (the layouts: ``kt_core::expert_pointers``). AMXInt8_MOE and
+AMXInt4_MOE take converted tensors the same way, ``[numa][expert]`` as
+``kt_kernel.utils.loader.SafeTensorLoader.load_experts("blk.L")`` returns them (the original's
+AMX wrapper over merged converted files), or ``config.path``. GGUF blocks come from files.
 
 ``run_layerwise_fp8_batch(transport, epoch, layer_id, expert_count)`` is rank zero's side of
 layerwise prefill over a ``kt_kernel_ext.FP8LayerwiseTransport`` (``kt_core::layerwise``).
@@ -168,6 +170,12 @@ class _MoE:
                 "gguf": self.layer.load_from_gguf,
             }[self.PATH_KIND]
             loader(c.path, int(c.layer_idx), map_ptr, map_len)
+            return
+        if self.PATH_KIND == "converted" and any(c.gate_projs):
+            # The original's AMX wrapper over merged converted files: [numa][expert] arrays.
+            weights = [[[int(a) for a in n] for n in getattr(c, f"{p}_projs")] for p in _PROJS]
+            scales = [[[int(a) for a in n] for n in getattr(c, f"{p}_scales")] for p in _PROJS]
+            self.layer.load_converted_from_addresses(weights, scales, map_ptr, map_len)
             return
         if any(c.gate_projs) or any(c.up_projs) or any(c.down_projs):
             weights = [_one_numa_entry(c, f"{p}_projs") for p in _PROJS]

@@ -88,6 +88,13 @@ class MoeLayer:
         map_ptr: int = 0,
         map_len: int = 0,
     ) -> None: ...
+    def load_converted_from_addresses(
+        self,
+        weights: Sequence[Sequence[Sequence[int]]],
+        scales: Sequence[Sequence[Sequence[int]]],
+        map_ptr: int = 0,
+        map_len: int = 0,
+    ) -> None: ...
     def load_from_checkpoint(
         self, path: str | PathLike[str], layer_idx: int, map_ptr: int = 0, map_len: int = 0
     ) -> None: ...

@@ -111,26 +111,66 @@ struct Located {
     name: String,
 }
 
+/// Where a located tensor's bytes come from.
+enum Source {
+    /// An opened file.
+    File(File),
+    /// Memory at this address (a caller's tensor, see [`ConvertedLayer::from_addresses`]).
+    Memory(usize),
+}
+
 /// Files of one layer, opened, and each (part, expert, projection index, is_scale) located.
 struct Store {
-    files: Vec<File>,
+    files: Vec<Source>,
     /// `files[i]`'s path, for error messages.
     paths: Vec<PathBuf>,
     at: HashMap<(usize, usize, usize, bool), Located>,
 }
 
 impl Store {
+    fn empty() -> Store {
+        Store {
+            files: Vec::new(),
+            paths: Vec::new(),
+            at: HashMap::new(),
+        }
+    }
+
     fn push(&mut self, file: File, path: &Path) {
-        self.files.push(file);
+        self.files.push(Source::File(file));
         self.paths.push(path.to_path_buf());
     }
 
     /// Fill `buf` from `files[i]` at `offset`; errors name the file.
     fn read_at(&self, i: usize, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.files[i]
-            .read_exact_at(buf, offset)
-            .map_err(|e| crate::error::io_error_at(&self.paths[i], "read", e))
+        match self.files[i] {
+            Source::File(ref f) => f
+                .read_exact_at(buf, offset)
+                .map_err(|e| crate::error::io_error_at(&self.paths[i], "read", e)),
+            Source::Memory(at) => {
+                // SAFETY: `from_addresses`' contract: the tensor at `at` holds the located
+                // length, and reads stay inside it (`locate` checked the length).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (at + offset as usize) as *const u8,
+                        buf.as_mut_ptr(),
+                        buf.len(),
+                    )
+                };
+                Ok(())
+            }
+        }
     }
+}
+
+/// A layer's converted tensors by address: `[proj][part][expert]` (gate, up, down) for the
+/// quantized matrices (the file layout) and for their f32 row scales.
+#[derive(Debug, Clone, Default)]
+pub struct ConvertedAddresses {
+    /// Matrix bytes.
+    pub weights: [Vec<Vec<usize>>; 3],
+    /// Row scales.
+    pub scales: [Vec<Vec<usize>>; 3],
 }
 
 /// One layer's converted files, opened and checked against the layer's shape.
@@ -233,6 +273,74 @@ impl ConvertedLayer {
             }
         }
         Ok(layer)
+    }
+
+    /// A layer whose converted tensors are in memory, one per (projection, part, expert) as
+    /// the original's `SafeTensorLoader.load_experts("blk.L")` hands them over (its
+    /// `MOEConfig.gate_projs[numa][expert]` for AMXINT8/AMXINT4).
+    ///
+    /// # Safety
+    /// Every address points to a live tensor of [`LayerShape::part_bytes`] bytes (matrix or
+    /// scales of that projection's part) that stays unchanged while the layer is read.
+    pub unsafe fn from_addresses(
+        shape: LayerShape,
+        addrs: &ConvertedAddresses,
+    ) -> Result<ConvertedLayer> {
+        kt_prefix(shape.method)?;
+        kt_ensure!(
+            shape.parts > 0 && shape.intermediate.is_multiple_of(shape.parts),
+            Invalid,
+            "intermediate size {} does not split into {} parts",
+            shape.intermediate,
+            shape.parts
+        );
+        let mut store = Store::empty();
+        for (pi, (proj, name)) in PROJS.iter().enumerate() {
+            for (scale, lists) in [(false, &addrs.weights[pi]), (true, &addrs.scales[pi])] {
+                let what = if scale { "scales" } else { "projs" };
+                kt_ensure!(
+                    lists.len() == shape.parts,
+                    Invalid,
+                    "{name}_{what} has {} NUMA entries; this layer runs with threadpool_count={} \
+                     (converted parts cannot be regrouped)",
+                    lists.len(),
+                    shape.parts
+                );
+                for (part, experts) in lists.iter().enumerate() {
+                    kt_ensure!(
+                        experts.len() >= shape.experts,
+                        Invalid,
+                        "{name}_{what}[{part}] has {} experts; the layer needs {}",
+                        experts.len(),
+                        shape.experts
+                    );
+                    let (q, sc) = shape.part_bytes(*proj);
+                    for (e, &at) in experts.iter().enumerate().take(shape.experts) {
+                        kt_ensure!(
+                            at != 0,
+                            Invalid,
+                            "{name}_{what}[{part}][{e}] is a null address"
+                        );
+                        store.at.insert(
+                            (part, e, pi, scale),
+                            Located {
+                                file: store.files.len(),
+                                offset: 0,
+                                len: if scale { sc } else { q },
+                                name: format!("{name}_{what}[{part}][{e}]"),
+                            },
+                        );
+                        store.files.push(Source::Memory(at));
+                        store.paths.push(PathBuf::from(format!("address 0x{at:x}")));
+                    }
+                }
+            }
+        }
+        Ok(ConvertedLayer {
+            shape,
+            store,
+            origin: PathBuf::from("tensors passed by address"),
+        })
     }
 
     /// The layer's shape.
@@ -360,11 +468,7 @@ impl ConvertedLayer {
 /// Locate every expert tensor of `shape.layer` in the merged shards under `path`.
 fn open_merged(path: &Path, shape: &LayerShape) -> Result<Store> {
     let prefix = format!("blk.{}.ffn_", shape.layer);
-    let mut store = Store {
-        files: Vec::new(),
-        paths: Vec::new(),
-        at: HashMap::new(),
-    };
+    let mut store = Store::empty();
     let mut names: HashMap<String, (usize, TensorPlace)> = HashMap::new();
     for p in merged_shards(path, &prefix)? {
         let f = crate::error::open_regular_file(&p, "converted shard")?;
@@ -471,11 +575,7 @@ fn open_folders(folder: &Path, shape: &LayerShape) -> Result<Store> {
         parts.len()
     );
     check_parts(parts.len(), shape, folder)?;
-    let mut store = Store {
-        files: Vec::new(),
-        paths: Vec::new(),
-        at: HashMap::new(),
-    };
+    let mut store = Store::empty();
     for part in 0..shape.parts {
         let dir = folder.join(format!("_numa_{part}"));
         for entry in list(&dir)? {

@@ -569,6 +569,39 @@ impl MoeLayer {
         )
     }
 
+    /// Read this AMXINT8/AMXINT4 layer's converted experts from tensors by address:
+    /// `weights`/`scales` are `[gate, up, down]` lists of `[numa][expert]` addresses of the
+    /// converted matrices (file layout) and f32 row scales (the original's
+    /// `MOEConfig.gate_projs`/`gate_scales` for its merged converted files). Blocks.
+    #[pyo3(signature = (weights, scales, map_ptr=0, map_len=0))]
+    fn load_converted_from_addresses(
+        &self,
+        py: Python<'_>,
+        weights: [Vec<Vec<usize>>; 3],
+        scales: [Vec<Vec<usize>>; 3],
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        let addrs = kt_core::converted::ConvertedAddresses { weights, scales };
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                // SAFETY: the caller (the ext layer's load_weights) passes addresses of live
+                // tensors of the converted sizes and keeps them until this call returns.
+                unsafe {
+                    layer.write().unwrap().load_converted_addresses(
+                        ctx.pool,
+                        &addrs,
+                        map.as_deref(),
+                    )
+                }
+            }),
+        )
+    }
+
     /// Copy layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards into this
     /// `format="gguf"` layer (the file decides the ggml types). Blocks; the files are unmapped
     /// before returning.

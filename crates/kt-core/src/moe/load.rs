@@ -130,8 +130,31 @@ impl MoeLayer {
         layer_idx: usize,
         map: Option<&[i64]>,
     ) -> Result<()> {
+        let files = ConvertedLayer::open(path, self.converted_shape(layer_idx, map))?;
+        self.load_converted(pool, &files, map)
+    }
+
+    /// Read this AMXINT8/AMXINT4 layer's converted experts from tensors in memory
+    /// (`[proj][part][expert]`, as [`ConvertedLayer::from_addresses`] takes them).
+    ///
+    /// # Safety
+    /// As [`ConvertedLayer::from_addresses`], for the duration of the call.
+    pub unsafe fn load_converted_addresses(
+        &mut self,
+        pool: &Pool,
+        addrs: &crate::converted::ConvertedAddresses,
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let shape = self.converted_shape(self.config.layer_idx, map);
+        // SAFETY: forwarded.
+        let files = unsafe { ConvertedLayer::from_addresses(shape, addrs)? };
+        self.load_converted(pool, &files, map)
+    }
+
+    /// What converted files of layer `layer_idx` must hold for this layer and `map`.
+    fn converted_shape(&self, layer_idx: usize, map: Option<&[i64]>) -> LayerShape {
         let c = &self.config;
-        let shape = LayerShape {
+        LayerShape {
             layer: layer_idx,
             // With a map, the files must hold every expert it names.
             experts: match map {
@@ -142,9 +165,7 @@ impl MoeLayer {
             intermediate: c.intermediate,
             parts: self.experts.part_ranges().len(),
             method: self.method(),
-        };
-        let files = ConvertedLayer::open(path, shape)?;
-        self.load_converted(pool, &files, map)
+        }
     }
 
     /// Read layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards.
