@@ -200,6 +200,42 @@ def test_converted_tensors_by_address_as_the_originals_amx_wrapper_passes_them(
         getattr(kt_kernel_ext.moe, cls)(config).load_weights()
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0")])
+def test_gguf_tensors_by_address_as_the_originals_llamafile_wrapper_passes_them(tmp_path, types):
+    """The original's LLAMAFILE wrapper: GGUFLoader's raw [E, I, H] block tensors and ggml type
+    ids in gate_proj/gate_type..., then MOE(config)."""
+    from kt_kernel.utils.loader import GGUFLoader
+    from test_llamafile import build_gguf
+
+    path = str(tmp_path / "m.gguf")
+    build_gguf(path, types=types, layer=1, e=E, h=H, i=I)
+    cpu_infer = kt_kernel_ext.CPUInfer(2)
+    raw = [
+        GGUFLoader(path).get_undequanted_tensor_and_ggml_type(f"blk.1.ffn_{p}_exps.weight")
+        for p in ("gate", "up", "down")
+    ]
+    config = MOEConfig(E, K, H, I, 0)
+    config.layer_idx, config.pool, config.max_len = 1, cpu_infer.backend_, MAX_LEN
+    config.gate_proj, config.up_proj, config.down_proj = (t.data_ptr() for t, _ in raw)
+    config.gate_type, config.up_type, config.down_type = (ty for _, ty in raw)
+    by_address = kt_kernel_ext.moe.MOE(config)
+    by_address.load_weights()
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    by_path = _original_style_layer("MOE", cpu_infer, empty, empty, empty, 1, path)
+    bsz, ids, w, x, out = _buffers(9, seed=16)
+    ref_out = out.clone()
+    ptrs = (bsz.data_ptr(), K, ids.data_ptr(), w.data_ptr(), x.data_ptr())
+    by_address.forward(*ptrs, out.data_ptr())
+    by_path.forward(*ptrs, ref_out.data_ptr())
+    assert torch.equal(out, ref_out) and out.abs().sum() > 0
+    config.gate_type = 255
+    with pytest.raises(ValueError, match="not a ggml type id"):
+        kt_kernel_ext.moe.MOE(config).load_weights()
+    config.gate_type, config.hidden_type = raw[0][1], 0
+    with pytest.raises(NotImplementedError, match="activations are bf16"):
+        kt_kernel_ext.moe.MOE(config).load_weights()
+
+
 def test_unsupported_inputs_are_refused_clearly():
     gate, up, down = _weights()
     cpu_infer = kt_kernel_ext.CPUInfer(2)

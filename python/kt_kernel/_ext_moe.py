@@ -33,7 +33,9 @@ entry), each tensor in the layout its loader leaves in memory, and
 ``config.quant_config.group_size`` (the layouts: ``kt_core::expert_pointers``). AMXInt8_MOE and
 AMXInt4_MOE take converted tensors the same way, ``[numa][expert]`` as
 ``kt_kernel.utils.loader.SafeTensorLoader.load_experts("blk.L")`` returns them (the original's
-AMX wrapper over merged converted files), or ``config.path``. GGUF blocks come from files.
+AMX wrapper over merged converted files), or ``config.path``. ``MOE`` (LLAMAFILE) takes the
+stacked GGUF tensors by address with their ggml type ids (``gate_proj``/``gate_type``...), as
+the original's LLAMAFILE wrapper passes them, or ``config.path``.
 
 ``run_layerwise_fp8_batch(transport, epoch, layer_id, expert_count)`` is rank zero's side of
 layerwise prefill over a ``kt_kernel_ext.FP8LayerwiseTransport`` (``kt_core::layerwise``).
@@ -48,6 +50,7 @@ import torch
 from . import _kt_core
 
 _UNSET = 0
+_GGML_BF16 = 30  # ggml's type id of bf16
 _PROJS = ("gate", "up", "down")
 
 
@@ -107,6 +110,10 @@ class MOEConfig:
         self.max_cache_depth = 1
         self.swiglu_limit = 0.0
         self.swiglu_alpha = 0.0
+        # ggml type ids of the MOE class's weights by address (-1: unset) and of its
+        # activations (bf16 is what this library reads and writes).
+        self.gate_type = self.up_type = self.down_type = -1
+        self.hidden_type = _GGML_BF16
 
     @property
     def num_gpu_experts(self) -> int:
@@ -170,6 +177,16 @@ class _MoE:
                 "gguf": self.layer.load_from_gguf,
             }[self.PATH_KIND]
             loader(c.path, int(c.layer_idx), map_ptr, map_len)
+            return
+        if self.PATH_KIND == "gguf" and c.gate_proj and c.gate_type >= 0:
+            # The original's LLAMAFILE wrapper: GGUF tensors [E, I, H] by address with types.
+            if int(c.hidden_type) != _GGML_BF16:
+                raise NotImplementedError(
+                    f"hidden_type {c.hidden_type}: activations are bf16 (ggml type 30) here"
+                )
+            types = [int(t) for t in (c.gate_type, c.up_type, c.down_type)]
+            ptrs = [int(p) for p in (c.gate_proj, c.up_proj, c.down_proj)]
+            self.layer.load_ggml_from_addresses(*ptrs, *types, map_ptr, map_len)
             return
         if self.PATH_KIND == "converted" and any(c.gate_projs):
             # The original's AMX wrapper over merged converted files: [numa][expert] arrays.

@@ -95,6 +95,17 @@ class MoeLayer:
         map_ptr: int = 0,
         map_len: int = 0,
     ) -> None: ...
+    def load_ggml_from_addresses(
+        self,
+        gate_ptr: int,
+        up_ptr: int,
+        down_ptr: int,
+        gate_type: int,
+        up_type: int,
+        down_type: int,
+        map_ptr: int = 0,
+        map_len: int = 0,
+    ) -> None: ...
     def load_from_checkpoint(
         self, path: str | PathLike[str], layer_idx: int, map_ptr: int = 0, map_len: int = 0
     ) -> None: ...

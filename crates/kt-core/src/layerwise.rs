@@ -616,8 +616,17 @@ impl Shared {
 
     /// Poll `ready` (→ (done, progress marker)) with back-off until done; fails on poison, on
     /// stop, or after the timeout without the marker moving (and then poisons the block).
-    fn wait_for(&self, what: &str, mut ready: impl FnMut() -> Result<(bool, u64)>) -> Result<()> {
-        let timeout = self.config.timeout;
+    fn wait_for(&self, what: &str, ready: impl FnMut() -> Result<(bool, u64)>) -> Result<()> {
+        self.wait_within(self.config.timeout, what, ready)
+    }
+
+    /// [`Shared::wait_for`] with its own `timeout`.
+    fn wait_within(
+        &self,
+        timeout: Duration,
+        what: &str,
+        mut ready: impl FnMut() -> Result<(bool, u64)>,
+    ) -> Result<()> {
         let (mut since, mut last, mut polls) = (Instant::now(), None, 0u32);
         let mut claimed_at: Option<Instant> = None;
         loop {
@@ -657,11 +666,14 @@ impl Shared {
         }
     }
 
-    /// Copy layer `epoch`'s experts as they are published (the consumer's job).
+    /// Copy layer `epoch`'s experts as they are published (the consumer's job). Its waits
+    /// last twice the timeout: they wait on the producer, which, when alive, meets the cause
+    /// (a missing or slow rank) first and reports it.
     fn consume(&self, copier: &Copier, epoch: u64, count: u64) -> Result<LayerStats> {
         let c = self.control;
         let start = Instant::now();
-        self.wait_for("rank zero publishing the requested epoch", || {
+        let patience = self.config.timeout * 2;
+        self.wait_within(patience, "rank zero publishing the requested epoch", || {
             let now = c.epoch.load(Ordering::Acquire);
             kt_ensure!(
                 now <= epoch,
@@ -680,7 +692,7 @@ impl Shared {
         let cfg = &self.config;
         let mut h2d = Duration::ZERO;
         for e in 0..count {
-            self.wait_for("the next expert generation", || {
+            self.wait_within(patience, "the next expert generation", || {
                 kt_ensure!(
                     c.epoch.load(Ordering::Acquire) == epoch,
                     Runtime,

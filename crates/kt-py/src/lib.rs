@@ -602,6 +602,47 @@ impl MoeLayer {
         )
     }
 
+    /// Copy this LLAMAFILE layer's experts from stacked tensors in GGUF's layout by address
+    /// (gate/up `[E][I][H]`, down `[E][H][I]` in ggml blocks of `*_type`, the ggml type ids),
+    /// as the original's `MOE` class takes them. Blocks.
+    #[pyo3(signature = (gate_ptr, up_ptr, down_ptr, gate_type, up_type, down_type, map_ptr=0,
+                        map_len=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn load_ggml_from_addresses(
+        &self,
+        py: Python<'_>,
+        gate_ptr: usize,
+        up_ptr: usize,
+        down_ptr: usize,
+        gate_type: u32,
+        up_type: u32,
+        down_type: u32,
+        map_ptr: usize,
+        map_len: usize,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        let tensors = [
+            (gate_ptr, gate_type),
+            (up_ptr, up_type),
+            (down_ptr, down_type),
+        ];
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| {
+                // SAFETY: the caller (the ext layer's load_weights, as the original's) keeps
+                // the three tensors of the stated types alive until this call returns.
+                unsafe {
+                    layer
+                        .write()
+                        .unwrap()
+                        .load_ggml_addresses(ctx.pool, tensors, map.as_deref())
+                }
+            }),
+        )
+    }
+
     /// Copy layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards into this
     /// `format="gguf"` layer (the file decides the ggml types). Blocks; the files are unmapped
     /// before returning.

@@ -38,6 +38,9 @@ pub enum LayerFiles<'a> {
     Converted(&'a crate::converted::ConvertedLayer),
     /// A GGUF model and the layer index whose `blk.{L}.ffn_*_exps` tensors to read.
     Gguf(&'a crate::gguf::GgufModel, usize),
+    /// Gate, up and down stacked-expert tensors in GGUF's layout, already located (a
+    /// caller's memory: the original's `MOE` class takes them by address).
+    Ggml([crate::gguf::ExpertTensor<'a>; 3]),
 }
 
 /// Which matrix a block of rows is multiplied with.

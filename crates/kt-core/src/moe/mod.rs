@@ -226,6 +226,61 @@ impl MoeLayer {
     ) -> Result<()> {
         self.load_files(pool, &LayerFiles::Gguf(model, layer), map)
     }
+
+    /// Copy this LLAMAFILE layer's experts from stacked tensors in GGUF's layout in memory
+    /// (the original's `MOE` class: `gate_proj`/`up_proj`/`down_proj` addresses with ggml
+    /// type ids `gate_type`/`up_type`/`down_type`), `num_experts` experts each.
+    ///
+    /// # Safety
+    /// Each address holds `num_experts` experts of its projection in ggml blocks of its type
+    /// (gate/up: `I` rows of `H` inputs, down: `H` rows of `I` inputs, per expert), alive and
+    /// unchanged for the call.
+    pub unsafe fn load_ggml_addresses(
+        &mut self,
+        pool: &Pool,
+        tensors: [(usize, u32); 3],
+        map: Option<&[i64]>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, h, i) = (c.num_experts, c.hidden, c.intermediate);
+        let mut infos = Vec::with_capacity(3);
+        for ((at, id), (name, k, n)) in
+            tensors
+                .into_iter()
+                .zip([("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)])
+        {
+            let Some(ty) = crate::ggml::GgmlType::from_id(id) else {
+                kt_bail!(Invalid, "{name}: {id} is not a ggml type id");
+            };
+            kt_ensure!(at != 0, Invalid, "{name} is a null address");
+            kt_ensure!(
+                k.is_multiple_of(ty.block_size()),
+                Invalid,
+                "{name} is {ty}, whose blocks of {} do not divide its {k} inputs",
+                ty.block_size()
+            );
+            let size = e * n * (k / ty.block_size()) * ty.type_size();
+            infos.push((
+                at,
+                crate::gguf::TensorInfo {
+                    name: format!("{name} (address 0x{at:x}, {ty})"),
+                    dims: vec![k, n, e],
+                    ggml_type: ty,
+                    offset: 0,
+                    data_start: 0,
+                    size,
+                },
+            ));
+        }
+        let tensor = |j: usize| {
+            let (at, info) = &infos[j];
+            // SAFETY: the contract: `info.size` bytes of that projection at `at`.
+            let data = unsafe { std::slice::from_raw_parts(*at as *const u8, info.size) };
+            crate::gguf::ExpertTensor::new(info, data)
+        };
+        let tensors = [tensor(0)?, tensor(1)?, tensor(2)?];
+        self.load_files(pool, &LayerFiles::Ggml(tensors), map)
+    }
 }
 
 #[cfg(test)]

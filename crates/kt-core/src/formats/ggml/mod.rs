@@ -225,6 +225,15 @@ fn layer_tensors<'m>(
         model.layer_experts(layer, ExpertProj::Up)?,
         model.layer_experts(layer, ExpertProj::Down)?,
     ];
+    check_tensors(t, config)
+}
+
+/// `t` (gate, up, down) checked against the layer: supported ggml types, gate and up sharing
+/// one, the layer's shapes, one expert count.
+fn check_tensors<'m>(
+    t: [ExpertTensor<'m>; 3],
+    config: &MoeConfig,
+) -> Result<[ExpertTensor<'m>; 3]> {
     for x in &t {
         let ty = x.ggml_type();
         if !ty.is_supported() {
@@ -466,7 +475,14 @@ impl ExpertFormat for GgmlExperts {
         map: Option<&[i64]>,
     ) -> Result<()> {
         match files {
-            LayerFiles::Gguf(model, layer) => self.load_gguf(pool, config, model, *layer, map),
+            LayerFiles::Gguf(model, layer) => {
+                let tensors = layer_tensors(model, *layer, config)?;
+                self.load_tensors(pool, config, &tensors, map)
+            }
+            LayerFiles::Ggml(tensors) => {
+                let tensors = check_tensors(*tensors, config)?;
+                self.load_tensors(pool, config, &tensors, map)
+            }
             LayerFiles::Converted(_) => kt_bail!(
                 Invalid,
                 "layer {} stores GGUF blocks; converted AMX files need method AMXINT8/AMXINT4",
@@ -496,6 +512,19 @@ impl GgmlExperts {
         layer: usize,
         map: Option<&[i64]>,
     ) -> Result<()> {
+        let tensors = layer_tensors(model, layer, config)?;
+        self.load_tensors(pool, config, &tensors, map)
+    }
+
+    /// Copy the checked stacked-expert tensors (gate, up, down) into this layer (see
+    /// [`GgmlExperts::load_gguf`]).
+    fn load_tensors(
+        &mut self,
+        pool: &Pool,
+        config: &MoeConfig,
+        tensors: &[ExpertTensor; 3],
+        map: Option<&[i64]>,
+    ) -> Result<()> {
         let c = config;
         let l = c.layer_idx;
         let parts = self.ranges.len();
@@ -505,8 +534,7 @@ impl GgmlExperts {
             "layer {l} was built for {parts} NUMA parts but the pool has {}",
             pool.parts()
         );
-        let tensors = layer_tensors(model, layer, c)?;
-        let [gate, up, down] = &tensors;
+        let [gate, up, down] = tensors;
         let experts = gate.experts();
         if map.is_none() {
             // As the original (which ignores the map): slot e takes file expert e, so the file

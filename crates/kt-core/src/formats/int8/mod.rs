@@ -436,7 +436,7 @@ impl ExpertFormat for IntExperts {
     ) -> Result<()> {
         match files {
             LayerFiles::Converted(files) => self.load_converted(pool, config, files, map),
-            LayerFiles::Gguf(..) => crate::kt_bail!(
+            LayerFiles::Gguf(..) | LayerFiles::Ggml(..) => crate::kt_bail!(
                 Invalid,
                 "layer {}: {} weights are not read from GGUF files",
                 config.layer_idx,
