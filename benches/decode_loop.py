@@ -18,7 +18,7 @@ import time
 import kt_kernel
 import torch
 from kt_kernel import KTMoEWrapper
-from kt_kernel.bench import _routing
+from kt_kernel.bench import _routing, settle_prefetch
 from kt_kernel.experts_base import BaseMoEWrapper
 
 E, K, H, INTER, L = 128, 8, 2048, 768, 3
@@ -73,6 +73,7 @@ def main() -> None:
             w.load_weights_from_tensors(g, u, d, torch.arange(E))
             layers[m].append(w)
         print(f"{m}: kernel {layers[m][0].moe.kernel}", flush=True)
+        settle_prefetch(layers[m], gen)
     del weights
     engine = BaseMoEWrapper._cpu_infer.engine
     info = kt_kernel.cpu_info()

@@ -117,6 +117,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     )?;
     d.set_item("kernels", kernels)?;
     d.set_item("prefetch_bytes", prefetch_bytes)?;
+    d.set_item(
+        "prefetch_bytes_int8",
+        kt_core::formats::prefetch_distance_int8().py()?,
+    )?;
     // The group-scaled methods' kernels choose their own distance (kernels::prefetch).
     d.set_item(
         "prefetch_bytes_group_scaled",
@@ -1071,6 +1075,17 @@ impl Conversion {
     }
 }
 
+/// Whether the prefetch distance of `method`'s kernels is final (tuned on decodes, or fixed
+/// by `KT_KERNEL_PREFETCH`), and that distance in bytes.
+#[pyfunction]
+fn prefetch_state(method: &str) -> PyResult<(bool, usize)> {
+    let family = kt_core::kernels::prefetch::family_of(Method::parse(method).py()?);
+    Ok((
+        kt_core::kernels::prefetch::tuned(family),
+        kt_core::kernels::prefetch::distance_of(family),
+    ))
+}
+
 #[pymodule]
 fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -1092,6 +1107,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream_descriptor_count, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_status, m)?)?;
     m.add_function(wrap_pyfunction!(use_cuda_driver, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch_state, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     m.add_class::<Conversion>()?;

@@ -358,12 +358,20 @@ pub fn build(
     builder(config, parts, kernels)
 }
 
-/// The prefetch distance the byte-group kernels use, measured once per process with the int8
-/// kernel (or `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`]. The group-scaled
-/// methods choose their own when their first layer is built.
+/// The prefetch distance the byte-group kernels use, measured once per process with the
+/// AMXINT4 kernel (or `KT_KERNEL_PREFETCH`), after AMXINT8's own, measured with its kernel;
+/// see [`crate::kernels::prefetch`]. The group-scaled methods choose theirs when their first
+/// layer is built.
 pub fn prefetch_distance() -> Result<usize> {
     use crate::kernels::{calibrate::ensure_prefetch_chosen, prefetch::Family};
-    ensure_prefetch_chosen(Family::ByteGroups, int8::kernels::calibration_workload)
+    ensure_prefetch_chosen(Family::Int8Groups, int8::kernels::calibration_workload)?;
+    ensure_prefetch_chosen(Family::ByteGroups, int4::kernels::calibration_workload)
+}
+
+/// AMXINT8's prefetch distance (chosen by [`prefetch_distance`]).
+pub fn prefetch_distance_int8() -> Result<usize> {
+    use crate::kernels::{calibrate::ensure_prefetch_chosen, prefetch::Family};
+    ensure_prefetch_chosen(Family::Int8Groups, int8::kernels::calibration_workload)
 }
 
 /// The kernels a caller names ([`KernelSet::from_choice`]), with the prefetch distance chosen

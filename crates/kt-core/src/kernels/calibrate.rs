@@ -8,8 +8,8 @@ use crate::pack::PANEL;
 use crate::{Error, Result};
 use std::sync::OnceLock;
 
-static CHOSEN: [OnceLock<std::result::Result<usize, Error>>; 2] =
-    [const { OnceLock::new() }, const { OnceLock::new() }];
+static CHOSEN: [OnceLock<std::result::Result<usize, Error>>; prefetch::FAMILIES] =
+    [const { OnceLock::new() }; prefetch::FAMILIES];
 
 /// Largest distance accepted from the environment.
 const MAX_DISTANCE: usize = 1 << 16;
@@ -17,10 +17,12 @@ const MAX_DISTANCE: usize = 1 << 16;
 /// Bytes a calibration streams per pass (far beyond any cache).
 pub const CALIBRATION_BYTES: usize = 64 << 20;
 
-/// A family's calibration workload: stream all of `buf` ([`CALIBRATION_BYTES`], every byte
-/// below `0x80`) once through one of the family's decode kernels at `level`, one activation
-/// row, on the calling thread.
-pub type Workload = fn(Level, &[u8]);
+/// A family's calibration workload: stream two buffers of equal size (every byte below
+/// `0x80`) once through one of the family's decode kernels at `level`, one activation row, on
+/// the calling thread, alternating between them panel by panel as a decode alternates between
+/// an expert's gate and up matrices (two streams per core: a lone stream is what hardware
+/// prefetchers follow best, and no decode reads one).
+pub type Workload = fn(Level, &[u8], &[u8]);
 
 /// Choose `family`'s distance once per process (`KT_KERNEL_PREFETCH`, else a calibration with
 /// `workload`) and apply it; returns it.
@@ -28,7 +30,10 @@ pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usiz
     let chosen = CHOSEN[family as usize]
         .get_or_init(|| {
             let d = match from_env()? {
-                Some(d) => d,
+                Some(d) => {
+                    prefetch::freeze(family);
+                    d
+                }
                 None => calibrate(family, workload),
             };
             if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
@@ -37,8 +42,8 @@ pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usiz
             Ok(d)
         })
         .clone()?;
-    prefetch::set_of(family, chosen);
-    Ok(chosen)
+    prefetch::set_unless_tuned(family, chosen);
+    Ok(prefetch::distance_of(family))
 }
 
 /// `KT_KERNEL_PREFETCH`, if set to anything but `auto`.
@@ -73,9 +78,18 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Stream [`CALIBRATION_BYTES`] through `workload` at the process's level (one thread),
-/// caches flushed before each pass, without and with prefetching in [`ROUNDS`] paired rounds.
-/// Prefetching is chosen when the median of the rounds' speed ratios is above 1.05.
+/// Threads a calibration streams on: the machine's cores (the decode kernels run on all of
+/// them and share the memory system), at most 8.
+fn calibration_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+}
+
+/// Stream [`CALIBRATION_BYTES`] through `workload` at the process's level, split over
+/// [`calibration_threads`] threads running at once, caches flushed before each pass, without
+/// and with prefetching in [`ROUNDS`] paired rounds. Prefetching is chosen when the median of
+/// the rounds' speed ratios is above 1.05.
 fn calibrate(family: Family, workload: Workload) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
@@ -89,12 +103,19 @@ fn calibrate(family: Family, workload: Workload) -> usize {
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 251) as u8 & 0x7f;
         }
+        let threads = calibration_threads();
         let rate = |d: usize| {
             prefetch::set_of(family, d);
             // SAFETY: the buffer is ours; clflush only evicts lines.
             unsafe { flush(buf.as_slice()) };
+            let share = CALIBRATION_BYTES / threads;
             let t = std::time::Instant::now();
-            workload(level, buf.as_slice());
+            std::thread::scope(|s| {
+                for chunk in buf.as_slice().chunks(share) {
+                    let (a, b) = chunk.split_at(chunk.len() / 2);
+                    s.spawn(move || workload(level, a, b));
+                }
+            });
             CALIBRATION_BYTES as f64 / t.elapsed().as_secs_f64()
         };
         // Paired rounds: the VM's bandwidth drifts between rounds, so each round's ratio is
@@ -111,8 +132,9 @@ fn calibrate(family: Family, workload: Workload) -> usize {
         let chosen = if gain > 1.05 { prefetch::CANDIDATE } else { 0 };
         if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
             eprintln!(
-                "[kt_kernel] prefetch calibration ({family:?}, 1 thread, from DRAM): off {:.1} \
-                 GB/s, {} B ahead {:.1} GB/s (medians of {ROUNDS}; median gain {gain:.3})",
+                "[kt_kernel] prefetch calibration ({family:?}, {threads} threads, from DRAM): \
+                 off {:.1} GB/s, {} B ahead {:.1} GB/s (medians of {ROUNDS}; median gain \
+                 {gain:.3})",
                 median(&mut off) / 1e9,
                 prefetch::CANDIDATE,
                 median(&mut on) / 1e9

@@ -17,6 +17,9 @@ use crate::sync_ptr::SyncPtr;
 use crate::{kt_ensure, Result};
 use std::ops::Range;
 
+/// Forwards of at most this many tokens tune the prefetch distance.
+const TUNE_MAX_TOKENS: usize = 4;
+
 /// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
 const DOWN_GROUP_PANELS: usize = 4;
 
@@ -203,6 +206,13 @@ impl MoeLayer {
         // SAFETY: the caller guarantees num_experts readable bytes when non-null.
         let mask = (!args.gpu_mask.is_null())
             .then(|| unsafe { std::slice::from_raw_parts(args.gpu_mask, c.num_experts) });
+        // Decodes (a few tokens: memory-bound) tune the family's prefetch distance while the
+        // process starts serving (kernels::prefetch).
+        let family = crate::kernels::prefetch::family_of(self.method());
+        let tuning = (args.qlen <= TUNE_MAX_TOKENS)
+            .then(|| crate::kernels::prefetch::tune_begin(family))
+            .flatten()
+            .map(|arm| (arm, std::time::Instant::now()));
         let mut t0 = 0;
         while t0 < args.qlen {
             let tokens = t0..(t0 + CHUNK_TOKENS).min(args.qlen);
@@ -214,6 +224,13 @@ impl MoeLayer {
             // reserved for this layer and its routing is this chunk's.
             unsafe { self.forward_chunk(pool, ws, &args.rows(tokens.clone(), h))? };
             t0 = tokens.end;
+        }
+        if let Some((arm, start)) = tuning {
+            let experts = ws.routing.experts.len();
+            if experts > 0 {
+                let per_expert = start.elapsed().as_secs_f64() / experts as f64;
+                crate::kernels::prefetch::tune_end(family, arm, per_expert);
+            }
         }
         Ok(())
     }

@@ -109,14 +109,14 @@ pub fn vector_kernel(level: Level) -> VectorKernel {
 /// The byte-group family's prefetch calibration workload
 /// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row groups of 2048 int8 inputs
 /// through the one-row vector kernel.
-pub fn calibration_workload(level: Level, buf: &[u8]) {
+pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
     let kernel = vector_kernel(level);
     let k = 2048;
     let group = 32 * k;
     let a = crate::kernels::group_dot::activation_row(&vec![129u8; k]);
     let sums = [0i32; 32];
     let mut out = [0i32; 32];
-    for g in 0..buf.len() / group {
+    for (g, buf) in (0..gate.len().min(up.len()) / group).flat_map(|g| [(g, gate), (g, up)]) {
         // SAFETY: group g lies inside `buf`; one activation row of k values; 32 sums and
         // outputs; the kernel was picked for `level`, which the process runs at.
         unsafe {
@@ -155,7 +155,8 @@ pub(crate) mod x86 {
     ) {
         // SAFETY: tile t, half h, line w inside the group; quad 16t+w in each row.
         unsafe {
-            let pf = crate::kernels::prefetch::distance();
+            let pf =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::Int8Groups);
             let mut acc = [[_mm512_setzero_si512(); 2]; R];
             // Addresses strictly ascending (half 0's 16 lines, then half 1's): reading both
             // halves in step made two streams 1 KiB apart and halved the DRAM rate (measured).
@@ -192,7 +193,8 @@ pub(crate) mod x86 {
     ) {
         // SAFETY: as in the 512-bit loop; addresses ascend as there.
         unsafe {
-            let pf = crate::kernels::prefetch::distance();
+            let pf =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::Int8Groups);
             let mut acc = [[_mm256_setzero_si256(); 4]; R];
             for t in 0..k / 64 {
                 for h in 0..2 {

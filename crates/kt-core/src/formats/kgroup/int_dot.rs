@@ -303,7 +303,7 @@ pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
 /// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row panels of 2048 E2M1 codes with
 /// E8M0 scales per 32 (MXFP4, the table-lookup variant) through the one-row decode kernel.
 /// The scales of one panel are reused for all (they are 1/32 of the codes' bytes).
-pub fn calibration_workload(level: Level, buf: &[u8]) {
+pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
     let Some((kernel, _)) = int_fused_for(level) else {
         return;
     };
@@ -315,7 +315,7 @@ pub fn calibration_workload(level: Level, buf: &[u8]) {
     let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
     let mut out = [0f32; 32];
     let panel = 16 * k;
-    for p in 0..buf.len() / panel {
+    for (p, buf) in (0..gate.len().min(up.len()) / panel).flat_map(|p| [(p, gate), (p, up)]) {
         // SAFETY: panel p (16·k bytes) lies inside `buf`; one row of row_bytes(k, chunk);
         // 32 scales per group of the whole range; 32 outputs; the kernel was picked for
         // `level`, which the process runs at.
