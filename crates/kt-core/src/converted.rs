@@ -81,6 +81,19 @@ pub struct LayerShape {
 }
 
 impl LayerShape {
+    /// Refuse a method without converted files and a split that does not divide `I`.
+    fn check(&self) -> Result<()> {
+        kt_prefix(self.method)?;
+        kt_ensure!(
+            self.parts > 0 && self.intermediate.is_multiple_of(self.parts),
+            Invalid,
+            "intermediate size {} does not split into {} parts",
+            self.intermediate,
+            self.parts
+        );
+        Ok(())
+    }
+
     /// (rows, columns) of one part of a projection.
     pub fn part_dims(&self, proj: Proj) -> (usize, usize) {
         let ip = self.intermediate / self.parts;
@@ -242,14 +255,7 @@ impl ConvertedLayer {
     /// Open layer `shape.layer` under `path` (a converter output directory) and check that
     /// every expert the layer needs is there with the sizes `shape` implies.
     pub fn open(path: &Path, shape: LayerShape) -> Result<ConvertedLayer> {
-        kt_prefix(shape.method)?;
-        kt_ensure!(
-            shape.parts > 0 && shape.intermediate.is_multiple_of(shape.parts),
-            Invalid,
-            "intermediate size {} does not split into {} parts",
-            shape.intermediate,
-            shape.parts
-        );
+        shape.check()?;
         if !path.exists() {
             kt_bail!(NotFound, "weight path {} does not exist", path.display());
         }
@@ -286,14 +292,7 @@ impl ConvertedLayer {
         shape: LayerShape,
         addrs: &ConvertedAddresses,
     ) -> Result<ConvertedLayer> {
-        kt_prefix(shape.method)?;
-        kt_ensure!(
-            shape.parts > 0 && shape.intermediate.is_multiple_of(shape.parts),
-            Invalid,
-            "intermediate size {} does not split into {} parts",
-            shape.intermediate,
-            shape.parts
-        );
+        shape.check()?;
         let mut store = Store::empty();
         for (pi, (proj, name)) in PROJS.iter().enumerate() {
             for (scale, lists) in [(false, &addrs.weights[pi]), (true, &addrs.scales[pi])] {

@@ -457,10 +457,8 @@ impl MoeLayer {
         map_len: usize,
     ) -> PyResult<()> {
         let dtype = FloatType::parse(dtype).py()?;
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
         let (hidden, intermediate) = {
-            let l = layer.read().unwrap();
+            let l = self.layer.read().unwrap();
             (l.config().hidden, l.config().intermediate)
         };
         let source = TensorSource {
@@ -475,14 +473,10 @@ impl MoeLayer {
         // SAFETY-relevant: the Python caller keeps the tensors alive until this call returns,
         // and the call blocks until the engine has run the load.
         let source = SendSource(source);
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                let s = source;
-                layer.write().unwrap().load(ctx.pool, &s.0, map.as_deref())
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            let s = source;
+            l.load(pool, &s.0, map)
+        })
     }
 
     /// Pack experts handed over one tensor per expert and projection, by address, in the
@@ -500,10 +494,8 @@ impl MoeLayer {
         map_ptr: usize,
         map_len: usize,
     ) -> PyResult<()> {
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
         let (method, hidden, intermediate) = {
-            let l = layer.read().unwrap();
+            let l = self.layer.read().unwrap();
             (l.method(), l.config().hidden, l.config().intermediate)
         };
         let addrs = ExpertAddresses { weights, scales };
@@ -512,14 +504,10 @@ impl MoeLayer {
         let source =
             unsafe { PointerSource::new(method, hidden, intermediate, group_size, &addrs) }.py()?;
         let source = SendPointers(source);
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                let s = source;
-                layer.write().unwrap().load(ctx.pool, &s.0, map.as_deref())
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            let s = source;
+            l.load(pool, &s.0, map)
+        })
     }
 
     /// Read this layer's experts from a Hugging Face safetensors checkpoint. Blocks.
@@ -532,18 +520,9 @@ impl MoeLayer {
         map_ptr: usize,
         map_len: usize,
     ) -> PyResult<()> {
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                layer
-                    .write()
-                    .unwrap()
-                    .load_checkpoint(ctx.pool, &path, layer_idx, map.as_deref())
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            l.load_checkpoint(pool, &path, layer_idx, map)
+        })
     }
 
     /// Read this layer's experts from files converted by the original (AMXINT8/AMXINT4, merged
@@ -557,20 +536,9 @@ impl MoeLayer {
         map_ptr: usize,
         map_len: usize,
     ) -> PyResult<()> {
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                layer.write().unwrap().load_converted_path(
-                    ctx.pool,
-                    &path,
-                    layer_idx,
-                    map.as_deref(),
-                )
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            l.load_converted_path(pool, &path, layer_idx, map)
+        })
     }
 
     /// Read this AMXINT8/AMXINT4 layer's converted experts from tensors by address:
@@ -586,24 +554,12 @@ impl MoeLayer {
         map_ptr: usize,
         map_len: usize,
     ) -> PyResult<()> {
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
         let addrs = kt_core::converted::ConvertedAddresses { weights, scales };
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                // SAFETY: the caller (the ext layer's load_weights) passes addresses of live
-                // tensors of the converted sizes and keeps them until this call returns.
-                unsafe {
-                    layer.write().unwrap().load_converted_addresses(
-                        ctx.pool,
-                        &addrs,
-                        map.as_deref(),
-                    )
-                }
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            // SAFETY: the caller (the ext layer's load_weights) passes addresses of live
+            // tensors of the converted sizes and keeps them until this call returns.
+            unsafe { l.load_converted_addresses(pool, &addrs, map) }
+        })
     }
 
     /// Copy this LLAMAFILE layer's experts from stacked tensors in GGUF's layout by address
@@ -624,27 +580,16 @@ impl MoeLayer {
         map_ptr: usize,
         map_len: usize,
     ) -> PyResult<()> {
-        let map = parse_map(map_ptr, map_len);
-        let layer = self.layer.clone();
         let tensors = [
             (gate_ptr, gate_type),
             (up_ptr, up_type),
             (down_ptr, down_type),
         ];
-        run_blocking(
-            py,
-            &self.engine,
-            Box::new(move |ctx| {
-                // SAFETY: the caller (the ext layer's load_weights, as the original's) keeps
-                // the three tensors of the stated types alive until this call returns.
-                unsafe {
-                    layer
-                        .write()
-                        .unwrap()
-                        .load_ggml_addresses(ctx.pool, tensors, map.as_deref())
-                }
-            }),
-        )
+        self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
+            // SAFETY: the caller (the ext layer's load_weights, as the original's) keeps the
+            // three tensors of the stated types alive until this call returns.
+            unsafe { l.load_ggml_addresses(pool, tensors, map) }
+        })
     }
 
     /// Copy layer `layer_idx`'s experts from a GGUF file or a folder of GGUF shards into this
@@ -931,6 +876,24 @@ impl MoeLayer {
 }
 
 impl MoeLayer {
+    /// Run `load` on the engine with this layer locked for writing and the parsed
+    /// physical→logical map (`map_ptr` = int64 `[map_len]`, 0 = identity); blocks.
+    fn load_blocking(
+        &self,
+        py: Python<'_>,
+        map_ptr: usize,
+        map_len: usize,
+        load: impl FnOnce(&mut CoreLayer, &Pool, Option<&[i64]>) -> kt_core::Result<()> + Send + 'static,
+    ) -> PyResult<()> {
+        let map = parse_map(map_ptr, map_len);
+        let layer = self.layer.clone();
+        run_blocking(
+            py,
+            &self.engine,
+            Box::new(move |ctx| load(&mut layer.write().unwrap(), ctx.pool, map.as_deref())),
+        )
+    }
+
     /// The engine task of one forward. `ptrs`: hidden, ids, weights, out, residual, mask
     /// (0 = none for the last two); `dtypes`: hidden, ids, out, residual.
     fn forward_task(&self, qlen: usize, ptrs: [usize; 6], dtypes: [&str; 4]) -> PyResult<Task> {

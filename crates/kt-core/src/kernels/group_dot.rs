@@ -72,6 +72,33 @@ pub struct VectorKernel {
     pub name: &'static str,
 }
 
+impl VectorKernel {
+    /// A prefetch calibration workload ([`crate::kernels::calibrate::Workload`]) for this
+    /// kernel: `gate` and `up` as 32-row groups of `group_bytes` bytes each (2048 inputs per
+    /// row), alternating group by group, one activation row.
+    pub fn stream_groups(&self, group_bytes: usize, gate: &[u8], up: &[u8]) {
+        let k = 2048;
+        let a = activation_row(&vec![129u8; k]);
+        let sums = [0i32; 32];
+        let mut out = [0i32; 32];
+        let groups = gate.len().min(up.len()) / group_bytes;
+        for (g, buf) in (0..groups).flat_map(|g| [(g, gate), (g, up)]) {
+            // SAFETY: group g lies inside `buf`; one activation row of k values; 32 sums and
+            // outputs; the kernel was picked for a level the process runs at.
+            unsafe {
+                (self.dot)(
+                    &[a.as_ptr()],
+                    k,
+                    buf.as_ptr().add(g * group_bytes),
+                    sums.as_ptr(),
+                    out.as_mut_ptr(),
+                )
+            };
+            std::hint::black_box(&out);
+        }
+    }
+}
+
 /// One format's group kernels, one per instruction mix (scalar = its twin).
 pub struct GroupDotVariants {
     /// The scalar twin.

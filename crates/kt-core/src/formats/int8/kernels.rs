@@ -106,30 +106,10 @@ pub fn vector_kernel(level: Level) -> VectorKernel {
     variants.pick(level)
 }
 
-/// The byte-group family's prefetch calibration workload
-/// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row groups of 2048 int8 inputs
-/// through the one-row vector kernel.
+/// AMXINT8's prefetch calibration workload ([`crate::kernels::calibrate::Workload`]): two
+/// streams of 32-row groups of 2048 int8 inputs through the one-row vector kernel.
 pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
-    let kernel = vector_kernel(level);
-    let k = 2048;
-    let group = 32 * k;
-    let a = crate::kernels::group_dot::activation_row(&vec![129u8; k]);
-    let sums = [0i32; 32];
-    let mut out = [0i32; 32];
-    for (g, buf) in (0..gate.len().min(up.len()) / group).flat_map(|g| [(g, gate), (g, up)]) {
-        // SAFETY: group g lies inside `buf`; one activation row of k values; 32 sums and
-        // outputs; the kernel was picked for `level`, which the process runs at.
-        unsafe {
-            (kernel.dot)(
-                &[a.as_ptr()],
-                k,
-                buf.as_ptr().add(g * group),
-                sums.as_ptr(),
-                out.as_mut_ptr(),
-            )
-        };
-        std::hint::black_box(&out);
-    }
+    vector_kernel(level).stream_groups(32 * 2048, gate, up);
 }
 
 #[cfg(target_arch = "x86_64")]
