@@ -1038,15 +1038,14 @@ impl Conversion {
     }
 }
 
-/// Whether the prefetch distance of `method`'s kernels is final (tuned on decodes, or fixed
-/// by `KT_KERNEL_PREFETCH`), and that distance in bytes.
+/// Whether the prefetch setting of `method`'s kernels is final (tuned on decodes, or fixed
+/// by `KT_KERNEL_PREFETCH`), its distance in bytes, and whether lines go to L2.
 #[pyfunction]
-fn prefetch_state(method: &str) -> PyResult<(bool, usize)> {
-    let family = kt_core::kernels::prefetch::family_of(Method::parse(method).py()?);
-    Ok((
-        kt_core::kernels::prefetch::tuned(family),
-        kt_core::kernels::prefetch::distance_of(family),
-    ))
+fn prefetch_state(method: &str) -> PyResult<(bool, usize, bool)> {
+    use kt_core::kernels::prefetch;
+    let family = prefetch::family_of(Method::parse(method).py()?);
+    let (bytes, into_l2) = prefetch::describe(prefetch::distance_of(family));
+    Ok((prefetch::tuned(family), bytes, into_l2))
 }
 
 #[pymodule]

@@ -43,7 +43,7 @@ pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usiz
         })
         .clone()?;
     prefetch::set_unless_tuned(family, chosen);
-    Ok(prefetch::distance_of(family))
+    Ok(prefetch::describe(prefetch::distance_of(family)).0)
 }
 
 /// `KT_KERNEL_PREFETCH`, if set to anything but `auto`.
