@@ -503,7 +503,7 @@ impl MoeLayer {
         // of the documented layouts and keeps them alive until this blocking call returns.
         let source =
             unsafe { PointerSource::new(method, hidden, intermediate, group_size, &addrs) }.py()?;
-        let source = SendPointers(source);
+        let source = SendSource(source);
         self.load_blocking(py, map_ptr, map_len, move |l, pool, map| {
             let s = source;
             l.load(pool, &s.0, map)
@@ -938,15 +938,12 @@ impl MoeLayer {
     }
 }
 
-/// Moves a PointerSource into an engine task (its addresses outlive the blocking call).
-struct SendPointers(PointerSource);
-// SAFETY: see load_from_addresses: the memory stays alive and unchanged while the task runs.
-unsafe impl Send for SendPointers {}
-
-/// Moves a TensorSource into an engine task (its pointers outlive the blocking call).
-struct SendSource(TensorSource);
-// SAFETY: see load_from_tensors: the memory stays alive and unchanged while the task runs.
-unsafe impl Send for SendSource {}
+/// Moves an expert source (a TensorSource, a PointerSource: raw addresses) into an engine
+/// task of a blocking load.
+struct SendSource<S>(S);
+// SAFETY: the blocking loads (load_from_tensors, load_from_addresses) keep the memory the
+// source points to alive and unchanged until the engine has run the load.
+unsafe impl<S> Send for SendSource<S> {}
 
 /// A weight conversion running on its own threads (see `kt_core::convert::ConversionJob`):
 /// `wait` polls it without holding the GIL, so the caller can show progress and cancel on
