@@ -1,13 +1,14 @@
 """Host-thread cost of the CUDA-stream path per layer (submit_forward + sync_forward at one
 token), measured with the stand-in driver of tests/fake_cuda (no GPU needed): the stream is
 held at a gate while the calls are timed, so only what the calling thread does is measured
-(validation, slot lookup, four enqueued copies, two cuLaunchHostFunc calls). Then the gate
-opens and the results are checked against the plain path.
+(validation, slot lookup, four cuMemcpyAsync and two cuLaunchHostFunc calls, made by the
+core as on a GPU). Then the gate opens and the results are checked against the plain path.
 
     python benches/stream_overhead.py [--layers 8] [--steps 500]
 
-On a GPU machine the copies are torch's non-blocking copy_ calls instead of the stand-in's
-ctypes call; those add torch's dispatch cost (a few µs each)."""
+On a GPU machine the driver's own cost of those six calls comes on top of the stand-in's
+(which only queues them). The first layer of each step runs with cold caches here: on two
+cores the engine's threads have just used the calling thread's core."""
 
 from __future__ import annotations
 

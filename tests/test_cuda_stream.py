@@ -241,3 +241,55 @@ def test_bad_stream_inputs_are_refused_clearly(lib, device):
     got = w.sync_forward(x, stream)
     lib.fake_stream_synchronize(stream)
     assert torch.equal(got, w.forward(x, ids, wt))
+
+
+def test_a_stream_of_another_device_is_driven_in_its_own_context(lib, device):
+    # The stand-in refuses copies and host functions on a stream whose context is not current
+    # (as CUDA does); the core makes the stream's context current around its calls.
+    w = _layer(layer_idx=8, h=64, i=64)
+    x, ids, wt = _inputs(3, h=64, seed=3)
+    stream = lib.fake_stream_create()
+    lib.fake_stream_set_device(stream, 1)
+    pushes = lib.fake_ctx_pushes()
+    w.submit_forward(x, ids, wt, stream)
+    out = w.sync_forward(x, stream)
+    lib.fake_stream_synchronize(stream)
+    assert torch.equal(out, w.forward(x, ids, wt))
+    assert lib.fake_ctx_pushes() == pushes + 2  # one for the submit, one for the sync
+    # On a stream of the current device no context is pushed.
+    same = lib.fake_stream_create()
+    w.submit_forward(x, ids, wt, same)
+    w.sync_forward(x, same)
+    lib.fake_stream_synchronize(same)
+    assert lib.fake_ctx_pushes() == pushes + 2
+
+
+def test_inputs_needing_conversion_are_converted_on_the_stream(lib, device):
+    w = _layer(layer_idx=9, h=64, i=64)
+    x, ids, wt = _inputs(4, h=64, seed=4)
+    stream = lib.fake_stream_create()
+    # float64 activations, int16 ids, bf16 weights, a non-contiguous view of the activations.
+    wide = torch.cat([x.double(), x.double()], dim=1)[:, :64]
+    assert not wide.is_contiguous()
+    w.submit_forward(wide, ids.to(torch.int16), wt.to(torch.bfloat16), stream)
+    out = w.sync_forward(wide, stream)
+    lib.fake_stream_synchronize(stream)
+    plain = w.forward(wide.contiguous(), ids.to(torch.int16), wt.to(torch.bfloat16))
+    assert out.dtype == plain.dtype and torch.equal(out, plain)
+
+
+def test_stream_copies_with_a_null_address_are_refused(lib):
+    w = _layer(layer_idx=11, h=64, i=64)
+    x, ids, wt = _inputs(1, h=64)
+    out = torch.zeros(1, 64, dtype=torch.bfloat16)
+    task = w.moe.stream_task(
+        1, x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(), out.data_ptr(),
+        "bfloat16", mask_ptr=w.gpu_experts_mask.data_ptr(),
+    )  # fmt: skip
+    engine = w.cpu_infer.engine
+    stream = lib.fake_stream_create()
+    with pytest.raises(ValueError, match="null address"):
+        engine.start_on_stream(stream, task, [(0, x.data_ptr(), 128)])
+    with pytest.raises(ValueError, match="null address"):
+        engine.sync_on_stream(stream, 0, [(out.data_ptr(), 0, 128)])
+    assert lib.fake_host_calls(stream) == 0

@@ -2,11 +2,13 @@
 server): nothing blocks the calling thread.
 
 ``submit_forward`` enqueues, on the caller's stream: copies of the inputs into pinned staging
-buffers, then a host callback that queues the CPU experts on the engine
-(``cuLaunchHostFunc``, opened from the CUDA driver at first use; see
-``kt_core::cuda_bridge``). ``sync_forward`` enqueues a host callback that holds the stream
-until the CPU work is done, then a copy of the result into a device buffer, and returns that
-buffer at once (valid until this layer's next forward of the same batch size).
+buffers (``cuMemcpyAsync``), then a host callback that queues the CPU experts on the engine
+(``cuLaunchHostFunc``; both opened from the CUDA driver at first use, see
+``kt_core::cuda_bridge``), all in one call into the core. ``sync_forward`` enqueues a host
+callback that holds the stream until the CPU work is done, then a copy of the result into a
+device buffer, and returns that buffer at once (valid until this layer's next forward of the
+same batch size). Torch runs on the stream only where the inputs need converting (dtype,
+layout) or splitting (deferred experts).
 
 Every address a captured CUDA graph may replay (staging buffers, the batch-size cell, the
 task descriptors) lives as long as the process for the batch sizes given to
@@ -30,9 +32,10 @@ _ID_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 
 
 class TorchCuda:
-    """Copies and events on a CUDA stream given as a ``cudaStream_t`` int."""
+    """Torch work and events on a CUDA stream given as a ``cudaStream_t`` int."""
 
     pinned = True
+    keep = None  # CUDA's caching allocator orders reuse of freed inputs on the stream
 
     def __init__(self) -> None:
         self._streams: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
@@ -48,9 +51,6 @@ class TorchCuda:
                 s = torch.cuda.ExternalStream(stream, device=device)
             self._streams[key] = s
         return torch.cuda.stream(s)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
-        dst.copy_(src, non_blocking=True)
 
     def device_buffer(self, shape, dtype, device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -103,6 +103,16 @@ class Slot:
     deferred_out: torch.Tensor | None = None
     deferred_task: int | None = None
     keep: tuple = ()
+    # (address, bytes) of the staging buffers the inputs are copied to, and the copy back.
+    x_to: tuple = ()
+    ids_to: tuple = ()
+    weights_to: tuple = ()
+    deferred_ids_to: tuple = ()
+    copy_back: tuple = ()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()
 
 
 @dataclass
@@ -168,6 +178,9 @@ def _make_slot(wrapper, dev, t, x, ids_dtype, out_dtype, residual, deferred: boo
         slot.deferred_ids = host((t, k), ids_dtype)
         slot.deferred_out = host((t, h), torch.float32)
         slot.deferred_task = task(slot.deferred_ids, slot.deferred_out, None)
+        slot.deferred_ids_to = _span(slot.deferred_ids)
+    slot.x_to, slot.ids_to, slot.weights_to = _span(slot.x), _span(slot.ids), _span(slot.weights)
+    slot.copy_back = ((slot.device_out.data_ptr(), *_span(slot.out)),)
     return slot
 
 
@@ -196,6 +209,18 @@ def _slot(wrapper, state: State, dev, stream, x, ids_dtype, out_dtype, residual,
     return slot
 
 
+def _ready(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the inputs can be copied as they are (no torch work on the stream)."""
+    return (
+        x.dtype in _FLOAT_DTYPES
+        and ids.dtype in _ID_DTYPES
+        and w.dtype == torch.float32
+        and x.is_contiguous()
+        and ids.is_contiguous()
+        and w.is_contiguous()
+    )
+
+
 def submit(wrapper, dev, hidden_states, topk_ids, topk_weights, stream: int) -> None:
     """Enqueue this layer's CPU experts on ``stream`` (inputs validated by the caller;
     ``hidden_states`` already ``[T, H]``)."""
@@ -208,46 +233,53 @@ def submit(wrapper, dev, hidden_states, topk_ids, topk_weights, stream: int) -> 
     d = wrapper.max_deferred_experts_per_token
     with lock:
         prev = deferred_map.pop(wrapper.layer_idx - 1, None)
-    with dev.on(stream, hidden_states.device):
-        x = hidden_states
-        if x.dtype not in _FLOAT_DTYPES:
-            x = x.to(torch.float32)
-        t = x.shape[0]
-        out_dtype = x.dtype
-        ids = topk_ids if topk_ids.dtype in _ID_DTYPES else topk_ids.to(torch.int64)
-        w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        residual = prev[0] if prev is not None and tuple(prev[0].shape) == (t, h) else None
-        slot = _slot(wrapper, state, dev, stream, x, ids.dtype, out_dtype, residual, d > 0)
-        dev.copy(slot.x, x, stream)
-        dev.copy(slot.weights, w, stream)
-        if d > 0:
-            immediate, deferred = wrapper.select_deferred_experts(
-                ids, w, wrapper.num_experts_per_tok - d, wrapper.num_experts
-            )
-            dev.copy(slot.ids, immediate, stream)
-            dev.copy(slot.deferred_ids, deferred, stream)
-            slot.keep = (x, w, immediate, deferred)
-        else:
-            dev.copy(slot.ids, ids, stream)
-            slot.keep = (x, w, ids)
-        engine = wrapper.cpu_infer.engine
-        engine.start_on_stream(stream, slot.task)
-        if d > 0:
-            engine.start_on_stream(stream, slot.deferred_task)
-            with lock:
-                deferred_map[wrapper.layer_idx] = (slot.deferred_out, t)
-    state.pending.append((slot, stream, hidden_states.device, dev))
+    x, ids, w = hidden_states, topk_ids, topk_weights
+    t = x.shape[0]
+    residual = prev[0] if prev is not None and tuple(prev[0].shape) == (t, h) else None
+    key = (t, x.dtype, ids.dtype, x.dtype, 0 if residual is None else residual.data_ptr(), d > 0)
+    slot = state.slots.get(key)
+    deferred = None
+    if slot is None or d > 0 or not _ready(x, ids, w):
+        # Torch work on the caller's stream: conversions, the deferred split, a new slot.
+        with dev.on(stream, hidden_states.device):
+            if x.dtype not in _FLOAT_DTYPES:
+                x = x.to(torch.float32)
+            x = x.contiguous()
+            ids = topk_ids if topk_ids.dtype in _ID_DTYPES else topk_ids.to(torch.int64)
+            ids = ids.contiguous()
+            w = topk_weights.to(torch.float32).contiguous()
+            if d > 0:
+                ids, deferred = wrapper.select_deferred_experts(
+                    ids, w, wrapper.num_experts_per_tok - d, wrapper.num_experts
+                )
+                ids, deferred = ids.contiguous(), deferred.contiguous()
+            slot = _slot(wrapper, state, dev, stream, x, ids.dtype, x.dtype, residual, d > 0)
+    copies = [
+        (slot.x_to[0], x.data_ptr(), slot.x_to[1]),
+        (slot.weights_to[0], w.data_ptr(), slot.weights_to[1]),
+        (slot.ids_to[0], ids.data_ptr(), slot.ids_to[1]),
+    ]
+    if deferred is not None:
+        copies.append((slot.deferred_ids_to[0], deferred.data_ptr(), slot.deferred_ids_to[1]))
+    slot.keep = (x, w, ids, deferred)
+    if dev.keep is not None:
+        dev.keep.append(slot.keep)
+    engine = wrapper.cpu_infer.engine
+    engine.start_on_stream(stream, slot.task, copies)
+    if deferred is not None:
+        engine.start_on_stream(stream, slot.deferred_task)
+        with lock:
+            deferred_map[wrapper.layer_idx] = (slot.deferred_out, t)
+    state.pending.append((slot, stream))
 
 
 def sync(wrapper) -> torch.Tensor:
     """Enqueue the wait and the copy back for the oldest submitted forward; returns the device
     buffer the result will be in (in stream order)."""
     state: State = wrapper._stream_state
-    slot, stream, device, dev = state.pending.popleft()
-    with dev.on(stream, device):
-        # With deferred experts this layer's deferred task may stay queued (one pending task).
-        allow = 1 if slot.deferred_task is not None else 0
-        wrapper.cpu_infer.engine.sync_on_stream(stream, allow)
-        dev.copy(slot.device_out, slot.out, stream)
+    slot, stream = state.pending.popleft()
+    # With deferred experts this layer's deferred task may stay queued (one pending task).
+    allow = 1 if slot.deferred_task is not None else 0
+    wrapper.cpu_infer.engine.sync_on_stream(stream, allow, slot.copy_back)
     raise_stream_errors()
     return slot.device_out

@@ -43,6 +43,8 @@ def build(folder: Path):
     for name in ("fake_marks", "fake_host_calls"):
         getattr(lib, name).argtypes = [vp]
         getattr(lib, name).restype = ctypes.c_long
+    lib.fake_stream_set_device.argtypes = [vp, ctypes.c_int]
+    lib.fake_ctx_pushes.restype = ctypes.c_long
     lib.fake_bound_device.restype = ctypes.c_int
     lib.fake_htod_copies.restype = ctypes.c_long
     lib.fake_capture_end.argtypes = [vp]
@@ -61,25 +63,20 @@ class FakeEvent:
 
 
 class FakeDevice:
-    """The stand-in for torch's CUDA copies: "device" tensors are CPU tensors, copies are
-    enqueued on the fake stream."""
+    """The stand-in for torch's CUDA side of the stream path: "device" tensors are CPU
+    tensors (the stand-in driver's copies are memcpy in stream order)."""
 
     pinned = False
 
     def __init__(self, lib):
         self.lib = lib
-        self.keep: list[torch.Tensor] = []
+        # Inputs the stream reads later: CPU memory is not stream-ordered as CUDA's caching
+        # allocator is, so they are kept until the caller clears this.
+        self.keep: list = []
         self.marks: dict[int, int] = {}
 
     def on(self, stream, device):
         return contextlib.nullcontext()
-
-    def copy(self, dst, src, stream):
-        assert dst.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
-        src = src.contiguous()
-        self.keep.append(src)  # the stream reads it later
-        nbytes = dst.numel() * dst.element_size()
-        self.lib.fake_memcpy_async(stream, dst.data_ptr(), src.data_ptr(), nbytes)
 
     def device_buffer(self, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype)

@@ -33,8 +33,17 @@ struct stream {
     int busy, gate_open, stop;
     long done_ops, host_calls, marks;
     struct graph *capture;
+    void *ctx; /* the "context" the stream belongs to (fake_stream_set_ctx) */
     pthread_t thread;
 };
+
+/* Contexts are opaque pointers: 0x1000 + device. Each thread starts with device 0's current,
+ * as a thread that has used torch on device 0 has. */
+#define DEVICE0_CTX ((void *)0x1000)
+static __thread void *current_ctx = DEVICE0_CTX;
+static __thread void *ctx_stack[8];
+static __thread int ctx_depth;
+static long ctx_pushes;
 
 static void *run(void *p) {
     struct stream *s = p;
@@ -70,6 +79,7 @@ void *fake_stream_create(void) {
     pthread_mutex_init(&s->m, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->gate_cv, NULL);
+    s->ctx = current_ctx;
     pthread_create(&s->thread, NULL, run, s);
     return s;
 }
@@ -94,9 +104,26 @@ static void push(struct stream *s, struct op o) {
     pthread_mutex_unlock(&s->m);
 }
 
+/* Handle 0 is the legacy default stream, made at first use. */
+static pthread_once_t default_once = PTHREAD_ONCE_INIT;
+static void *default_stream;
+static void make_default(void) { default_stream = fake_stream_create(); }
+static void *resolve(void *stream) {
+    if (stream) return stream;
+    pthread_once(&default_once, make_default);
+    return default_stream;
+}
+
+/* A stream of another context than the calling thread's (the legacy one is always its). */
+static int wrong_ctx(void *stream) {
+    return stream && ((struct stream *)stream)->ctx != current_ctx;
+}
+
 /* The entry point kt-kernel opens: CUresult cuLaunchHostFunc(CUstream, CUhostFn, void*). */
 int cuLaunchHostFunc(void *stream, host_fn fn, void *arg) {
-    if (!stream || !fn) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (!fn) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (wrong_ctx(stream)) return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    stream = resolve(stream);
     push(stream, (struct op){.kind = OP_HOST, .fn = fn, .arg = arg});
     return 0;
 }
@@ -104,6 +131,51 @@ int cuLaunchHostFunc(void *stream, host_fn fn, void *arg) {
 void fake_memcpy_async(void *stream, void *dst, const void *src, size_t n) {
     push(stream, (struct op){.kind = OP_COPY, .dst = dst, .src = src, .n = n});
 }
+
+/* CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t, CUstream): "device"
+ * memory is host memory. Like the real one, it needs the stream's context current. */
+int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t n, void *stream) {
+    if (wrong_ctx(stream)) return 201;
+    stream = resolve(stream);
+    fake_memcpy_async(stream, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return 0;
+}
+
+int cuStreamGetCtx(void *stream, void **ctx) {
+    if (!stream) { /* the legacy stream belongs to the calling thread's context */
+        *ctx = current_ctx;
+        return 0;
+    }
+    *ctx = ((struct stream *)stream)->ctx;
+    return 0;
+}
+
+int cuCtxGetCurrent(void **ctx) {
+    *ctx = current_ctx;
+    return 0;
+}
+
+int cuCtxPushCurrent_v2(void *ctx) {
+    if (ctx_depth == 8) return 1;
+    ctx_stack[ctx_depth++] = current_ctx;
+    current_ctx = ctx;
+    __atomic_add_fetch(&ctx_pushes, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+int cuCtxPopCurrent_v2(void **ctx) {
+    if (!ctx_depth) return 201;
+    if (ctx) *ctx = current_ctx;
+    current_ctx = ctx_stack[--ctx_depth];
+    return 0;
+}
+
+/* Make `stream` belong to device `device`'s context (another GPU of the process). */
+void fake_stream_set_device(void *stream, int device) {
+    ((struct stream *)stream)->ctx = (void *)(uintptr_t)(0x1000 + device);
+}
+
+long fake_ctx_pushes(void) { return __atomic_load_n(&ctx_pushes, __ATOMIC_SEQ_CST); }
 
 /* The stream stops at this point until fake_gate_open. */
 void fake_gate(void *stream) { push(stream, (struct op){.kind = OP_GATE}); }
@@ -194,6 +266,7 @@ int cuDevicePrimaryCtxRetain(void **ctx, int dev) {
 }
 
 int cuCtxSetCurrent(void *ctx) {
+    current_ctx = ctx;
     __atomic_store_n(&bound_device, (int)((uintptr_t)ctx - 0x1000), __ATOMIC_SEQ_CST);
     return 0;
 }

@@ -12,6 +12,11 @@
 //!   *sync* comes before copying results back);
 //! - *sync*: block the stream until the engine has at most `allow_pending` tasks.
 //!
+//! Copies between the caller's device tensors and the pinned staging buffers are enqueued on
+//! the same stream with `cuMemcpyAsync` (unified addressing: the driver infers the direction),
+//! in the stream's own context, so a submit is one call from Python and none of torch's
+//! per-copy dispatch.
+//!
 //! Every `arg` is a descriptor that lives for the rest of the process (a captured graph may
 //! replay it at any time): they are interned by key, so a steady loop reuses a fixed set and
 //! allocates none per call. Errors met on the driver's thread cannot be raised there; they
@@ -28,10 +33,42 @@ type HostFn = unsafe extern "C" fn(*mut c_void);
 /// `CUresult cuLaunchHostFunc(CUstream, CUhostFn, void*)`.
 type LaunchHostFunc = unsafe extern "C" fn(*mut c_void, HostFn, *mut c_void) -> i32;
 
-/// The opened driver: its handle (for other entry points, [`symbol`]) and `cuLaunchHostFunc`.
+/// `CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream)`.
+type MemcpyAsync = unsafe extern "C" fn(u64, u64, usize, *mut c_void) -> i32;
+/// `cuStreamGetCtx(CUstream, CUcontext*)`, `cuCtxGetCurrent(CUcontext*)`,
+/// `cuCtxPushCurrent_v2(CUcontext)` and `cuCtxPopCurrent_v2(CUcontext*)`.
+type StreamGetCtx = unsafe extern "C" fn(*mut c_void, *mut *mut c_void) -> i32;
+type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+type CtxPush = unsafe extern "C" fn(*mut c_void) -> i32;
+type CtxPop = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+
+/// The entry points that make a stream's context current on the calling thread.
+struct ContextCalls {
+    stream_ctx: StreamGetCtx,
+    current: CtxGetCurrent,
+    push: CtxPush,
+    pop: CtxPop,
+}
+
+/// The opened driver: its handle (for other entry points, [`symbol`]), `cuLaunchHostFunc`,
+/// and the optional entry points for copies and contexts (a stand-in may lack them).
 struct Driver {
     handle: usize,
     launch: LaunchHostFunc,
+    memcpy: Option<MemcpyAsync>,
+    context: Option<ContextCalls>,
+}
+
+/// One copy enqueued on a stream: `bytes` from `src` to `dst`, each a device address or a
+/// pinned host address (the driver tells which under unified addressing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamCopy {
+    /// Where the bytes go.
+    pub dst: usize,
+    /// Where they come from.
+    pub src: usize,
+    /// How many (a copy of none is skipped).
+    pub bytes: usize,
 }
 
 /// The driver in use, or why none could be opened (decided once; [`use_driver`] replaces it).
@@ -59,9 +96,31 @@ fn open_driver(name: &str) -> Result<Driver> {
         if sym.is_null() {
             return Err(Error::Runtime(format!("{name:?} has no cuLaunchHostFunc")));
         }
+        let find = |name: &std::ffi::CStr| {
+            let p = libc::dlsym(handle, name.as_ptr());
+            (!p.is_null()).then_some(p)
+        };
+        let memcpy =
+            find(c"cuMemcpyAsync").map(|p| std::mem::transmute::<*mut c_void, MemcpyAsync>(p));
+        let context = match (
+            find(c"cuStreamGetCtx"),
+            find(c"cuCtxGetCurrent"),
+            find(c"cuCtxPushCurrent_v2"),
+            find(c"cuCtxPopCurrent_v2"),
+        ) {
+            (Some(s), Some(c), Some(push), Some(pop)) => Some(ContextCalls {
+                stream_ctx: std::mem::transmute::<*mut c_void, StreamGetCtx>(s),
+                current: std::mem::transmute::<*mut c_void, CtxGetCurrent>(c),
+                push: std::mem::transmute::<*mut c_void, CtxPush>(push),
+                pop: std::mem::transmute::<*mut c_void, CtxPop>(pop),
+            }),
+            _ => None,
+        };
         Ok(Driver {
             handle: handle as usize,
             launch: std::mem::transmute::<*mut c_void, LaunchHostFunc>(sym),
+            memcpy,
+            context,
         })
     }
 }
@@ -98,10 +157,15 @@ pub fn symbol(name: &std::ffi::CStr) -> Result<*mut c_void> {
     Ok(sym)
 }
 
-/// Whether the driver entry point can be found (opens it on first call), and what was found.
+/// Whether the entry points of the stream path (`cuLaunchHostFunc`, `cuMemcpyAsync`) can be
+/// found (opens the driver on first call), and what was found.
 pub fn driver_status() -> (bool, String) {
     match driver() {
-        Ok(_) => (true, "cuLaunchHostFunc found".into()),
+        Ok(d) if d.memcpy.is_some() => (true, "cuLaunchHostFunc and cuMemcpyAsync found".into()),
+        Ok(_) => (
+            false,
+            "cuLaunchHostFunc found, cuMemcpyAsync missing".into(),
+        ),
         Err(e) => (false, e.to_string()),
     }
 }
@@ -233,38 +297,121 @@ unsafe extern "C" fn sync_trampoline(arg: *mut c_void) {
     }
 }
 
-fn launch(stream: usize, f: HostFn, arg: *const c_void) -> Result<()> {
-    let d = driver()?;
-    // SAFETY: the driver's documented contract: a stream handle of the caller's context (the
-    // caller's responsibility, as for every CUDA call made with a handle), a host function
-    // and an argument that stays valid as long as the stream or a graph may call it ('static).
-    let code = unsafe { (d.launch)(stream as *mut c_void, f, arg as *mut c_void) };
+fn check(code: i32, what: &str, stream: usize) -> Result<()> {
     if code != 0 {
         return Err(Error::Runtime(format!(
-            "cuLaunchHostFunc failed with CUresult {code} (stream 0x{stream:x})"
+            "{what} failed with CUresult {code} (stream 0x{stream:x})"
         )));
     }
     Ok(())
 }
 
-/// Enqueue *start* of `task` on `stream`; returns at once.
-pub fn start_on_stream(stream: usize, task: &'static StreamTask) -> Result<()> {
-    launch(
-        stream,
-        start_trampoline,
-        task as *const StreamTask as *const c_void,
-    )
+/// Run `f` with the context of `stream` current on this thread (pushed only when another one
+/// is: the caller's thread normally has it already). Without the context entry points, or
+/// for a stream whose context cannot be asked, `f` runs in whatever context is current.
+fn in_stream_context<R>(d: &Driver, stream: usize, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let Some(c) = &d.context else { return f() };
+    let mut wanted = std::ptr::null_mut();
+    let mut current = std::ptr::null_mut();
+    // SAFETY: out-pointers to locals; the stream handle is the caller's (as for every call).
+    let known = unsafe {
+        (c.stream_ctx)(stream as *mut c_void, &mut wanted) == 0 && (c.current)(&mut current) == 0
+    };
+    if !known || wanted.is_null() || wanted == current {
+        return f();
+    }
+    // SAFETY: a context the driver just named; popped again below whatever `f` returns.
+    check(unsafe { (c.push)(wanted) }, "cuCtxPushCurrent", stream)?;
+    let result = f();
+    let mut popped = std::ptr::null_mut();
+    // SAFETY: pops the context pushed above.
+    let popped_ok = check(unsafe { (c.pop)(&mut popped) }, "cuCtxPopCurrent", stream);
+    let value = result?;
+    popped_ok.map(|_| value)
 }
 
-/// Enqueue *sync* on `stream` for `engine`: later work on the stream waits until at most
-/// `allow_pending` engine tasks remain.
-pub fn sync_on_stream(stream: usize, engine: &Arc<Engine>, allow_pending: usize) -> Result<()> {
+fn enqueue_copies(d: &Driver, stream: usize, copies: &[StreamCopy]) -> Result<()> {
+    if copies.is_empty() {
+        return Ok(());
+    }
+    let Some(memcpy) = d.memcpy else {
+        return Err(Error::Runtime(format!(
+            "the CUDA driver {:?} has no cuMemcpyAsync",
+            driver_library()
+        )));
+    };
+    for c in copies {
+        if c.bytes == 0 {
+            continue;
+        }
+        // SAFETY: addresses checked non-null by the caller; that they name `bytes` of live
+        // device or pinned host memory until the stream has passed the copy is the caller's
+        // contract, as for cudaMemcpyAsync.
+        let code = unsafe { memcpy(c.dst as u64, c.src as u64, c.bytes, stream as *mut c_void) };
+        check(code, "cuMemcpyAsync", stream)?;
+    }
+    Ok(())
+}
+
+fn check_copies(copies: &[StreamCopy]) -> Result<()> {
+    for c in copies {
+        if c.bytes > 0 && (c.dst == 0 || c.src == 0) {
+            return Err(Error::Invalid(format!(
+                "a stream copy of {} bytes has a null address (dst 0x{:x}, src 0x{:x})",
+                c.bytes, c.dst, c.src
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn launch(d: &Driver, stream: usize, f: HostFn, arg: *const c_void) -> Result<()> {
+    // SAFETY: the driver's documented contract: a stream handle of the caller's context (the
+    // caller's responsibility, as for every CUDA call made with a handle), a host function
+    // and an argument that stays valid as long as the stream or a graph may call it ('static).
+    let code = unsafe { (d.launch)(stream as *mut c_void, f, arg as *mut c_void) };
+    check(code, "cuLaunchHostFunc", stream)
+}
+
+/// Enqueue `copies_before` and then *start* of `task` on `stream`; returns at once.
+pub fn start_on_stream(
+    stream: usize,
+    task: &'static StreamTask,
+    copies_before: &[StreamCopy],
+) -> Result<()> {
+    check_copies(copies_before)?;
+    let d = driver()?;
+    in_stream_context(d, stream, || {
+        enqueue_copies(d, stream, copies_before)?;
+        launch(
+            d,
+            stream,
+            start_trampoline,
+            task as *const StreamTask as *const c_void,
+        )
+    })
+}
+
+/// Enqueue *sync* on `stream` for `engine`, then `copies_after`: later work on the stream
+/// (the copies first) waits until at most `allow_pending` engine tasks remain.
+pub fn sync_on_stream(
+    stream: usize,
+    engine: &Arc<Engine>,
+    allow_pending: usize,
+    copies_after: &[StreamCopy],
+) -> Result<()> {
+    check_copies(copies_after)?;
+    let d = driver()?;
     let sync = sync_descriptor(engine, allow_pending);
-    launch(
-        stream,
-        sync_trampoline,
-        sync as *const StreamSync as *const c_void,
-    )
+    in_stream_context(d, stream, || {
+        launch(
+            d,
+            stream,
+            sync_trampoline,
+            sync as *const StreamSync as *const c_void,
+        )?;
+        enqueue_copies(d, stream, copies_after)
+    })
 }
 
 #[cfg(test)]

@@ -222,6 +222,13 @@ fn pool_split(
     Ok((cfg.threads, cfg.numa_nodes))
 }
 
+fn stream_copies(copies: &[(usize, usize, usize)]) -> Vec<kt_core::cuda_bridge::StreamCopy> {
+    copies
+        .iter()
+        .map(|&(dst, src, bytes)| kt_core::cuda_bridge::StreamCopy { dst, src, bytes })
+        .collect()
+}
+
 /// The task engine and its worker pool (the original's `CPUInfer`).
 #[pyclass(module = "kt_kernel._kt_core", frozen)]
 struct Engine {
@@ -292,18 +299,32 @@ impl Engine {
         Ok(kt_core::cuda_bridge::task_at(task).py()?.submit())
     }
 
-    /// Enqueue the start of a stream task on CUDA stream `stream` (a `cudaStream_t` as int):
-    /// the engine queues it when the stream gets there. Returns at once.
-    fn start_on_stream(&self, stream: usize, task: usize) -> PyResult<()> {
+    /// Enqueue on CUDA stream `stream` (a `cudaStream_t` as int) the `copies_before`
+    /// (`(dst, src, bytes)` addresses, `cuMemcpyAsync`), then the start of a stream task: the
+    /// engine queues it when the stream gets there. Returns at once.
+    #[pyo3(signature = (stream, task, copies_before=Vec::new()))]
+    fn start_on_stream(
+        &self,
+        stream: usize,
+        task: usize,
+        copies_before: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
         let task = kt_core::cuda_bridge::task_at(task).py()?;
-        kt_core::cuda_bridge::start_on_stream(stream, task).py()
+        kt_core::cuda_bridge::start_on_stream(stream, task, &stream_copies(&copies_before)).py()
     }
 
-    /// Enqueue a wait on CUDA stream `stream`: work enqueued after it waits until at most
-    /// `allow_n_pending` of this engine's tasks remain. Returns at once.
-    #[pyo3(signature = (stream, allow_n_pending=0))]
-    fn sync_on_stream(&self, stream: usize, allow_n_pending: usize) -> PyResult<()> {
-        kt_core::cuda_bridge::sync_on_stream(stream, &self.inner, allow_n_pending).py()
+    /// Enqueue a wait on CUDA stream `stream`, then `copies_after` (`(dst, src, bytes)`): work
+    /// enqueued after the wait runs once at most `allow_n_pending` of this engine's tasks
+    /// remain. Returns at once.
+    #[pyo3(signature = (stream, allow_n_pending=0, copies_after=Vec::new()))]
+    fn sync_on_stream(
+        &self,
+        stream: usize,
+        allow_n_pending: usize,
+        copies_after: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        let copies = stream_copies(&copies_after);
+        kt_core::cuda_bridge::sync_on_stream(stream, &self.inner, allow_n_pending, &copies).py()
     }
 
     /// Best-of-`repeats` DRAM read bandwidth in GB/s over `bytes`, using every thread; the
