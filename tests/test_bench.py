@@ -1,0 +1,45 @@
+"""The layer benchmark (``python -m kt_kernel bench``, the README's main job) on a tiny layer:
+it runs, every method gets a row per size, and methods loaded in separate memory groups are
+timed and checked as when loaded together."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kt_kernel.bench import _memory_groups
+
+
+def test_memory_groups_keep_order_and_respect_the_budget():
+    sizes = {"a": 4, "b": 3, "c": 5, "d": 1, "e": 9}
+    variants = [(name, None, None) for name in sizes]
+    groups = _memory_groups(variants, sizes.__getitem__, 8)
+    assert [[v[0] for v in g] for g in groups] == [["a", "b"], ["c", "d"], ["e"]]
+    assert len(_memory_groups(variants, sizes.__getitem__, float("inf"))) == 1
+
+
+def test_the_bench_runs_methods_in_groups(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--experts", "8", "--layers", "1", "--tokens", "1", "4", "--repeats", "3"]
+    args += ["--methods", "BF16", "AMXINT8", "--max-resident-gb", "0.02", "--json", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["groups"] == [["BF16"], ["AMXINT8"]]
+    rows = {(row["impl"], row["tokens"]): row for row in data["results"]}
+    assert set(rows) == {(m, t) for m in ("BF16", "AMXINT8", "torch-bf16") for t in (1, 4)}
+    # Each row is checked against the float64 reference on the bench's own random weights.
+    for (impl, _), row in rows.items():
+        assert row["median_ms"] > 0
+        assert row["rel_l2_err"] < (0.05 if impl == "AMXINT8" else 0.01), row
+    assert [(row["impl"], row["tokens"]) for row in data["results"]][:3] == [
+        ("BF16", 1),
+        ("AMXINT8", 1),
+        ("torch-bf16", 1),
+    ]
