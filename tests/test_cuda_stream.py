@@ -171,8 +171,10 @@ def test_an_error_on_the_stream_is_raised_by_the_next_call(lib, device):
     lib.fake_stream_synchronize(stream)
     (slot,) = w._stream_state.slots.values()
     slot.bsz.fill_(0)  # the task reads the batch size when it runs: now an invalid one
+    lib.fake_gate(stream)  # held until both calls returned: the error happens later
     w.submit_forward(x, ids, wt, stream)
-    w.sync_forward(x, stream)  # returns at once: the error happens later, on the stream
+    w.sync_forward(x, stream)
+    lib.fake_gate_open(stream)
     lib.fake_stream_synchronize(stream)
     with pytest.raises(RuntimeError, match="batch-size cell holds 0"):
         w.submit_forward(x, ids, wt, stream)

@@ -109,14 +109,17 @@ def test_nan_in_one_token_does_not_touch_others(small_layer):
 
 def test_swiglu_limit_and_alpha():
     gate, up, down = random_experts(4, 64, 64, seed=5, scale=0.3)
-    x = torch.randn(5, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
     ids, wt = random_routing(5, 4, 2)
     for limit, alpha in ((0.5, 0.0), (0.0, 1.702), (0.7, 1.702)):
         w = make_wrapper(e=4, k=2, swiglu_limit=limit, swiglu_alpha=alpha)
         w.load_weights_from_tensors(gate, up, down)
         out = w.forward(x, ids, wt, None)
         ref = reference_moe(x, ids, wt, gate, up, down, limit=limit, alpha=alpha)
-        assert rel_l2(out, ref) < 5e-3, (limit, alpha)
+        # Activations are rounded to bf16 on this path: with the clamp the output is small and
+        # its relative error runs up to 5.3e-3 over random inputs (median 4e-3); a wrong clamp
+        # or activation is off by far more.
+        assert rel_l2(out, ref) < 8e-3, (limit, alpha)
 
 
 def test_deferred_experts_sum_matches_undeferred():
@@ -238,3 +241,47 @@ def test_zero_tokens_give_an_empty_output(small_layer):
         torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2), None
     )
     assert out.shape == (0, 64)
+
+
+def test_an_output_is_recycled_only_once_nothing_else_can_reach_it(small_layer):
+    import weakref
+
+    import numpy as np
+
+    w, _ = small_layer
+    inputs = [
+        (torch.randn(2, 64, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16),)
+        + random_routing(2, 8, 2, seed=s)
+        for s in range(8)
+    ]
+
+    def fresh(n):  # the output of input n, computed into a buffer nobody holds afterwards
+        return w.forward(*inputs[n], None).clone()
+
+    expected = [fresh(n) for n in range(8)]
+    out = w.forward(*inputs[0], None)
+    address, first = out.data_ptr(), weakref.ref(out)
+    del out
+    out = w.forward(*inputs[1], None)
+    assert first() is out, "a buffer nobody holds is written again"
+    assert torch.equal(out, expected[1])
+    # Every way of keeping the buffer reachable keeps it from being written again.
+    holders = {
+        "the tensor": lambda t: t,
+        "a view": lambda t: t.view(-1),
+        "a detached alias": lambda t: t.detach(),
+        "a numpy array": lambda t: t.view(torch.int16).numpy(),
+        "a DLPack capsule": lambda t: torch.utils.dlpack.to_dlpack(t),
+    }
+    for n, (name, hold) in enumerate(holders.items(), start=2):
+        held = hold(out)
+        del out
+        out = w.forward(*inputs[n], None)
+        assert out.data_ptr() != address, name
+        assert torch.equal(out, expected[n]), name
+        if isinstance(held, torch.Tensor):
+            assert torch.equal(held.reshape(2, 64).view(torch.bfloat16), expected[n - 1]), name
+        elif isinstance(held, np.ndarray):
+            assert torch.equal(torch.from_numpy(held).view(torch.bfloat16), expected[n - 1]), name
+        address = out.data_ptr()
+        del held
