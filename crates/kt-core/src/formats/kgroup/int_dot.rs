@@ -104,21 +104,30 @@ const ROUNDER: f32 = 12_582_912.0;
 /// Where each of 8 inputs goes within its 8 bytes (even inputs first).
 const SLOTS: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
-/// Cut `x` (`k` values, a multiple of `chunk`) into an activation row (module docs).
+/// Cut `x` (`k` values, a multiple of `chunk`) into an activation row (module docs), with
+/// AVX2 where the CPU has it (the same bytes as [`prepare_row_scalar`]): a decode prepares
+/// its input row and every SwiGLU row, thousands of values per call.
 pub fn prepare_row(x: &[f32], chunk: usize, out: &mut [u8]) {
+    let k = x.len();
+    assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::allows(Level::Avx2) {
+        // SAFETY: AVX2 and FMA allowed (checked above); lengths checked above.
+        unsafe { x86::prepare_row_avx2(x, chunk, out) };
+        return;
+    }
+    prepare_row_scalar(x, chunk, out);
+}
+
+/// The scalar twin of [`prepare_row`] (same contract).
+pub fn prepare_row_scalar(x: &[f32], chunk: usize, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     let (x8, rest) = out.split_at_mut(k);
     let (r8, sums) = rest.split_at_mut(k);
     for (c, values) in x.chunks_exact(chunk).enumerate() {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
-        // |v · 127/amax| ≤ 127 and the remainder times 254 stays within ±127: no clamps. A
-        // zero or non-finite chunk gets scale 0 (NaN products cast to 0).
-        let (s, inv) = if amax > 0.0 && amax.is_finite() {
-            (amax / 127.0, 127.0 / amax)
-        } else {
-            (0.0, 0.0)
-        };
+        let (s, inv) = chunk_scale(amax);
         let (mut xs, mut rs) = (0i32, 0i32);
         for (b, eight) in values.chunks_exact(8).enumerate() {
             let (mut q, mut r) = ([0f32; 8], [0f32; 8]);
@@ -136,11 +145,29 @@ pub fn prepare_row(x: &[f32], chunk: usize, out: &mut [u8]) {
                 rs += ri;
             }
         }
-        let rec = &mut sums[12 * c..12 * c + 12];
-        rec[0..4].copy_from_slice(&xs.to_le_bytes());
-        rec[4..8].copy_from_slice(&rs.to_le_bytes());
-        rec[8..12].copy_from_slice(&s.to_le_bytes());
+        put_chunk_sums(sums, c, xs, rs, s);
     }
+}
+
+/// A chunk's `(s, 1/s)` from its largest magnitude: `|v · 127/amax| ≤ 127` and the remainder
+/// times 254 stays within ±127, so nothing is clamped. A zero or non-finite chunk gets scale 0
+/// (its NaN products become 0).
+#[inline(always)]
+fn chunk_scale(amax: f32) -> (f32, f32) {
+    if amax > 0.0 && amax.is_finite() {
+        (amax / 127.0, 127.0 / amax)
+    } else {
+        (0.0, 0.0)
+    }
+}
+
+/// Store a chunk's `(X, R, s)` record.
+#[inline(always)]
+fn put_chunk_sums(sums: &mut [u8], c: usize, xs: i32, rs: i32, s: f32) {
+    let rec = &mut sums[12 * c..12 * c + 12];
+    rec[0..4].copy_from_slice(&xs.to_le_bytes());
+    rec[4..8].copy_from_slice(&rs.to_le_bytes());
+    rec[8..12].copy_from_slice(&s.to_le_bytes());
 }
 
 /// Chunk `c`'s `(X, R, s)` of an activation row.
@@ -338,9 +365,78 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::{chunk_sums, WeightBytes};
+    use super::{chunk_scale, chunk_sums, put_chunk_sums, WeightBytes, ROUNDER};
     use crate::codes::ScaleType;
     use std::arch::x86_64::*;
+
+    /// [`super::prepare_row_scalar`] eight inputs at a time: the same fp32 operations in the
+    /// same order (no fused multiply-adds), so the same bytes.
+    ///
+    /// # Safety
+    /// AVX2; the lengths [`super::prepare_row`] checks.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn prepare_row_avx2(x: &[f32], chunk: usize, out: &mut [u8]) {
+        let k = x.len();
+        let (x8, rest) = out.split_at_mut(k);
+        let (r8, sums) = rest.split_at_mut(k);
+        let sign = _mm256_set1_ps(-0.0);
+        let rounder = _mm256_set1_ps(ROUNDER);
+        let times254 = _mm256_set1_ps(254.0);
+        // Evens first within each 8 (SLOTS), then byte 0 of each i32 lane gathered per half.
+        let evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let low_bytes = _mm256_setr_epi8(
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, //
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+        );
+        let bytes8 = |v: __m256i| -> __m128i {
+            let b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(v, evens_first), low_bytes);
+            _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b))
+        };
+        for c in 0..k / chunk {
+            let base = c * chunk;
+            let mut m = _mm256_setzero_ps();
+            for b in (0..chunk).step_by(8) {
+                // SAFETY: inputs base+b..base+b+8 of x (k values; chunk divides k).
+                let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(base + b)) };
+                // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold does.
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+            let (s, inv) = chunk_scale(amax);
+            let inv = _mm256_set1_ps(inv);
+            let (mut xs, mut rs) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for b in (0..chunk).step_by(8) {
+                // SAFETY: as above.
+                let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(x.as_ptr().add(base + b)) }, inv);
+                let q = _mm256_sub_ps(_mm256_add_ps(y, rounder), rounder);
+                let r = _mm256_mul_ps(_mm256_sub_ps(y, q), times254);
+                let r = _mm256_sub_ps(_mm256_add_ps(r, rounder), rounder);
+                // NaN lanes become 0, as `NaN as i32` does.
+                let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
+                let qi = _mm256_and_si256(_mm256_cvtps_epi32(q), ordered);
+                let ri = _mm256_and_si256(_mm256_cvtps_epi32(r), ordered);
+                xs = _mm256_add_epi32(xs, qi);
+                rs = _mm256_add_epi32(rs, ri);
+                // SAFETY: bytes base+b..base+b+8 of x8 and r8 (k bytes each).
+                unsafe {
+                    _mm_storel_epi64(x8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(qi));
+                    _mm_storel_epi64(r8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(ri));
+                }
+            }
+            put_chunk_sums(sums, c, sum_i32(xs), sum_i32(rs), s);
+        }
+    }
+
+    /// The sum of the eight lanes (wrapping, as the twin's i32 adds; they never overflow).
+    #[inline(always)]
+    fn sum_i32(v: __m256i) -> i32 {
+        let mut lanes = [0i32; 8];
+        // SAFETY: 32 writable bytes.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, v) };
+        lanes.iter().fold(0i32, |a, &b| a.wrapping_add(b))
+    }
 
     /// 16 stored scales at `p` as f32 (exactly [`ScaleType::value`]).
     ///
@@ -916,6 +1012,37 @@ pub(crate) mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prepared_rows_equal_their_scalar_twin() {
+        let mut rng = crate::rng::Rng::new(5);
+        for chunk in [8, 16, 32] {
+            for trial in 0..40 {
+                let k = chunk * (1 + trial % 9);
+                let mut x = rng.normals(k, [1e-3, 1.0, 300.0][trial % 3]);
+                // Zero, NaN-holding and infinite chunks, and ties of the rounding.
+                match trial % 5 {
+                    1 => x[..chunk].fill(0.0),
+                    2 => x[chunk / 2] = f32::NAN,
+                    3 => x[k - 1] = f32::NEG_INFINITY,
+                    4 => x.iter_mut().for_each(|v| *v = (*v * 4.0).round() / 4.0),
+                    _ => {}
+                }
+                let mut want = vec![0u8; row_bytes(k, chunk)];
+                prepare_row_scalar(&x, chunk, &mut want);
+                let mut got = vec![0xAAu8; row_bytes(k, chunk)];
+                prepare_row(&x, chunk, &mut got);
+                assert_eq!(got, want, "chunk {chunk}, trial {trial}");
+                #[cfg(target_arch = "x86_64")]
+                if crate::isa::allows(Level::Avx2) {
+                    got.fill(0x55);
+                    // SAFETY: AVX2 allowed; lengths as prepare_row checks.
+                    unsafe { x86::prepare_row_avx2(&x, chunk, &mut got) };
+                    assert_eq!(got, want, "avx2, chunk {chunk}, trial {trial}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn prepared_rows_hold_each_input_to_15_bits() {
