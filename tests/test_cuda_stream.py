@@ -42,6 +42,14 @@ def _layer(layer_idx=0, e=8, k=2, h=256, i=512, **kw):
     return w
 
 
+def _stream_task(w, x, ids, wt, out) -> int:
+    """The low-level stream task of layer ``w`` over these bf16 / int32 / f32 tensors."""
+    return w.moe.stream_task(
+        x.shape[0], x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(),
+        out.data_ptr(), "bfloat16", mask_ptr=w.gpu_experts_mask.data_ptr(),
+    )  # fmt: skip
+
+
 def _inputs(tokens, e=8, k=2, h=256, seed=1):
     ids, wt = random_routing(tokens, e, k, seed=seed, id_dtype=torch.int32)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
@@ -201,14 +209,8 @@ def test_the_low_level_engine_orders_a_task_on_a_stream(lib):
     w = _layer(layer_idx=6, h=64, i=64)
     x, ids, wt = _inputs(3, h=64)
     out = torch.zeros(3, 64, dtype=torch.bfloat16)
-    task = w.moe.stream_task(
-        3, x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(), out.data_ptr(),
-        "bfloat16", mask_ptr=w.gpu_experts_mask.data_ptr(),
-    )  # fmt: skip
-    assert task == w.moe.stream_task(
-        3, x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(), out.data_ptr(),
-        "bfloat16", mask_ptr=w.gpu_experts_mask.data_ptr(),
-    )  # fmt: skip
+    task = _stream_task(w, x, ids, wt, out)
+    assert task == _stream_task(w, x, ids, wt, out)
     cpu_infer = w.cpu_infer
     stream = lib.fake_stream_create()
     lib.fake_gate(stream)
@@ -284,10 +286,7 @@ def test_stream_copies_with_a_null_address_are_refused(lib):
     w = _layer(layer_idx=11, h=64, i=64)
     x, ids, wt = _inputs(1, h=64)
     out = torch.zeros(1, 64, dtype=torch.bfloat16)
-    task = w.moe.stream_task(
-        1, x.data_ptr(), "bfloat16", ids.data_ptr(), "int32", wt.data_ptr(), out.data_ptr(),
-        "bfloat16", mask_ptr=w.gpu_experts_mask.data_ptr(),
-    )  # fmt: skip
+    task = _stream_task(w, x, ids, wt, out)
     engine = w.cpu_infer.engine
     stream = lib.fake_stream_create()
     with pytest.raises(ValueError, match="null address"):
