@@ -497,6 +497,10 @@ def run(args: argparse.Namespace) -> int:
     limits = None
     for group_index, group in enumerate(groups):
         wrappers = load(group)
+        # Flush the files written meanwhile (the GGUF layers, a build before the run): their
+        # writeback otherwise runs during the first timed blocks.
+        if hasattr(os, "sync"):
+            os.sync()
         if limits is None:
             engine = BaseMoEWrapper._cpu_infer.engine
             limits = measure_limits()
