@@ -43,3 +43,14 @@ def test_the_bench_runs_methods_in_groups(tmp_path):
         ("AMXINT8", 1),
         ("torch-bf16", 1),
     ]
+
+
+def test_a_non_positive_memory_budget_is_refused():
+    r = subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "bench", "--max-resident-gb", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "--max-resident-gb must be > 0 GB" in r.stderr

@@ -259,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
     from kt_kernel import KTMoEWrapper
     from kt_kernel.experts_base import BaseMoEWrapper
 
+    if args.max_resident_gb is not None and not args.max_resident_gb > 0:
+        raise SystemExit(f"--max-resident-gb must be > 0 GB, got {args.max_resident_gb}")
     experts, k, hidden, inter, default_layers = PRESETS[args.preset]
     experts = args.experts or experts
     layers = args.layers or default_layers
@@ -473,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
     groups = _memory_groups(
         variants,
         lambda name: method_bytes.get(name, bytes_per_expert) * experts * layers,
-        args.max_resident_gb * 1e9 if args.max_resident_gb else 0.45 * _available_memory(),
+        0.45 * _available_memory() if args.max_resident_gb is None else args.max_resident_gb * 1e9,
     )
     impl_order = [v[0] for v in variants] + ([] if args.no_torch else ["torch-bf16"])
     progress = _Progress(len(args.tokens) * len(impl_order))
