@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import kt_kernel
+import pytest
 from kt_kernel.bench import _memory_groups
 
 
@@ -32,6 +34,8 @@ def test_the_bench_runs_methods_in_groups(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["groups"] == [["BF16"], ["AMXINT8"]]
+    # No --threads: every physical core.
+    assert data["meta"]["threads"] == kt_kernel.cpu_info()["physical_cores"]
     rows = {(row["impl"], row["tokens"]): row for row in data["results"]}
     assert set(rows) == {(m, t) for m in ("BF16", "AMXINT8", "torch-bf16") for t in (1, 4)}
     # Each row is checked against the float64 reference on the bench's own random weights.
@@ -45,12 +49,19 @@ def test_the_bench_runs_methods_in_groups(tmp_path):
     ]
 
 
-def test_a_non_positive_memory_budget_is_refused():
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-resident-gb", "0", "--max-resident-gb must be > 0 GB"),
+        ("--threads", "-1", "--threads must be >= 1"),
+    ],
+)
+def test_bad_bench_arguments_are_refused(flag, value, message):
     r = subprocess.run(
-        [sys.executable, "-m", "kt_kernel", "bench", "--max-resident-gb", "0"],
+        [sys.executable, "-m", "kt_kernel", "bench", flag, value],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode != 0
-    assert "--max-resident-gb must be > 0 GB" in r.stderr
+    assert message in r.stderr

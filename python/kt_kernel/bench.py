@@ -92,7 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "benchmarked side by side as LLAMAFILE-<type>",
     )
     p.add_argument("--gguf-down-type", help="LLAMAFILE: ggml type of down (e.g. Q6_K as in Q4_K_M)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="worker threads (default: all physical cores)",
+    )
     p.add_argument("--repeats", type=int, default=0, help="timed calls per size (0 = auto)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument(
@@ -264,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
     experts, k, hidden, inter, default_layers = PRESETS[args.preset]
     experts = args.experts or experts
     layers = args.layers or default_layers
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be >= 1 (0: all physical cores), got {args.threads}")
+    args.threads = args.threads or int(kt_kernel.cpu_info()["physical_cores"])
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     bytes_per_expert = 3 * hidden * inter * 2
