@@ -25,6 +25,10 @@ pub const E2M1_VALUES: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
+/// Midpoints between consecutive E2M1 magnitudes (codes 0..=7): `E2M1_MIDPOINTS[c]` lies
+/// between codes `c` and `c + 1`.
+const E2M1_MIDPOINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+
 /// Int4 values by nibble (`nibble − 8`).
 pub const INT4_VALUES: [f32; 16] = [
     -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
@@ -72,25 +76,24 @@ impl CodeKind {
         match self {
             CodeKind::E4M3 => f32_to_e4m3(v),
             CodeKind::E2M1 => {
-                // Nearest magnitude, ties to the even code (the one with mantissa bit 0).
+                // The magnitude code is the number of midpoints below |v|; a tie goes up only
+                // to an even code (mantissa bit 0). NaN counts as 6 (`min`), as the largest.
+                // Branch-free (`|`, `&` on bools), so quantizing loops vectorise.
                 let a = v.abs().min(6.0);
-                let mut best = 0u8;
-                for c in 1..8u8 {
-                    let (d, db) = (
-                        (E2M1_VALUES[c as usize] - a).abs(),
-                        (E2M1_VALUES[best as usize] - a).abs(),
-                    );
-                    if d < db || (d == db && c % 2 == 0) {
-                        best = c;
-                    }
+                let mut code = 0u8;
+                for (c, mid) in E2M1_MIDPOINTS.iter().enumerate() {
+                    code += ((a > *mid) | ((a == *mid) & (c % 2 == 1))) as u8;
                 }
-                if v.is_sign_negative() && best != 0 {
-                    best | 8
-                } else {
-                    best
-                }
+                let negative = (v.to_bits() >> 31) as u8 & (code != 0) as u8;
+                code | (negative << 3)
             }
-            CodeKind::Int4 => (v.round_ties_even().clamp(-8.0, 7.0) as i32 + 8) as u8,
+            CodeKind::Int4 => {
+                // Ties to even by the 1.5·2²³ trick (exact below 2²², and anything larger
+                // saturates alike): inline, where `round_ties_even` is a libm call on
+                // baseline x86-64. NaN stays NaN through the clamp and casts to 0 → code 8.
+                const MAGIC: f32 = 12_582_912.0;
+                (((v + MAGIC) - MAGIC).clamp(-8.0, 7.0) as i32 + 8) as u8
+            }
         }
     }
 
@@ -365,6 +368,60 @@ mod tests {
         assert_eq!(CodeKind::E2M1.encode(1.75), 4);
         assert_eq!(CodeKind::E2M1.encode(-5.0), 0xE);
         assert_eq!(CodeKind::E2M1.encode(100.0), 7);
+    }
+
+    /// The definition the encoders implement: the nearest code, ties to the even code
+    /// (E2M1) or the even integer (int4), saturating, NaN to the largest E2M1 magnitude or 0.
+    fn nearest_code(kind: CodeKind, v: f32) -> u8 {
+        match kind {
+            CodeKind::E2M1 => {
+                let a = v.abs().min(6.0);
+                let mut best = 0u8;
+                for c in 1..8u8 {
+                    let (d, db) = (
+                        (E2M1_VALUES[c as usize] - a).abs(),
+                        (E2M1_VALUES[best as usize] - a).abs(),
+                    );
+                    if d < db || (d == db && c % 2 == 0) {
+                        best = c;
+                    }
+                }
+                if v.is_sign_negative() && best != 0 {
+                    best | 8
+                } else {
+                    best
+                }
+            }
+            _ => (v.round_ties_even().clamp(-8.0, 7.0) as i32 + 8) as u8,
+        }
+    }
+
+    #[test]
+    fn encoders_pick_the_nearest_code() {
+        let mut rng = crate::rng::Rng::new(17);
+        let mut values: Vec<f32> = rng.normals(20_000, 3.0);
+        // Every tie and code value of both kinds, either sign, and the awkward ones.
+        for i in -40..=40 {
+            values.push(i as f32 * 0.25);
+        }
+        values.extend(
+            E2M1_MIDPOINTS
+                .iter()
+                .flat_map(|m| [*m, -*m, m.next_up(), m.next_down()]),
+        );
+        values.extend([0.0, -0.0, 1e-30, -1e-30, 7.5, -8.5, 1e9, -1e9, 4.2e6, 8.4e6]);
+        values.extend([
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MAX,
+            f32::MIN,
+        ]);
+        for kind in [CodeKind::E2M1, CodeKind::Int4] {
+            for &v in &values {
+                assert_eq!(kind.encode(v), nearest_code(kind, v), "{kind:?} {v}");
+            }
+        }
     }
 
     #[test]
