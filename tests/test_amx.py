@@ -5,6 +5,7 @@ emulator's integer results bit for bit and its bf16 results within bf16 rounding
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -28,23 +29,27 @@ torch.save(w.forward(x, ids, wt, None), {out!r})
 """
 
 
-def run_emulated(method, tmp_path, min_rows="4"):
-    out = tmp_path / f"{method}.pt"
-    env = dict(os.environ, KT_KERNEL_AMX_EMULATE="1", KT_KERNEL_AMX_MIN_ROWS=min_rows)
+def run_emulated(method, tmp_path, min_rows="4", emulate="1"):
+    """The RUN layer in a fresh process with KT_KERNEL_AMX_MIN_ROWS = `min_rows` (None: the
+    method's own default) on the emulator (`emulate="1"`) or whatever the CPU has ("0")."""
+    out = tmp_path / f"{method}-{min_rows}-{emulate}.pt"
+    env = dict(os.environ, KT_KERNEL_AMX_EMULATE=emulate)
+    env.pop("KT_KERNEL_AMX_MIN_ROWS", None)
+    if min_rows is not None:
+        env["KT_KERNEL_AMX_MIN_ROWS"] = min_rows
     code = RUN.format(tests=os.path.dirname(__file__), method=method, out=str(out))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.strip(), torch.load(out)
 
 
-def run_here(method, with_kernel=False):
+def run_here(method):
     g, u, d = random_experts(6, 128, 256, seed=5)
     w = make_wrapper(e=6, k=2, h=128, i=256, method=method)
     w.load_weights_from_tensors(g, u, d)
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     ids, wt = random_routing(40, 6, 2, seed=3)
-    out, ref = w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d)
-    return (out, ref, w.moe.kernel) if with_kernel else (out, ref)
+    return w.forward(x, ids, wt, None), reference_moe(x, ids, wt, g, u, d)
 
 
 AMX_USABLE = bool(kt_kernel.cpu_info()["amx_permission"])
@@ -58,7 +63,9 @@ def test_hardware_tiles_equal_the_emulator(method, tmp_path):
     rounding, since real tdpbf16ps rounds its sums differently from the SDM pseudo-code."""
     kernel, emulated = run_emulated(method, tmp_path)
     assert "amx-emulated+" in kernel, kernel
-    hardware, ref, here = run_here(method, with_kernel=True)
+    # The same threshold on both sides (the methods' own defaults differ from 4).
+    here, hardware = run_emulated(method, tmp_path, emulate="0")
+    _, ref = run_here(method)
     assert "amx+" in here and "emulated" not in here, here
     if method in ("AMXINT8", "AMXINT4"):
         assert torch.equal(hardware, emulated)
@@ -98,6 +105,30 @@ def test_amx_reported_used_where_allowed_and_refused_clearly_without_it():
     assert info["kernels"]["AMX"] is None
     with pytest.raises(NotImplementedError, match="amx level"):
         core.MoeLayer(eng, 0, 4, 2, 128, 128, 16, kernel="amx", method="AMXINT8")
+
+
+def test_each_method_takes_the_tiles_from_its_own_row_count(tmp_path):
+    """Without KT_KERNEL_AMX_MIN_ROWS each method uses its measured threshold: RAWINT4's 16
+    keeps most experts of this layer (80 rows over 6 experts) on its integer kernels, exactly
+    as asking for 16 does, while 4 puts them all on the (emulated) bf16 tiles."""
+    code = "import kt_kernel; print(kt_kernel.cpu_info()['amx_min_rows_by_method'])"
+    for asked, want in ((None, {"RAWINT4": 16, "MXFP4": 8, "AMXINT8": 4}), ("6", None)):
+        env = dict(os.environ, KT_KERNEL_AMX_EMULATE="1")
+        env.pop("KT_KERNEL_AMX_MIN_ROWS", None)
+        if asked:
+            env["KT_KERNEL_AMX_MIN_ROWS"] = asked
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        rows = ast.literal_eval(r.stdout.strip())
+        if want is None:
+            assert set(rows.values()) == {6}, rows
+        else:
+            assert {m: rows[m] for m in want} == want, rows
+    _, default = run_emulated("RAWINT4", tmp_path, min_rows=None)
+    _, at16 = run_emulated("RAWINT4", tmp_path, min_rows="16")
+    _, at4 = run_emulated("RAWINT4", tmp_path, min_rows="4")
+    assert torch.equal(default, at16)
+    assert not torch.equal(default, at4)
 
 
 @pytest.mark.parametrize("var", ["KT_KERNEL_AMX_MIN_ROWS", "KT_KERNEL_AMX_PREFETCH"])

@@ -111,6 +111,14 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         "amx_min_rows",
         kt_core::kernels::amx_min_rows_from_env().py()?,
     )?;
+    // Per method: KT_KERNEL_AMX_MIN_ROWS when set, else the method's measured default.
+    let amx_rows = PyDict::new(py);
+    let asked = kt_core::kernels::amx_min_rows_env().py()?;
+    for m in kt_core::formats::implemented() {
+        let rows = asked.unwrap_or(kt_core::formats::amx_min_rows_default(m));
+        amx_rows.set_item(m.name(), rows)?;
+    }
+    d.set_item("amx_min_rows_by_method", amx_rows)?;
     d.set_item(
         "amx_prefetch_bytes",
         kt_core::kernels::amx_prefetch_from_env().py()?,

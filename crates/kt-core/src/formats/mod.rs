@@ -17,7 +17,7 @@
 //! Each format picks its kernels once, when the layer is built, from the [`KernelSet`] of one
 //! ISA level. Adding a format is a folder here, a [`Method`] variant and a line in [`build`].
 use crate::expert::{MoeConfig, Proj};
-use crate::kernels::{KernelSet, MAX_ROWS};
+use crate::kernels::{KernelSet, AMX_MIN_ROWS, MAX_ROWS};
 use crate::method::Method;
 use crate::pack::PANEL;
 use crate::pool::Pool;
@@ -297,21 +297,58 @@ pub trait ExpertFormat: Send + Sync + Any {
 /// Builds one method's experts for a layer (see [`build`]).
 type Builder = fn(&MoeConfig, usize, KernelSet) -> Result<Box<dyn ExpertFormat>>;
 
+/// One method's entry in the [`REGISTRY`].
+struct Entry {
+    method: Method,
+    build: Builder,
+    /// Rows per expert from which AMX tiles take an expert (unless `KT_KERNEL_AMX_MIN_ROWS`
+    /// says otherwise): where the tiles start to beat the format's own vector kernels, which
+    /// depends on what those cost. Measured with `benches/kernel_switch.py` on an Emerald
+    /// Rapids VM (`benches/records/2026-11-26-kernel-switch.md`); the only AMX machines seen.
+    amx_min_rows: usize,
+}
+
 /// The registry: every method this build computes and how its experts are built. A new format
 /// is one line here (and its `pub mod` above).
-const REGISTRY: &[(Method, Builder)] = &[
-    (Method::Bf16, bf16::experts),
-    (Method::AmxInt8, int8::experts),
-    (Method::AmxInt4, int4::experts),
-    (Method::Llamafile, ggml::experts),
-    (Method::Fp8, fp8::experts),
-    (Method::Fp8PerChannel, fp8::experts_per_channel),
-    (Method::RawInt4, kgroup::rawint4),
-    (Method::GptqInt4, kgroup::gptq_int4),
-    (Method::MxFp4, kgroup::mxfp4),
-    (Method::NvFp4, kgroup::nvfp4),
-    (Method::MxFp8, kgroup::mxfp8),
+const REGISTRY: &[Entry] = &[
+    entry(Method::Bf16, bf16::experts, AMX_MIN_ROWS),
+    entry(Method::AmxInt8, int8::experts, AMX_MIN_ROWS),
+    entry(Method::AmxInt4, int4::experts, 8),
+    entry(Method::Llamafile, ggml::experts, AMX_MIN_ROWS),
+    // Formats whose tiles need each panel decoded to bf16 first gain from them later: from 8
+    // rows (FP8, MXFP8, the 4-bit group-scaled methods, whose many-row integer kernels keep
+    // up until then), RAWINT4 (an 8-bit many-row kernel) from 16. FP8_PERCHANNEL measured
+    // best at 4.
+    entry(Method::Fp8, fp8::experts, 8),
+    entry(
+        Method::Fp8PerChannel,
+        fp8::experts_per_channel,
+        AMX_MIN_ROWS,
+    ),
+    entry(Method::RawInt4, kgroup::rawint4, 16),
+    entry(Method::GptqInt4, kgroup::gptq_int4, 8),
+    entry(Method::MxFp4, kgroup::mxfp4, 8),
+    entry(Method::NvFp4, kgroup::nvfp4, 8),
+    entry(Method::MxFp8, kgroup::mxfp8, 8),
 ];
+
+const fn entry(method: Method, build: Builder, amx_min_rows: usize) -> Entry {
+    Entry {
+        method,
+        build,
+        amx_min_rows,
+    }
+}
+
+fn entry_of(method: Method) -> Option<&'static Entry> {
+    REGISTRY.iter().find(|e| e.method == method)
+}
+
+/// Rows per expert from which `method`'s experts take the AMX tiles by default (see
+/// [`Entry::amx_min_rows`]); `KT_KERNEL_AMX_MIN_ROWS` overrides it for every method.
+pub fn amx_min_rows_default(method: Method) -> usize {
+    entry_of(method).map_or(AMX_MIN_ROWS, |e| e.amx_min_rows)
+}
 
 /// The methods [`build`] knows, in [`Method::ALL`] order.
 pub fn implemented() -> Vec<Method> {
@@ -323,7 +360,7 @@ pub fn implemented() -> Vec<Method> {
 
 /// Whether [`build`] knows `method`.
 pub fn is_registered(method: Method) -> bool {
-    REGISTRY.iter().any(|(m, _)| *m == method)
+    entry_of(method).is_some()
 }
 
 /// Fails with `Unsupported` (NotImplementedError in Python) for a method this build
@@ -351,11 +388,8 @@ pub fn build(
 ) -> Result<Box<dyn ExpertFormat>> {
     ensure_registered(method)?;
     prefetch_distance()?;
-    let (_, builder) = REGISTRY
-        .iter()
-        .find(|(m, _)| *m == method)
-        .expect("registered");
-    builder(config, parts, kernels)
+    let e = entry_of(method).expect("registered");
+    (e.build)(config, parts, kernels.with_amx_rows_default(e.amx_min_rows))
 }
 
 /// The prefetch distance the byte-group kernels use, measured once per process with the

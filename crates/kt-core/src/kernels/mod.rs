@@ -88,6 +88,9 @@ pub struct AmxPath {
     pub stage: StageFn,
     /// Use the tile kernels for experts with at least this many rows (0 = never).
     pub min_rows: usize,
+    /// Whether `min_rows` was asked for (`KT_KERNEL_AMX_MIN_ROWS`, a test): formats then keep
+    /// it instead of their measured default ([`KernelSet::with_amx_rows_default`]).
+    pub min_rows_fixed: bool,
     /// The kernels run on the software tile emulator (tests), not the hardware.
     pub emulated: bool,
 }
@@ -109,16 +112,26 @@ impl AmxPath {
     }
 }
 
-/// Default minimum rows per expert for the AMX tile kernels (`KT_KERNEL_AMX_MIN_ROWS`).
+/// Default minimum rows per expert for the AMX tile kernels (`KT_KERNEL_AMX_MIN_ROWS`); a
+/// format may set its own measured default ([`KernelSet::with_amx_rows_default`]).
 pub const AMX_MIN_ROWS: usize = 4;
 
 /// The AMX threshold from `KT_KERNEL_AMX_MIN_ROWS` (0 disables AMX), or the default.
 pub fn amx_min_rows_from_env() -> Result<usize> {
+    Ok(amx_min_rows_env()?.unwrap_or(AMX_MIN_ROWS))
+}
+
+/// `KT_KERNEL_AMX_MIN_ROWS` when set (0 disables AMX).
+pub fn amx_min_rows_env() -> Result<Option<usize>> {
+    if std::env::var_os("KT_KERNEL_AMX_MIN_ROWS").is_none() {
+        return Ok(None);
+    }
     count_from_env(
         "KT_KERNEL_AMX_MIN_ROWS",
         AMX_MIN_ROWS,
         "a row count (use 0 to disable AMX)",
     )
+    .map(Some)
 }
 
 /// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or the
@@ -281,10 +294,12 @@ impl KernelSet {
             Some("fma") => KernelSet::for_level(level),
             Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
             Some("scalar") => Ok(KernelSet::scalar_twin()),
-            Some("amx") => KernelSet::best()?.with_amx(amx_min_rows_from_env()?),
-            Some("amx-emulated") => {
-                Ok(KernelSet::best()?.with_emulated_amx(amx_min_rows_from_env()?))
-            }
+            Some("amx") => Ok(KernelSet::best()?
+                .with_amx(amx_min_rows_from_env()?)?
+                .amx_rows_from_env()?),
+            Some("amx-emulated") => Ok(KernelSet::best()?
+                .with_emulated_amx(amx_min_rows_from_env()?)
+                .amx_rows_from_env()?),
             Some(other) => Err(Error::Invalid(format!(
                 "kernel={other:?}: expected 'auto', 'fma', 'bf16dot', 'scalar', 'amx' or \
                  'amx-emulated'"
@@ -303,12 +318,32 @@ impl KernelSet {
             )));
         }
         if emulate == "1" {
-            Ok(self.with_emulated_amx(min_rows))
+            self.with_emulated_amx(min_rows).amx_rows_from_env()
         } else if self.level >= Level::Amx && amx::HARDWARE_BUILT {
-            self.with_amx(min_rows)
+            self.with_amx(min_rows)?.amx_rows_from_env()
         } else {
             Ok(self)
         }
+    }
+
+    /// Let formats choose the AMX threshold unless `KT_KERNEL_AMX_MIN_ROWS` names one.
+    fn amx_rows_from_env(mut self) -> Result<KernelSet> {
+        let fixed = amx_min_rows_env()?.is_some();
+        if let Some(a) = &mut self.amx {
+            a.min_rows_fixed = fixed;
+        }
+        Ok(self)
+    }
+
+    /// These kernels with AMX taking experts from `rows` rows on, unless the threshold was
+    /// asked for (`KT_KERNEL_AMX_MIN_ROWS`, or [`KernelSet::with_amx`] by a test). Each format
+    /// passes the row count its own measurements favour: where the tiles start to pay off
+    /// depends on what the vector kernels below them cost (`benches/kernel_switch.py`).
+    pub fn with_amx_rows_default(mut self, rows: usize) -> KernelSet {
+        if let Some(a) = self.amx.as_mut().filter(|a| !a.min_rows_fixed) {
+            a.min_rows = rows;
+        }
+        self
     }
 
     /// The staging kernel of this set's ISA (bit-identical across ISAs).
@@ -341,6 +376,7 @@ impl KernelSet {
                     bf16: amx::panel_dot_bf16,
                     stage: self.stage_fn(),
                     min_rows,
+                    min_rows_fixed: true,
                     emulated: false,
                 }),
                 ..self
@@ -365,6 +401,7 @@ impl KernelSet {
                 bf16: amx::emulated::panel_dot_bf16,
                 stage: self.stage_fn(),
                 min_rows,
+                min_rows_fixed: true,
                 emulated: true,
             }),
             ..self

@@ -173,3 +173,25 @@ fn asking_for_more_than_the_cpu_has_is_an_error() {
         assert!(err.to_string().contains("amx"), "{err}");
     }
 }
+
+#[test]
+fn formats_choose_the_amx_threshold_unless_it_was_asked_for() {
+    let asked = KernelSet::scalar_twin().with_emulated_amx(3);
+    let rows = |s: KernelSet| s.amx().map(|a| a.min_rows);
+    assert_eq!(rows(asked.with_amx_rows_default(16)), Some(3));
+    let mut free = asked;
+    free.amx.as_mut().unwrap().min_rows_fixed = false;
+    assert_eq!(rows(free.with_amx_rows_default(16)), Some(16));
+    // Without an AMX path there is nothing to set.
+    assert_eq!(
+        rows(KernelSet::scalar_twin().with_amx_rows_default(16)),
+        None
+    );
+    // The registry's defaults.
+    use crate::method::Method;
+    assert_eq!(crate::formats::amx_min_rows_default(Method::RawInt4), 16);
+    assert_eq!(
+        crate::formats::amx_min_rows_default(Method::AmxInt8),
+        AMX_MIN_ROWS
+    );
+}
