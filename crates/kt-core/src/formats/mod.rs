@@ -314,7 +314,7 @@ const REGISTRY: &[Entry] = &[
     entry(Method::Bf16, bf16::experts, AMX_MIN_ROWS),
     entry(Method::AmxInt8, int8::experts, AMX_MIN_ROWS),
     entry(Method::AmxInt4, int4::experts, 8),
-    entry(Method::Llamafile, ggml::experts, AMX_MIN_ROWS),
+    entry(Method::Llamafile, ggml::experts, 0), // no tile kernels
     // Formats whose tiles need each panel decoded to bf16 first gain from them later: from 8
     // rows (FP8, MXFP8, the 4-bit group-scaled methods, whose many-row integer kernels keep
     // up until then), RAWINT4 (an 8-bit many-row kernel) from 16. FP8_PERCHANNEL measured
