@@ -1083,6 +1083,66 @@ mod tests {
         check_kernels_against_twin(int_fused_for, int_fused_scalar);
     }
 
+    /// The largest integer sums the kernels can meet: every code at the largest byte (int4
+    /// nibble 15, E2M1 code 7 = byte 24) against activations that cut to ±126 with remainder
+    /// ±127 (or ±127 exactly), in chunks of 32: no 16-bit `vpmaddubsw` sum may saturate.
+    #[test]
+    fn extreme_sums_equal_the_scalar_twin() {
+        let k = 256;
+        let mut x = vec![0f32; k];
+        for (i, v) in x.iter_mut().enumerate() {
+            let sign = if (64..128).contains(&i) { -1.0 } else { 1.0 };
+            *v = sign * if i % 32 == 0 { 127.0 } else { 126.5 };
+        }
+        let mut row = vec![0u8; row_bytes(k, 32)];
+        prepare_row(&x, 32, &mut row);
+        let mut levels = vec![];
+        for l in [Level::Avx2, Level::Avx512Vnni] {
+            if crate::isa::allows(l) {
+                levels.push(l);
+            }
+        }
+        for (kind, byte) in [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)] {
+            let w = WeightBytes::of(kind, ScaleType::Bf16);
+            let codes = vec![byte; 16 * k];
+            let scales: Vec<u8> = (0..(k / 32) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
+            for level in &levels {
+                let (kernel, max_rows) = int_fused_for(*level).unwrap();
+                let ptrs = vec![row.as_ptr(); max_rows];
+                let (mut want, mut got) = (vec![0f32; 32 * max_rows], vec![0f32; 32 * max_rows]);
+                // SAFETY: max_rows prepared rows of k inputs, 16·k code bytes, the scales of
+                // k/32 groups, 32 outputs per row; the level is allowed.
+                unsafe {
+                    let args = (k, (0, k), 32, 32, codes.as_ptr(), scales.as_ptr());
+                    int_fused_scalar(
+                        &ptrs,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        args.4,
+                        args.5,
+                        &w,
+                        want.as_mut_ptr(),
+                    );
+                    kernel(
+                        &ptrs,
+                        args.0,
+                        args.1,
+                        args.2,
+                        args.3,
+                        args.4,
+                        args.5,
+                        &w,
+                        got.as_mut_ptr(),
+                    );
+                }
+                assert_eq!(got, want, "{kind:?} at {level:?}");
+                assert!(want.iter().all(|v| v.abs() > 1e3), "{want:?}");
+            }
+        }
+    }
+
     #[test]
     fn int_gemm_kernels_equal_their_scalar_twin() {
         check_kernels_against_twin(int_gemm_for, int_gemm_scalar);
