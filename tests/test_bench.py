@@ -65,3 +65,11 @@ def test_bad_bench_arguments_are_refused(flag, value, message):
     )
     assert r.returncode != 0
     assert message in r.stderr
+
+
+def test_rows_slowed_from_outside_are_marked():
+    from kt_kernel.bench import DISTURBED_SPREAD, _median_cell
+
+    assert _median_cell({"median_ms": 1.2, "best_ms": 1.0}) == "1.20"
+    marked = _median_cell({"median_ms": 1.0 + DISTURBED_SPREAD, "best_ms": 1.0})
+    assert marked.endswith(" †") and marked.startswith("2.25")

@@ -75,6 +75,21 @@ def _set_floor(row: dict, limits: dict) -> None:
     row["x_floor"] = row["median_ms"] / row["floor_ms"]
 
 
+# A row whose median is this far above its best was probably slowed by something outside
+# the process for part of its calls (benches/records/2026-11-26-layer-run-spread.md).
+DISTURBED_SPREAD = 1.25
+DISTURBED_NOTE = (
+    f"† median more than {DISTURBED_SPREAD:.2f}× the row's best: part of its calls ran slowed by "
+    "something outside the process (this VM has slow phases); its best is the better guide."
+)
+
+
+def _median_cell(row: dict) -> str:
+    """The median, marked † when the row's spread says the machine was disturbed."""
+    mark = " †" if row["median_ms"] > DISTURBED_SPREAD * row["best_ms"] else ""
+    return f"{row['median_ms']:.2f}{mark}"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
     p.add_argument("--experts", type=int, help="override the preset's expert count")
@@ -555,13 +570,15 @@ def run(args: argparse.Namespace) -> int:
         fma = f"{100 * r['frac_fma_peak']:.0f}%" if r["frac_fma_peak"] else "-"
         bf = f"{100 * r['frac_bf16_peak']:.0f}%" if r["frac_bf16_peak"] else "-"
         lines.append(
-            f"| {r['impl']} | {r['tokens']} | {r['median_ms']:.2f} | {r['best_ms']:.2f} | "
+            f"| {r['impl']} | {r['tokens']} | {_median_cell(r)} | {r['best_ms']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {r['weight_gbps']:.1f} ({100 * r['frac_dram_now']:.0f}% "
             f"of {r['dram_now_gbps']:.1f}) | "
             f"{r['gflops']:.1f} ({fma} / {bf}) | {r['floor_ms']:.2f} ({r['x_floor']:.2f}×, "
             f"{r['floor_bound'] if r['floor_bound'] == 'memory' else r['compute_family']}) | "
             f"{r['rel_l2_err']:.1e} | {speedup} |"
         )
+    if any(" †" in line for line in lines):
+        lines += ["", DISTURBED_NOTE]
     table = "\n".join(lines)
     print(table)
     meta = {
