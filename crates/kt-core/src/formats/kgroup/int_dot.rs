@@ -1078,6 +1078,14 @@ mod tests {
 
     type KernelFor = fn(Level) -> Option<(IntFusedFn, usize)>;
 
+    /// The SIMD levels with integer kernels that this CPU (and the variant cap) allows.
+    fn allowed_levels() -> Vec<Level> {
+        [Level::Avx2, Level::Avx512Vnni]
+            .into_iter()
+            .filter(|&l| crate::isa::allows(l))
+            .collect()
+    }
+
     #[test]
     fn int_kernels_equal_their_scalar_twin() {
         check_kernels_against_twin(int_fused_for, int_fused_scalar);
@@ -1096,12 +1104,7 @@ mod tests {
         }
         let mut row = vec![0u8; row_bytes(k, 32)];
         prepare_row(&x, 32, &mut row);
-        let mut levels = vec![];
-        for l in [Level::Avx2, Level::Avx512Vnni] {
-            if crate::isa::allows(l) {
-                levels.push(l);
-            }
-        }
+        let levels = allowed_levels();
         for (kind, byte) in [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)] {
             let w = WeightBytes::of(kind, ScaleType::Bf16);
             let codes = vec![byte; 16 * k];
@@ -1110,32 +1113,14 @@ mod tests {
                 let (kernel, max_rows) = int_fused_for(*level).unwrap();
                 let ptrs = vec![row.as_ptr(); max_rows];
                 let (mut want, mut got) = (vec![0f32; 32 * max_rows], vec![0f32; 32 * max_rows]);
-                // SAFETY: max_rows prepared rows of k inputs, 16·k code bytes, the scales of
-                // k/32 groups, 32 outputs per row; the level is allowed.
-                unsafe {
-                    let args = (k, (0, k), 32, 32, codes.as_ptr(), scales.as_ptr());
-                    int_fused_scalar(
-                        &ptrs,
-                        args.0,
-                        args.1,
-                        args.2,
-                        args.3,
-                        args.4,
-                        args.5,
-                        &w,
-                        want.as_mut_ptr(),
-                    );
-                    kernel(
-                        &ptrs,
-                        args.0,
-                        args.1,
-                        args.2,
-                        args.3,
-                        args.4,
-                        args.5,
-                        &w,
-                        got.as_mut_ptr(),
-                    );
+                for (f, out) in [
+                    (int_fused_scalar as IntFusedFn, &mut want),
+                    (kernel, &mut got),
+                ] {
+                    let (c, sc) = (codes.as_ptr(), scales.as_ptr());
+                    // SAFETY: max_rows prepared rows of k inputs, 16·k code bytes, the scales
+                    // of k/32 groups, 32 outputs per row; the level is allowed.
+                    unsafe { f(&ptrs, k, (0, k), 32, 32, c, sc, &w, out.as_mut_ptr()) };
                 }
                 assert_eq!(got, want, "{kind:?} at {level:?}");
                 assert!(want.iter().all(|v| v.abs() > 1e3), "{want:?}");
@@ -1161,12 +1146,7 @@ mod tests {
         let mut rng = crate::rng::Rng::new(31);
         let k = 512;
         let codes: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
-        let mut levels = vec![];
-        for l in [Level::Avx2, Level::Avx512Vnni] {
-            if crate::isa::allows(l) {
-                levels.push(l);
-            }
-        }
+        let levels = allowed_levels();
         for (kind, st) in [
             (CodeKind::Int4, ScaleType::Bf16),
             (CodeKind::Int4, ScaleType::F16),
