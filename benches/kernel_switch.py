@@ -8,10 +8,10 @@ sizes, and how far the current default is from it.
     python benches/kernel_switch.py --var KT_KERNEL_AMX_MIN_ROWS --values 2 4 8 16 \\
         --methods BF16 AMXINT8 AMXINT4 --tokens 16 32 64 128
 
-The switches: ``KT_KERNEL_AMX_MIN_ROWS`` (rows per expert from which the AMX tile kernels take
-an expert, AMX CPUs), ``KT_KERNEL_FEW_ROWS`` (rows per expert up to which the group-scaled
-4-bit methods use their few-row integer kernel). The routing of S1 (128 experts, top-8) gives
-an expert about tokens/16 rows on average, so 16–128 tokens cover 1–8 rows.
+The switch that can be swept: ``KT_KERNEL_AMX_MIN_ROWS`` (rows per expert from which the AMX
+tile kernels take an expert, AMX CPUs; set, it overrides every method's default). The routing
+of S1 (128 experts, top-8) gives an expert about tokens/16 rows on average, so 16–128 tokens
+cover 1–8 rows.
 """
 
 from __future__ import annotations

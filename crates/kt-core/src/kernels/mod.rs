@@ -294,12 +294,8 @@ impl KernelSet {
             Some("fma") => KernelSet::for_level(level),
             Some("bf16dot") => KernelSet::with_bf16(level, BF16_MIN_ROWS),
             Some("scalar") => Ok(KernelSet::scalar_twin()),
-            Some("amx") => Ok(KernelSet::best()?
-                .with_amx(amx_min_rows_from_env()?)?
-                .amx_rows_from_env()?),
-            Some("amx-emulated") => Ok(KernelSet::best()?
-                .with_emulated_amx(amx_min_rows_from_env()?)
-                .amx_rows_from_env()?),
+            Some("amx") => KernelSet::best()?.with_env_amx(false),
+            Some("amx-emulated") => KernelSet::best()?.with_env_amx(true),
             Some(other) => Err(Error::Invalid(format!(
                 "kernel={other:?}: expected 'auto', 'fma', 'bf16dot', 'scalar', 'amx' or \
                  'amx-emulated'"
@@ -310,7 +306,7 @@ impl KernelSet {
     /// Add the AMX path the process allows: emulated if `KT_KERNEL_AMX_EMULATE=1`, the hardware
     /// kernels at the amx level, none otherwise; threshold from `KT_KERNEL_AMX_MIN_ROWS`.
     fn with_best_amx(self) -> Result<KernelSet> {
-        let min_rows = amx_min_rows_from_env()?;
+        amx_min_rows_env()?; // a malformed value is an error on every CPU, AMX or not
         let emulate = std::env::var("KT_KERNEL_AMX_EMULATE").unwrap_or_default();
         if !matches!(emulate.as_str(), "" | "0" | "1") {
             return Err(Error::Invalid(format!(
@@ -318,21 +314,28 @@ impl KernelSet {
             )));
         }
         if emulate == "1" {
-            self.with_emulated_amx(min_rows).amx_rows_from_env()
+            self.with_env_amx(true)
         } else if self.level >= Level::Amx && amx::HARDWARE_BUILT {
-            self.with_amx(min_rows)?.amx_rows_from_env()
+            self.with_env_amx(false)
         } else {
             Ok(self)
         }
     }
 
-    /// Let formats choose the AMX threshold unless `KT_KERNEL_AMX_MIN_ROWS` names one.
-    fn amx_rows_from_env(mut self) -> Result<KernelSet> {
-        let fixed = amx_min_rows_env()?.is_some();
-        if let Some(a) = &mut self.amx {
-            a.min_rows_fixed = fixed;
+    /// The AMX path (emulated or hardware) with the threshold `KT_KERNEL_AMX_MIN_ROWS` names,
+    /// which formats keep; unset, formats choose their own ([`KernelSet::with_amx_rows_default`]).
+    fn with_env_amx(self, emulated: bool) -> Result<KernelSet> {
+        let asked = amx_min_rows_env()?;
+        let rows = asked.unwrap_or(AMX_MIN_ROWS);
+        let mut set = if emulated {
+            self.with_emulated_amx(rows)
+        } else {
+            self.with_amx(rows)?
+        };
+        if let Some(a) = &mut set.amx {
+            a.min_rows_fixed = asked.is_some();
         }
-        Ok(self)
+        Ok(set)
     }
 
     /// These kernels with AMX taking experts from `rows` rows on, unless the threshold was
