@@ -291,4 +291,13 @@ int kt_amx_emu_self_test() {
   return f != kOk ? f : check_arithmetic();
 }
 
+// As kt_amx_emu_bf16_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
+int kt_amx_emu_bf16_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
+                               const uint16_t* panel, float* out) {
+  EmuTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::bf16_panel(tm, act, m, k, panel, out);
+  return tm.fault;
+}
+
 }  // extern "C"

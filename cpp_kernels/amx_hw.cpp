@@ -159,4 +159,12 @@ void kt_amx_bf16_dot(const uint32_t* const* a, size_t m, size_t k, const uint16_
   kt_amx::bf16_panel(tm, a, m, k, panel, out);
 }
 
+// As kt_amx_bf16_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
+void kt_amx_bf16_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
+                            const uint16_t* panel, float* out) {
+  HwTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::bf16_panel(tm, act, m, k, panel, out);
+}
+
 }  // extern "C"

@@ -71,9 +71,20 @@ inline TileConfig make_config(size_t m0, size_t m1) {
 
 // The activation operand of one 64-byte column block for both row blocks. Rows a constant
 // stride apart load straight from the caller's memory; scattered rows are first gathered into a
-// 64-byte-stride stage (the tile load needs one stride).
+// 64-byte-stride stage (the tile load needs one stride). Rows the caller packed already (see
+// `Packed`) load straight from the packing.
 class ActivationBlocks {
  public:
+  // Rows packed by 64-byte column block: block c of row r at base + c * step_bytes + r * 64
+  // (step_bytes >= m * 64). Each tile then loads 1 KiB of adjacent lines, and no column block
+  // is gathered again for each weight panel that reuses the rows.
+  struct Packed {
+    const uint8_t* base;
+    size_t step_bytes;
+  };
+  ActivationBlocks(Packed p, size_t m)
+      : m_(m), stride_(64), contiguous_(true), packed_(p.base), step_bytes_(p.step_bytes) {}
+
   template <class T>
   ActivationBlocks(const T* const* rows_in, size_t m) : m_(m) {
     for (size_t r = 0; r < m; ++r) rows_[r] = reinterpret_cast<const uint8_t*>(rows_in[r]);
@@ -90,10 +101,12 @@ class ActivationBlocks {
   // Make columns [byte_col, byte_col + 64) of every row available.
   void select(size_t byte_col) {
     col_ = byte_col;
+    if (packed_) return;
     if (!contiguous_)
       for (size_t r = 0; r < m_; ++r) std::memcpy(stage_ + r * 64, rows_[r] + byte_col, 64);
   }
   const uint8_t* block(size_t b) const {
+    if (packed_) return packed_ + col_ / 64 * step_bytes_ + b * 16 * 64;
     return contiguous_ ? rows_[0] + b * 16 * stride_ + col_ : stage_ + b * 16 * 64;
   }
   size_t stride() const { return contiguous_ ? stride_ : 64; }
@@ -104,6 +117,8 @@ class ActivationBlocks {
   size_t stride_;
   bool contiguous_;
   size_t col_ = 0;
+  const uint8_t* packed_ = nullptr;
+  size_t step_bytes_ = 0;
   alignas(64) uint8_t stage_[kMaxRows * 64];
 };
 
@@ -222,13 +237,12 @@ void int4_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const ui
 }
 
 // out[r*32 + j] = sum_kk a[r][kk] * W[j][kk] over a bf16 panel (k % 32 == 0); activations are
-// staged bf16 pairs, k/2 per row.
+// bf16 pairs, k/2 per row.
 template <class Tiles>
-void bf16_panel(Tiles& tm, const uint32_t* const* a, size_t m, size_t k, const uint16_t* panel,
+void bf16_panel(Tiles& tm, ActivationBlocks& act, size_t m, size_t k, const uint16_t* panel,
                 float* out) {
   const bool second = begin(tm, m);
   const size_t dist = tm.prefetch_bytes();
-  ActivationBlocks act(a, m);
   const uint8_t* p = reinterpret_cast<const uint8_t*>(panel);
   for (size_t s = 0; s < k / 32; ++s) {
     act.select(s * 64);  // 16 pairs = 64 bytes per row
@@ -237,6 +251,13 @@ void bf16_panel(Tiles& tm, const uint32_t* const* a, size_t m, size_t k, const u
     step<Tiles, true>(tm, act, second, pairs, pairs + 64, 128);
   }
   store_all(tm, out, second);
+}
+
+template <class Tiles>
+void bf16_panel(Tiles& tm, const uint32_t* const* a, size_t m, size_t k, const uint16_t* panel,
+                float* out) {
+  ActivationBlocks act(a, m);
+  bf16_panel(tm, act, m, k, panel, out);
 }
 
 }  // namespace kt_amx

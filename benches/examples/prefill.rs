@@ -1,6 +1,7 @@
 //! Diagnostic: prefill latency of one quantized layer, alternating two layers; prints a marker
 //! once set-up is done so `perf record -D` can skip it.
-//! `cargo run --release -p kt-benches --example prefill -- int8 512`
+//! `cargo run --release -p kt-benches --example prefill -- int8 512` (or any method name, e.g.
+//! FP8)
 use kt_core::kernels::KernelSet;
 use kt_core::method::Method;
 use kt_core::moe::Workspace;
@@ -12,7 +13,8 @@ fn main() {
     let format = match std::env::args().nth(1).as_deref() {
         Some("int4") => Method::AmxInt4,
         Some("bf16") => Method::Bf16,
-        _ => Method::AmxInt8,
+        Some("int8") | None => Method::AmxInt8,
+        Some(name) => Method::parse(name).expect("a method name"),
     };
     let tokens: usize = std::env::args()
         .nth(2)

@@ -54,6 +54,10 @@ pub enum Stage {
 
 /// Up to [`MAX_ROWS`] activation rows of one expert, as the forward hands them to a panel.
 pub struct RowBlock<'a> {
+    /// A key under which the prepared rows do not change ([`next_reuse_key`]): blocks with the
+    /// same key and the same row addresses hold the same bytes, so a kernel may keep what it
+    /// made of them (AMX's packed rows) for the next panel. None: no such promise.
+    pub reuse: Option<u64>,
     /// Rows this expert has in the forward (formats choose their kernel path from it).
     pub expert_rows: usize,
     /// fp32 rows (`k` values each).
@@ -62,6 +66,13 @@ pub struct RowBlock<'a> {
     pub prepared: &'a [*const u8],
     /// What the format's prepare returned for each row (e.g. its int8 scale).
     pub scales: &'a [f32],
+}
+
+/// A fresh [`RowBlock::reuse`] key. The forward takes one per phase, after the phase before
+/// finished writing the rows this phase reads.
+pub fn next_reuse_key() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl RowBlock<'_> {

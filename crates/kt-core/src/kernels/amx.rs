@@ -42,6 +42,14 @@ extern "C" {
         panel: *const u16,
         out: *mut f32,
     ) -> i32;
+    fn kt_amx_emu_bf16_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) -> i32;
     fn kt_amx_emu_self_test() -> i32;
 }
 
@@ -64,6 +72,14 @@ extern "C" {
         out: *mut i32,
     );
     fn kt_amx_bf16_dot(a: *const *const u32, m: usize, k: usize, panel: *const u16, out: *mut f32);
+    fn kt_amx_bf16_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    );
     fn kt_amx_set_prefetch(bytes: usize);
     fn kt_amx_peak_int8(iters: u64) -> u64;
     fn kt_amx_peak_bf16(iters: u64) -> u64;
@@ -162,6 +178,109 @@ pub unsafe fn panel_dot_bf16(a: &[*const u32], k: usize, panel: *const u16, out:
     unsafe { kt_amx_bf16_dot(a.as_ptr(), a.len(), k, panel, out) }
 }
 
+/// Hardware bf16 panel kernel on packed rows ([`PackedRows`]).
+///
+/// # Safety
+/// AMX usable by this process; the [`PackedDotBf16Fn`](super::PackedDotBf16Fn) contract.
+#[cfg(kt_amx_hw)]
+pub unsafe fn panel_dot_bf16_packed(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    panel: *const u16,
+    out: *mut f32,
+) {
+    check_rows(m);
+    assert!(step_bytes >= 64 * m && k.is_multiple_of(BF16_K_STEP));
+    // SAFETY: forwarded contract.
+    unsafe { kt_amx_bf16_dot_packed(packed, step_bytes, m, k, panel, out) }
+}
+
+/// Activation rows packed for the tile loads: for each 64-byte column block ("step") of the
+/// rows, the `m` rows' 64 bytes back to back, so a 16-row tile is 1 KiB of adjacent lines.
+/// Gathering scattered rows costs as much as the tiles' work on one panel, so the packing pays
+/// only when several panels reuse it: a thread keeps its last packing, keyed by the caller's
+/// reuse key and the row addresses ([`with_packed_rows`]).
+pub struct PackedRows {
+    key: Option<(u64, usize, [usize; ROWS])>,
+    buf: crate::pack::AlignedBuf<u8>,
+}
+
+thread_local! {
+    static PACKED_ROWS: std::cell::RefCell<PackedRows> = std::cell::RefCell::new(PackedRows {
+        key: None,
+        buf: crate::pack::AlignedBuf::zeroed(0).expect("an empty buffer"),
+    });
+}
+
+/// Bytes per step of `m` packed rows: one 16-row tile, or two.
+pub fn packed_step_bytes(m: usize) -> usize {
+    if m > 16 {
+        2048
+    } else {
+        1024
+    }
+}
+
+/// Pack `rows` (each `steps · 64` bytes) into `dst` ([`PackedRows`]' layout); returns the step
+/// size in bytes.
+///
+/// # Safety
+/// Each row pointer is readable for `steps · 64` bytes; `1 ≤ rows.len() ≤ 32`.
+pub unsafe fn pack_rows(rows: &[*const u8], steps: usize, dst: &mut [u8]) -> usize {
+    check_rows(rows.len());
+    let step = packed_step_bytes(rows.len());
+    assert!(dst.len() >= steps * step);
+    for (r, &row) in rows.iter().enumerate() {
+        for s in 0..steps {
+            // SAFETY: 64 bytes of block s of row r (the contract) into its slot, in bounds.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    row.add(s * 64),
+                    dst.as_mut_ptr().add(s * step + r * 64),
+                    64,
+                )
+            };
+        }
+    }
+    step
+}
+
+/// Run `f(packed, step_bytes)` on `rows` (each `steps · 64` bytes) packed by this thread, reusing
+/// its last packing when `reuse` and the row addresses are the same as then.
+///
+/// # Safety
+/// As [`pack_rows`]; and the caller promises that the bytes behind the same row addresses do
+/// not change while a `reuse` key is in use (each key names one state of the rows).
+pub unsafe fn with_packed_rows<R>(
+    reuse: u64,
+    rows: &[*const u8],
+    steps: usize,
+    f: impl FnOnce(*const u8, usize) -> R,
+) -> R {
+    check_rows(rows.len());
+    let mut addrs = [0usize; ROWS];
+    for (a, &r) in addrs.iter_mut().zip(rows) {
+        *a = r as usize;
+    }
+    let key = (reuse, steps, addrs);
+    PACKED_ROWS.with(|cell| {
+        let mut cache = cell.borrow_mut();
+        let step = packed_step_bytes(rows.len());
+        if cache.key != Some(key) {
+            let len = steps * step;
+            if cache.buf.len() < len {
+                cache.buf = crate::pack::AlignedBuf::zeroed(len).expect("a packed-rows buffer");
+            }
+            // SAFETY: forwarded; the buffer holds `len` bytes.
+            unsafe { pack_rows(rows, steps, cache.buf.as_mut_slice()) };
+            cache.key = Some(key);
+        }
+        f(cache.buf.as_slice().as_ptr(), step)
+    })
+}
+
 /// What the emulator reported: the fault the hardware would have raised.
 fn emulator_fault(code: i32) -> &'static str {
     match code {
@@ -215,6 +334,25 @@ pub mod emulated {
         // SAFETY: forwarded contract.
         let code = unsafe { kt_amx_emu_bf16_dot(a.as_ptr(), a.len(), k, panel, out) };
         check_emulated(code, "bf16 panel");
+    }
+
+    /// Emulated [`panel_dot_bf16_packed`](super::panel_dot_bf16_packed).
+    ///
+    /// # Safety
+    /// The [`PackedDotBf16Fn`](crate::kernels::PackedDotBf16Fn) contract.
+    pub unsafe fn panel_dot_bf16_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
+        check_rows(m);
+        assert!(step_bytes >= 64 * m && k.is_multiple_of(BF16_K_STEP));
+        // SAFETY: forwarded contract.
+        let code = unsafe { kt_amx_emu_bf16_dot_packed(packed, step_bytes, m, k, panel, out) };
+        check_emulated(code, "bf16 panel, packed rows");
     }
 
     /// The emulator's own checks (fault detection, instruction arithmetic on random tiles):
@@ -411,6 +549,75 @@ pub(crate) mod tests {
                     assert!((*got as f64 - exact).abs() <= 1e-4 * (k as f64).sqrt() * 4.0);
                 }
             }
+        }
+    }
+
+    /// Rows packed by [`pack_rows`], then the packed tile program (emulated).
+    unsafe fn emulated_packed(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        let rows: Vec<*const u8> = a.iter().map(|p| p.cast()).collect();
+        let mut buf = vec![0u8; k / 32 * 2048 + 64];
+        // 64-byte aligned start inside buf (the tile loads do not need it; the packing does
+        // not assume it either, this only mirrors the kernels' buffers).
+        let off = buf.as_ptr().align_offset(64);
+        // SAFETY: rows of k/2 pairs = k/32 steps of 64 bytes; buf holds every step.
+        unsafe {
+            let step = pack_rows(&rows, k / 32, &mut buf[off..]);
+            emulated::panel_dot_bf16_packed(buf[off..].as_ptr(), step, a.len(), k, panel, out)
+        }
+    }
+
+    #[test]
+    fn emulated_packed_bf16_tile_program_matches_its_twin() {
+        check_bf16(emulated_packed, true);
+    }
+
+    #[cfg(kt_amx_hw)]
+    unsafe fn hardware_packed(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        let rows: Vec<*const u8> = a.iter().map(|p| p.cast()).collect();
+        // SAFETY: as emulated_packed; AMX checked by the caller.
+        unsafe {
+            with_packed_rows(u64::MAX, &rows, k / 32, |pk, step| {
+                panel_dot_bf16_packed(pk, step, a.len(), k, panel, out)
+            })
+        }
+    }
+
+    #[cfg(kt_amx_hw)]
+    #[test]
+    fn hardware_packed_bf16_tile_program_matches_its_twin_where_amx_runs() {
+        if crate::isa::allows(crate::isa::Level::Amx) {
+            check_bf16(hardware_packed, false);
+        }
+    }
+
+    /// A packing is reused only for the same key and the same row addresses: rows changed
+    /// under the same key give the old packing (the key's promise is the caller's), a new key
+    /// or other rows give a new one.
+    #[test]
+    fn packed_rows_are_reused_only_under_the_same_key_and_rows() {
+        let steps = 3;
+        let mut a = vec![1u8; 2 * steps * 64];
+        let b = vec![7u8; steps * 64];
+        let first = |buf: *const u8| {
+            // SAFETY: the packing holds steps · step bytes; read step 2, row 0, byte 5.
+            unsafe { *buf.add(2 * packed_step_bytes(2) + 5) }
+        };
+        let rows = |a: &[u8]| [a.as_ptr(), a[steps * 64..].as_ptr()];
+        let key = 1 << 40;
+        // SAFETY: each row holds `steps` blocks of 64 bytes.
+        unsafe {
+            assert_eq!(with_packed_rows(key, &rows(&a), steps, |p, _| first(p)), 1);
+            a.iter_mut().for_each(|v| *v = 9);
+            assert_eq!(with_packed_rows(key, &rows(&a), steps, |p, _| first(p)), 1);
+            assert_eq!(
+                with_packed_rows(key + 1, &rows(&a), steps, |p, _| first(p)),
+                9
+            );
+            let other = [b.as_ptr(), a.as_ptr()];
+            assert_eq!(with_packed_rows(key + 1, &other, steps, |p, _| first(p)), 7);
+            // Row 1 of the packing is row `a` at byte 64 of each step.
+            let second = with_packed_rows(key + 1, &other, steps, |p, _| *p.add(64));
+            assert_eq!(second, 9);
         }
     }
 

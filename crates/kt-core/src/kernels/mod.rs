@@ -49,6 +49,21 @@ pub type PanelDotFn = unsafe fn(a_rows: &[*const f32], k: usize, panel: *const u
 pub type PanelDotBf16Fn =
     unsafe fn(a_rows: &[*const u32], k: usize, panel: *const u16, out: *mut f32);
 
+/// A bf16 panel kernel on rows packed by 64-byte column block ([`amx::PackedRows`]): `m` rows,
+/// block `c` of row `r` at `packed + c·step_bytes + 64·r`.
+///
+/// # Safety
+/// The CPU supports the kernel's ISA; `packed` holds `k/32` steps of `step_bytes` (≥ 64·m)
+/// bytes, `panel` a 32 × `k` panel, `out` 32 values per row; `1 ≤ m ≤ 32`, `k % 32 == 0`.
+pub type PackedDotBf16Fn = unsafe fn(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    panel: *const u16,
+    out: *mut f32,
+);
+
 /// Round fp32 to bf16 pairs.
 ///
 /// # Safety
@@ -72,6 +87,8 @@ pub struct Bf16Path {
     pub stage: StageFn,
     /// Use this path for experts with at least this many rows in a forward (0 = never).
     pub min_rows: usize,
+    /// The same kernel on packed rows (AMX), for rows that several panels reuse.
+    pub packed: Option<PackedDotBf16Fn>,
 }
 
 /// The AMX tile path: experts with at least `min_rows` rows in a forward use the tile kernels,
@@ -84,6 +101,8 @@ pub struct AmxPath {
     pub int4: group_dot::GroupDotFn,
     /// bf16 panel kernel (`k % 32 == 0`).
     pub bf16: PanelDotBf16Fn,
+    /// The same on packed rows.
+    pub bf16_packed: PackedDotBf16Fn,
     /// fp32 → bf16 pairs for the bf16 kernel.
     pub stage: StageFn,
     /// Use the tile kernels for experts with at least this many rows (0 = never).
@@ -108,6 +127,7 @@ impl AmxPath {
             rows_per_block: amx::ROWS,
             stage: self.stage,
             min_rows: self.min_rows,
+            packed: Some(self.bf16_packed),
         })
     }
 }
@@ -224,6 +244,7 @@ impl KernelSet {
                 dot: avx512_bf16::panel_dot_bf16,
                 rows_per_block: avx512_bf16::ROWS,
                 stage: avx512_bf16::stage_bf16,
+                packed: None,
                 min_rows,
             });
             return Ok(set);
@@ -255,6 +276,7 @@ impl KernelSet {
                 rows_per_block: scalar::ROWS,
                 stage: scalar::stage_bf16,
                 min_rows,
+                packed: None,
             }),
             ..Self::scalar_twin()
         }
@@ -377,6 +399,7 @@ impl KernelSet {
                     int8: amx::dot_int8,
                     int4: amx::dot_int4,
                     bf16: amx::panel_dot_bf16,
+                    bf16_packed: amx::panel_dot_bf16_packed,
                     stage: self.stage_fn(),
                     min_rows,
                     min_rows_fixed: true,
@@ -402,6 +425,7 @@ impl KernelSet {
                 int8: amx::emulated::dot_int8,
                 int4: amx::emulated::dot_int4,
                 bf16: amx::emulated::panel_dot_bf16,
+                bf16_packed: amx::emulated::panel_dot_bf16_packed,
                 stage: self.stage_fn(),
                 min_rows,
                 min_rows_fixed: true,

@@ -349,8 +349,9 @@ impl Gathered {
         }
     }
 
-    fn block(&self, expert_rows: usize, n: usize) -> RowBlock<'_> {
+    fn block(&self, expert_rows: usize, n: usize, reuse: u64) -> RowBlock<'_> {
         RowBlock {
+            reuse: Some(reuse),
             expert_rows,
             f32_rows: &self.f32_rows[..n],
             prepared: &self.prepared[..n],
@@ -385,32 +386,49 @@ impl PartForward<'_> {
         });
     }
 
-    /// 2. gate and up for each (expert, 32-row panel of this part's slice), then SwiGLU into
-    ///    the expert's rows of `act`.
+    /// 2. gate and up for each (block of an expert's rows, 32-row panel of this part's slice),
+    ///    then SwiGLU into the rows' panel columns of `act`. A block's panels are consecutive
+    ///    tasks, so a thread mostly takes several panels of one block and the kernels may reuse
+    ///    what they made of its rows (e.g. AMX's packed rows).
     ///
     /// # Safety
     /// The chunk's contract.
     unsafe fn gate_up_swiglu(&self) {
-        let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
-        self.team.parallel_for(experts * panels, &|task| {
-            // SAFETY: the chunk's contract; task (expert, panel) writes only its panel's
-            // columns of the expert's act rows.
-            unsafe { self.gate_up_task(task / panels, task % panels) }
+        let (layer, routing) = (self.c.layer, self.c.routing);
+        let panels = self.ip / PANEL;
+        let mut blocks: Vec<(usize, Range<usize>)> = Vec::new();
+        for ei in 0..routing.experts.len() {
+            let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+            let block = layer
+                .experts
+                .block_rows(self.part, rows.len(), Stage::GateUp)
+                .max(1);
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let nr = block.min(rows.end - r0);
+                blocks.push((ei, r0..r0 + nr));
+                r0 += nr;
+            }
+        }
+        let reuse = crate::formats::next_reuse_key();
+        self.team.parallel_for(blocks.len() * panels, &|task| {
+            let (ei, rows) = &blocks[task / panels];
+            // SAFETY: the chunk's contract; task (block, panel) writes only its panel's columns
+            // of the block's act rows.
+            unsafe { self.gate_up_task(*ei, rows.clone(), task % panels, reuse) }
         });
     }
 
-    /// Expert `ei`'s rows against gate/up panel `p`, in blocks of the format's size; SwiGLU
-    /// into the rows' panel-`p` columns of `act`.
+    /// Rows `block` of expert `ei` (at most the format's block size) against gate/up panel
+    /// `p`; SwiGLU into the rows' panel-`p` columns of `act`. `reuse` names this phase's x rows
+    /// ([`RowBlock::reuse`]).
     ///
     /// # Safety
-    /// The chunk's contract; no other task writes panel `p` of expert `ei`'s act rows.
-    unsafe fn gate_up_task(&self, ei: usize, p: usize) {
+    /// The chunk's contract; no other task writes panel `p` of these act rows.
+    unsafe fn gate_up_task(&self, ei: usize, block: Range<usize>, p: usize, reuse: u64) {
         let (layer, routing) = (self.c.layer, self.c.routing);
         let cfg = &layer.config;
-        let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-        let block = layer
-            .experts
-            .block_rows(self.part, rows.len(), Stage::GateUp);
+        let expert_rows = routing.offsets[ei + 1] - routing.offsets[ei];
         let at = PanelAt {
             part: self.part,
             slot: routing.experts[ei] as usize,
@@ -419,25 +437,21 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g, u, a } = &mut *scratch;
         let mut gathered = Gathered::new();
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let nr = block.min(rows.end - r0);
-            // SAFETY: rows r0..r0+nr are this chunk's; the chunk's contract.
-            unsafe { self.gather_x_rows(&mut gathered, r0..r0 + nr) };
-            let rb = gathered.block(rows.len(), nr);
-            // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values,
-            // prepared rows of x_stride bytes when prep_x (the chunk's contract covers the
-            // workspace); g and u hold MAX_ROWS·32.
-            unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
-            let m = nr * PANEL;
-            let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
-            layer
-                .kernels
-                .swiglu(&g[..m], &u[..m], &mut a[..m], limit, alpha);
-            // SAFETY: this task owns panel p of these rows (the caller's contract).
-            unsafe { self.store_act(r0..r0 + nr, p, rows.len(), &a[..m]) };
-            r0 += nr;
-        }
+        let nr = block.len();
+        // SAFETY: rows of `block` are this chunk's; the chunk's contract.
+        unsafe { self.gather_x_rows(&mut gathered, block.clone()) };
+        let rb = gathered.block(expert_rows, nr, reuse);
+        // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values, prepared
+        // rows of x_stride bytes when prep_x (the chunk's contract covers the workspace), which
+        // no task writes in this phase; g and u hold MAX_ROWS·32.
+        unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
+        let m = nr * PANEL;
+        let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
+        layer
+            .kernels
+            .swiglu(&g[..m], &u[..m], &mut a[..m], limit, alpha);
+        // SAFETY: this task owns panel p of these rows (the caller's contract).
+        unsafe { self.store_act(block, p, expert_rows, &a[..m]) };
         PanelScratch::give_back(scratch);
     }
 
@@ -530,6 +544,7 @@ impl PartForward<'_> {
         panels: Range<usize>,
         before_block: &dyn Fn(Range<usize>, usize),
         sink: &mut dyn FnMut(usize, usize, &[f32]),
+        reuse: u64,
     ) {
         let (c, s, ip) = (self.c, self.s, self.ip);
         let (experts, routing) = (&*c.layer.experts, c.routing);
@@ -542,10 +557,12 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g: o, .. } = &mut *scratch;
         let mut at = Gathered::new();
-        for p in panels {
-            let mut r0 = rows.start;
-            while r0 < rows.end {
-                let nr = block.min(rows.end - r0);
+        // Blocks outer, panels inner: each block's rows serve all the panels in a row (a
+        // token's sum over experts keeps its order, so the results are the same).
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let nr = block.min(rows.end - r0);
+            for p in panels.clone() {
                 before_block(r0..r0 + nr, p);
                 for (i, r) in (r0..r0 + nr).enumerate() {
                     // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
@@ -567,12 +584,12 @@ impl PartForward<'_> {
                 // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU rows
                 // of ip values, prepared rows of act_stride bytes when prep_act; `o` holds
                 // MAX_ROWS·32.
-                unsafe { experts.down_panel(panel, &at.block(rows.len(), nr), acc, o) };
+                unsafe { experts.down_panel(panel, &at.block(rows.len(), nr, reuse), acc, o) };
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }
-                r0 += nr;
             }
+            r0 += nr;
         }
         PanelScratch::give_back(scratch);
     }
@@ -621,6 +638,7 @@ impl PartForward<'_> {
         let out_panels = h / PANEL;
         let group = DOWN_GROUP_PANELS.min(out_panels);
         let per_expert = out_panels.div_ceil(group);
+        let reuse = crate::formats::next_reuse_key();
         self.team
             .parallel_for(routing.experts.len() * per_expert, &|task| {
                 let (ei, g) = (task / per_expert, task % per_expert);
@@ -639,7 +657,7 @@ impl PartForward<'_> {
                     }
                 };
                 // SAFETY: forwarded.
-                unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink) };
+                unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
             });
         self.team.parallel_for(per_expert, &|g| {
             let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
@@ -679,6 +697,7 @@ impl PartForward<'_> {
         let out_panels = h / PANEL;
         let per_task = out_panels.div_ceil(self.team.threads() * 4).max(1);
         let n_tasks = out_panels.div_ceil(per_task);
+        let reuse = crate::formats::next_reuse_key();
         self.team.parallel_for(n_tasks, &|task| {
             let panels = task * per_task..((task + 1) * per_task).min(out_panels);
             // SAFETY: this task owns the block's columns of every partial row.
@@ -707,7 +726,7 @@ impl PartForward<'_> {
             };
             for ei in 0..routing.experts.len() {
                 // SAFETY: forwarded.
-                unsafe { self.down_panels(ei, panels.clone(), &fetch_partials, &mut sink) };
+                unsafe { self.down_panels(ei, panels.clone(), &fetch_partials, &mut sink, reuse) };
             }
         });
     }

@@ -102,7 +102,16 @@ impl Bf16Experts {
                 // prepares_act said yes for its row count): k/2 pairs per row; the panel has
                 // 32·k values and `out` 32 per row; the kernel's ISA was checked when the
                 // KernelSet was built.
-                unsafe { (b.dot)(&staged[..rows.len()], k, panel.as_ptr(), out.as_mut_ptr()) }
+                unsafe {
+                    dot_staged(
+                        b,
+                        rows.reuse,
+                        &staged[..rows.len()],
+                        k,
+                        panel.as_ptr(),
+                        out.as_mut_ptr(),
+                    )
+                }
             }
             // SAFETY: fp32 rows of k values, a panel of 32·k values, 32 outputs per row.
             None => unsafe {
@@ -153,9 +162,57 @@ pub(crate) unsafe fn multiply_decoded_panel(
         {
             decode(b, dst);
         }
-        // SAFETY: the caller's contract, all k inputs as one block.
-        unsafe { add_decoded_block(kernels, Some(path), rows, k, 0, decoded, 1.0, out) };
+        // SAFETY: the caller's contract, all k inputs as one block; the rows are whole, so a
+        // packing of them serves every panel of this block (`rows.reuse`).
+        unsafe {
+            add_decoded_block(
+                kernels,
+                Some(path),
+                rows,
+                k,
+                0,
+                decoded,
+                1.0,
+                out,
+                rows.reuse,
+            )
+        };
     })
+}
+
+/// `path`'s kernel on staged rows (`k/2` pairs each). With a reuse key, the AMX kernel runs on
+/// the rows packed by 64-byte column block, a packing this thread keeps while the next panels
+/// read the same rows (gathering scattered rows per tile step cost as much as the tiles).
+///
+/// # Safety
+/// The [`crate::kernels::PanelDotBf16Fn`] contract; with `reuse`, the
+/// [`RowBlock::reuse`] promise for these row addresses.
+pub(crate) unsafe fn dot_staged(
+    path: Bf16Path,
+    reuse: Option<u64>,
+    staged: &[*const u32],
+    k: usize,
+    panel: *const u16,
+    out: *mut f32,
+) {
+    match (path.packed, reuse) {
+        (Some(packed), Some(key)) if k.is_multiple_of(crate::kernels::amx::BF16_K_STEP) => {
+            let mut rows = [std::ptr::null::<u8>(); crate::kernels::MAX_ROWS];
+            for (r, &s) in rows.iter_mut().zip(staged) {
+                *r = s.cast();
+            }
+            let m = staged.len();
+            // SAFETY: each row holds k/2 pairs = (k/32)·64 bytes; the caller's promise for the
+            // key; the packed kernel gets m rows of k/32 steps, the panel and out as given.
+            unsafe {
+                crate::kernels::amx::with_packed_rows(key, &rows[..m], k / 32, |pk, step| {
+                    packed(pk, step, m, k, panel, out)
+                })
+            }
+        }
+        // SAFETY: forwarded.
+        _ => unsafe { (path.dot)(staged, k, panel, out) },
+    }
 }
 
 /// Whether `kernels` can stage bf16 activations at all (a bf16 dot or AMX path).
@@ -179,7 +236,8 @@ pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf1
 /// inputs `b·block .. (b+1)·block` (32 × `block` values, panel order), multiplied with those
 /// inputs of every row of `rows` through `path` (staged bf16 pairs) or, for `None`, the fp32
 /// kernel, in row blocks of the kernel's size. Block 0 assigns, the others add. FP8 and the
-/// group-scaled formats feed their decoded blocks through here.
+/// group-scaled formats feed their decoded blocks through here. `reuse` (whole rows only: one
+/// block of all inputs) lets the AMX kernel keep its packing of the rows for the next panel.
 ///
 /// # Safety
 /// The [`ExpertFormat::gate_up_panel`] contract for `rows` of at least `(b+1)·block` inputs
@@ -195,6 +253,7 @@ pub(crate) unsafe fn add_decoded_block(
     decoded: &[u16],
     scale: f32,
     out: &mut [f32],
+    reuse: Option<u64>,
 ) {
     let n = rows.len();
     assert!(decoded.len() >= PANEL * block && out.len() >= n * PANEL);
@@ -216,7 +275,14 @@ pub(crate) unsafe fn add_decoded_block(
         // rows hold block b's inputs (the contract); `partial` holds 32 per row.
         unsafe {
             match path {
-                Some(p) => (p.dot)(&staged[..m], block, decoded.as_ptr(), partial.as_mut_ptr()),
+                Some(p) => dot_staged(
+                    p,
+                    reuse,
+                    &staged[..m],
+                    block,
+                    decoded.as_ptr(),
+                    partial.as_mut_ptr(),
+                ),
                 None => kernels.panel_dot_raw(
                     &f32_rows[..m],
                     block,
@@ -286,6 +352,56 @@ unsafe fn scaled_into_avx512(dst: &mut [f32], src: &[f32], scale: f32, assign: b
         i += 16;
     }
     scaled_into_scalar(&mut dst[i..], &src[i..], scale, assign);
+}
+
+/// `values` (bf16 bits) times `scale`, each rounded to the nearest bf16 (ties to even): folds a
+/// block scale into a decoded panel so the tiles run over all k in one call. AVX-512 where the
+/// kernels may use it (every CPU with a bf16 path has it).
+pub(crate) fn scale_bf16(kernels: &KernelSet, values: &mut [u16], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if kernels.level() >= crate::isa::Level::Avx512Base {
+        // SAFETY: the level guarantees AVX-512F/BW.
+        unsafe { scale_bf16_avx512(values, scale) };
+        return;
+    }
+    let _ = kernels;
+    scale_bf16_scalar(values, scale);
+}
+
+/// The scalar twin of [`scale_bf16`].
+pub(crate) fn scale_bf16_scalar(values: &mut [u16], scale: f32) {
+    for v in values {
+        *v = crate::dtype::f32_to_bf16_bits(crate::dtype::bf16_bits_to_f32(*v) * scale);
+    }
+}
+
+/// # Safety
+/// AVX-512F and BW available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn scale_bf16_avx512(values: &mut [u16], scale: f32) {
+    use std::arch::x86_64::*;
+    let s = _mm512_set1_ps(scale);
+    let (half, one) = (_mm512_set1_epi32(0x7FFF), _mm512_set1_epi32(1));
+    let n = values.len();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 values from i < n.
+        unsafe {
+            let p = values.as_mut_ptr().add(i);
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            let f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), s);
+            // Round to nearest even on the bits (no NaN reaches here: codes and scales were
+            // checked at load, and half's conversion agrees on the canonical NaN anyway).
+            let bits = _mm512_castps_si512(f);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+            let rounded =
+                _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, lsb)), 16);
+            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(rounded));
+        }
+        i += 16;
+    }
+    scale_bf16_scalar(&mut values[i..], scale);
 }
 
 /// The activation side of a format that feeds the bf16 panel kernels: x and SwiGLU rows staged
@@ -558,6 +674,36 @@ impl ExpertFormat for Bf16Experts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scale_bf16_equals_its_scalar_twin() {
+        let mut rng = crate::rng::Rng::new(21);
+        for kernels in crate::kernels::runnable_levels()
+            .into_iter()
+            .filter_map(|l| KernelSet::for_level(l).ok())
+        {
+            for n in [0, 1, 15, 16, 33, 4096] {
+                let values: Vec<u16> = (0..n)
+                    .map(|_| crate::dtype::f32_to_bf16_bits(rng.normal() * 300.0))
+                    .collect();
+                for scale in [1.0f32, 1.7e-4, 3.3, -0.5, 1e38] {
+                    let mut got = values.clone();
+                    let mut want = values.clone();
+                    scale_bf16(&kernels, &mut got, scale);
+                    scale_bf16_scalar(&mut want, scale);
+                    assert_eq!(got, want, "{} n={n} scale={scale}", kernels.name());
+                    // The twin rounds each product to the nearest bf16.
+                    for (w, v) in want.iter().zip(&values) {
+                        let exact = crate::dtype::bf16_bits_to_f32(*v) as f64 * scale as f64;
+                        let got = crate::dtype::bf16_bits_to_f32(*w) as f64;
+                        assert!(
+                            (got - exact).abs() <= exact.abs() * 2f64.powi(-8) || got.is_infinite()
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn scaled_into_equals_its_scalar_twin() {

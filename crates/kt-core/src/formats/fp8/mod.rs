@@ -464,14 +464,31 @@ impl Fp8Experts {
                 return;
             }
         }
-        if let (Some(path), Scaling::PerChannel) = (path, self.scaling) {
-            // Unit block scales (the row scales apply to the outputs afterwards): decode the
-            // whole panel and multiply once over all k.
+        if let Some(path) = path {
+            // Decode the whole panel and multiply once over all k: the tiles' per-call cost is
+            // paid once, and the rows' packing serves the next panels. Per-channel panels have
+            // unit block scales (the row scales apply to the outputs afterwards); a block
+            // scale is folded into its decoded values, each product rounded to bf16 (at most
+            // 2⁻⁸ relative, as the bf16 activations; AMX, 512-token S1 layer: FP8 107 -> 71 ms).
             let decode = |b: usize, dst: &mut [u16]| {
                 let block = &codes[b * PANEL * BLOCK..(b + 1) * PANEL * BLOCK];
                 assert!(dst.len() >= block.len());
+                let (n, scale) = (block.len(), scales[b]);
                 // SAFETY: 32·128 codes in, as many values out; as below.
-                unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), dst.as_mut_ptr()) };
+                unsafe {
+                    match (self.scaling, self.decoder.decode_scaled) {
+                        (Scaling::PerChannel, _) => {
+                            (self.decoder.decode)(block.as_ptr(), n, dst.as_mut_ptr())
+                        }
+                        (Scaling::Block, Some(scaled)) => {
+                            scaled(block.as_ptr(), n, scale, dst.as_mut_ptr())
+                        }
+                        (Scaling::Block, None) => {
+                            (self.decoder.decode)(block.as_ptr(), n, dst.as_mut_ptr());
+                            bf16::scale_bf16(&self.kernels, &mut dst[..n], scale);
+                        }
+                    }
+                }
             };
             // SAFETY: the caller's contract; `path` reads the staged rows.
             unsafe {
@@ -487,7 +504,17 @@ impl Fp8Experts {
             unsafe { (self.decoder.decode)(block.as_ptr(), block.len(), decoded.0.as_mut_ptr()) };
             // SAFETY: the caller's contract, block b of k inputs.
             unsafe {
-                bf16::add_decoded_block(&self.kernels, path, rows, BLOCK, b, &decoded.0, scale, out)
+                bf16::add_decoded_block(
+                    &self.kernels,
+                    path,
+                    rows,
+                    BLOCK,
+                    b,
+                    &decoded.0,
+                    scale,
+                    out,
+                    None,
+                )
             };
         }
     }

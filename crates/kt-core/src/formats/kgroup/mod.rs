@@ -809,7 +809,17 @@ impl KGroupExperts {
             decode_block(b, &mut decoded.0);
             // SAFETY: the caller's contract, block b of k inputs; scales are folded in.
             unsafe {
-                bf16::add_decoded_block(&self.kernels, path, rows, block, b, &decoded.0, 1.0, out)
+                bf16::add_decoded_block(
+                    &self.kernels,
+                    path,
+                    rows,
+                    block,
+                    b,
+                    &decoded.0,
+                    1.0,
+                    out,
+                    None,
+                )
             };
         }
         if global != 1.0 {
