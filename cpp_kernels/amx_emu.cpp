@@ -300,4 +300,22 @@ int kt_amx_emu_bf16_dot_packed(const uint8_t* packed, size_t step_bytes, size_t 
   return tm.fault;
 }
 
+// As kt_amx_emu_int8_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
+int kt_amx_emu_int8_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
+                               const uint8_t* group, const int32_t* sums, int32_t* out) {
+  EmuTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::int8_group(tm, act, m, k, group, sums, out);
+  return tm.fault;
+}
+
+// As kt_amx_emu_int4_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
+int kt_amx_emu_int4_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
+                               const uint8_t* group, const int32_t* sums, int32_t* out) {
+  EmuTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::int4_group(tm, act, m, k, group, sums, out);
+  return tm.fault;
+}
+
 }  // extern "C"

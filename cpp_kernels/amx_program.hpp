@@ -193,11 +193,10 @@ inline bool begin(Tiles& tm, size_t m) {
 // out[r*32 + j] = sum_kk (a[r][kk] - 128) * W[j][kk] for an AMXINT8 group (k % 64 == 0).
 // Activations are biased unsigned bytes; `sums[j]` = sum_kk W[j][kk] undoes the bias.
 template <class Tiles>
-void int8_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
+void int8_group(Tiles& tm, ActivationBlocks& act, size_t m, size_t k, const uint8_t* group,
                 const int32_t* sums, int32_t* out) {
   const bool second = begin(tm, m);
   const size_t dist = tm.prefetch_bytes();
-  ActivationBlocks act(a, m);
   for (size_t t = 0; t < k / 64; ++t) {
     act.select(t * 64);
     const uint8_t* tile = group + t * 2048;
@@ -213,11 +212,10 @@ void int8_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const ui
 // int8 tiles it holds, then multiplied like AMXINT8. Tile t+1 is unpacked before tile t is
 // multiplied, so the tile loads never wait for the stores that just wrote their bytes.
 template <class Tiles>
-void int4_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
+void int4_group(Tiles& tm, ActivationBlocks& act, size_t m, size_t k, const uint8_t* group,
                 const int32_t* sums, int32_t* out) {
   const bool second = begin(tm, m);
   const size_t dist = tm.prefetch_bytes();
-  ActivationBlocks act(a, m);
   alignas(64) uint8_t unpacked[2][2][2048];  // [ping-pong][low / high nibbles]
   const size_t tiles = k / 128;
   tm.unpack_int4(group, unpacked[0][0], unpacked[0][1]);
@@ -234,6 +232,20 @@ void int4_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const ui
   store_all(tm, out, second);
   for (size_t r = 0; r < m; ++r)
     for (size_t j = 0; j < 32; ++j) out[r * 32 + j] -= 128 * sums[j];
+}
+
+template <class Tiles>
+void int8_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
+                const int32_t* sums, int32_t* out) {
+  ActivationBlocks act(a, m);
+  int8_group(tm, act, m, k, group, sums, out);
+}
+
+template <class Tiles>
+void int4_group(Tiles& tm, const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
+                const int32_t* sums, int32_t* out) {
+  ActivationBlocks act(a, m);
+  int4_group(tm, act, m, k, group, sums, out);
 }
 
 // out[r*32 + j] = sum_kk a[r][kk] * W[j][kk] over a bf16 panel (k % 32 == 0); activations are

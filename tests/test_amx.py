@@ -74,6 +74,56 @@ def test_hardware_tiles_equal_the_emulator(method, tmp_path):
         assert abs(rel_l2(hardware, ref) - rel_l2(emulated, ref)) < 2e-3
 
 
+RUN_TWICE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_wrapper, random_experts, random_routing
+e, k, t = {shape!r}
+g, u, d = random_experts(e, 128, 256, seed=5)
+w = make_wrapper(e=e, k=k, h=128, i=256, method={method!r}, chunk=t)
+w.load_weights_from_tensors(g, u, d)
+outs = []
+for seed in {seeds!r}:
+    x = torch.randn(t, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    ids, wt = random_routing(t, e, k, seed=3)  # the same rows each time, new values
+    outs.append(w.forward(x, ids, wt, None))
+print(w.moe.kernel)
+torch.save(outs, {out!r})
+"""
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 160), (1, 1, 48)])
+@pytest.mark.parametrize("method", ["AMXINT8", "BF16", "FP8", "MXFP4"])
+def test_tile_paths_reuse_nothing_stale_across_row_blocks_and_forwards(method, shape, tmp_path):
+    """The tile paths keep packed rows and decoded panels per thread while a forward phase
+    reuses them: with about 80 rows per expert (three 32-row blocks), or one expert of 48
+    rows (two blocks: few enough that a thread still holds the last forward's packings). A
+    forward after another with the same routing (so the same row addresses) and new values
+    must equal the same forward in a fresh process, bit for bit, and stay accurate."""
+
+    def run(seeds, name):
+        out = tmp_path / f"{name}.pt"
+        env = dict(os.environ, KT_KERNEL_AMX_EMULATE="1", KT_KERNEL_AMX_MIN_ROWS="4")
+        code = RUN_TWICE.format(
+            tests=os.path.dirname(__file__), method=method, shape=shape, seeds=seeds, out=str(out)
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "amx-emulated+" in r.stdout, r.stdout
+        return torch.load(out)
+
+    first, second = run([11, 12], "both")
+    (fresh,) = run([12], "fresh")
+    assert torch.equal(second, fresh)
+    assert not torch.equal(first, second)
+    e, k, t = shape
+    g, u, d = random_experts(e, 128, 256, seed=5)
+    x = torch.randn(t, 128, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    ids, wt = random_routing(t, e, k, seed=3)
+    bound = {"AMXINT8": 0.03, "BF16": 1e-2, "FP8": 0.06, "MXFP4": 0.25}[method]
+    assert rel_l2(second, reference_moe(x, ids, wt, g, u, d)) < bound
+
+
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
 def test_emulated_tile_kernels_equal_the_vector_kernels(method, tmp_path):
     kernel, emulated = run_emulated(method, tmp_path)

@@ -50,6 +50,24 @@ extern "C" {
         panel: *const u16,
         out: *mut f32,
     ) -> i32;
+    fn kt_amx_emu_int8_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        group: *const u8,
+        sums: *const i32,
+        out: *mut i32,
+    ) -> i32;
+    fn kt_amx_emu_int4_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        group: *const u8,
+        sums: *const i32,
+        out: *mut i32,
+    ) -> i32;
     fn kt_amx_emu_self_test() -> i32;
 }
 
@@ -79,6 +97,24 @@ extern "C" {
         k: usize,
         panel: *const u16,
         out: *mut f32,
+    );
+    fn kt_amx_int8_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        group: *const u8,
+        sums: *const i32,
+        out: *mut i32,
+    );
+    fn kt_amx_int4_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        group: *const u8,
+        sums: *const i32,
+        out: *mut i32,
     );
     fn kt_amx_set_prefetch(bytes: usize);
     fn kt_amx_peak_int8(iters: u64) -> u64;
@@ -191,27 +227,78 @@ pub unsafe fn panel_dot_bf16_packed(
     panel: *const u16,
     out: *mut f32,
 ) {
-    check_rows(m);
-    assert!(step_bytes >= 64 * m && k.is_multiple_of(BF16_K_STEP));
+    check_packed(step_bytes, m, k, BF16_K_STEP);
     // SAFETY: forwarded contract.
     unsafe { kt_amx_bf16_dot_packed(packed, step_bytes, m, k, panel, out) }
+}
+
+/// Hardware AMXINT8 group kernel on packed rows ([`PackedRows`]).
+///
+/// # Safety
+/// AMX usable by this process; the
+/// [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) contract.
+#[cfg(kt_amx_hw)]
+pub unsafe fn dot_int8_packed(
+    packed: *const u8,
+    step: usize,
+    m: usize,
+    k: usize,
+    g: *const u8,
+    s: *const i32,
+    o: *mut i32,
+) {
+    check_packed(step, m, k, 64);
+    // SAFETY: forwarded contract.
+    unsafe { kt_amx_int8_dot_packed(packed, step, m, k, g, s, o) }
+}
+
+/// Hardware AMXINT4 group kernel on packed rows (`k % 128 == 0`).
+///
+/// # Safety
+/// As [`dot_int8_packed`] for an AMXINT4 group.
+#[cfg(kt_amx_hw)]
+pub unsafe fn dot_int4_packed(
+    packed: *const u8,
+    step: usize,
+    m: usize,
+    k: usize,
+    g: *const u8,
+    s: *const i32,
+    o: *mut i32,
+) {
+    check_packed(step, m, k, 128);
+    // SAFETY: forwarded contract.
+    unsafe { kt_amx_int4_dot_packed(packed, step, m, k, g, s, o) }
+}
+
+/// The shape checks of every packed kernel: rows, step size, and `k` a multiple of `unit`.
+fn check_packed(step_bytes: usize, m: usize, k: usize, unit: usize) {
+    check_rows(m);
+    assert!(
+        step_bytes >= 64 * m && k.is_multiple_of(unit),
+        "packed rows: {m} rows in steps of {step_bytes} bytes, k = {k} (a multiple of {unit})"
+    );
 }
 
 /// Activation rows packed for the tile loads: for each 64-byte column block ("step") of the
 /// rows, the `m` rows' 64 bytes back to back, so a 16-row tile is 1 KiB of adjacent lines.
 /// Gathering scattered rows costs as much as the tiles' work on one panel, so the packing pays
-/// only when several panels reuse it: a thread keeps its last packing, keyed by the caller's
-/// reuse key and the row addresses ([`with_packed_rows`]).
-pub struct PackedRows {
+/// only when several panels reuse it: a thread keeps its last few packings (one per row block
+/// of an expert with up to [`PACKED_BLOCKS`] blocks), keyed by the caller's reuse key and the
+/// row addresses ([`with_packed_rows`]).
+struct PackedRows {
     key: Option<(u64, usize, [usize; ROWS])>,
     buf: crate::pack::AlignedBuf<u8>,
+    /// When it was last used (a per-thread counter).
+    used: u64,
 }
 
+/// Packings a thread keeps: the row blocks of an expert with up to 128 rows.
+pub const PACKED_BLOCKS: usize = 4;
+
 thread_local! {
-    static PACKED_ROWS: std::cell::RefCell<PackedRows> = std::cell::RefCell::new(PackedRows {
-        key: None,
-        buf: crate::pack::AlignedBuf::zeroed(0).expect("an empty buffer"),
-    });
+    static PACKED_ROWS: std::cell::RefCell<(u64, Vec<PackedRows>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
 }
 
 /// Bytes per step of `m` packed rows: one 16-row tile, or two.
@@ -247,8 +334,9 @@ pub unsafe fn pack_rows(rows: &[*const u8], steps: usize, dst: &mut [u8]) -> usi
     step
 }
 
-/// Run `f(packed, step_bytes)` on `rows` (each `steps · 64` bytes) packed by this thread, reusing
-/// its last packing when `reuse` and the row addresses are the same as then.
+/// Run `f(packed, step_bytes)` on `rows` (each `steps · 64` bytes) packed by this thread,
+/// reusing one of its last packings when `reuse` and the row addresses are the same as then
+/// (else the least recently used packing is replaced).
 ///
 /// # Safety
 /// As [`pack_rows`]; and the caller promises that the bytes behind the same row addresses do
@@ -264,20 +352,39 @@ pub unsafe fn with_packed_rows<R>(
     for (a, &r) in addrs.iter_mut().zip(rows) {
         *a = r as usize;
     }
-    let key = (reuse, steps, addrs);
+    let key = Some((reuse, steps, addrs));
     PACKED_ROWS.with(|cell| {
-        let mut cache = cell.borrow_mut();
+        let (clock, cache) = &mut *cell.borrow_mut();
+        *clock += 1;
         let step = packed_step_bytes(rows.len());
-        if cache.key != Some(key) {
-            let len = steps * step;
-            if cache.buf.len() < len {
-                cache.buf = crate::pack::AlignedBuf::zeroed(len).expect("a packed-rows buffer");
+        let slot = match cache.iter().position(|p| p.key == key) {
+            Some(hit) => hit,
+            None => {
+                let slot = if cache.len() < PACKED_BLOCKS {
+                    cache.push(PackedRows {
+                        key: None,
+                        buf: crate::pack::AlignedBuf::zeroed(0).expect("an empty buffer"),
+                        used: 0,
+                    });
+                    cache.len() - 1
+                } else {
+                    (0..cache.len())
+                        .min_by_key(|&i| cache[i].used)
+                        .expect("a full cache")
+                };
+                let entry = &mut cache[slot];
+                let len = steps * step;
+                if entry.buf.len() < len {
+                    entry.buf = crate::pack::AlignedBuf::zeroed(len).expect("a packed-rows buffer");
+                }
+                // SAFETY: forwarded; the buffer holds `len` bytes.
+                unsafe { pack_rows(rows, steps, entry.buf.as_mut_slice()) };
+                entry.key = key;
+                slot
             }
-            // SAFETY: forwarded; the buffer holds `len` bytes.
-            unsafe { pack_rows(rows, steps, cache.buf.as_mut_slice()) };
-            cache.key = Some(key);
-        }
-        f(cache.buf.as_slice().as_ptr(), step)
+        };
+        cache[slot].used = *clock;
+        f(cache[slot].buf.as_slice().as_ptr(), step)
     })
 }
 
@@ -348,11 +455,48 @@ pub mod emulated {
         panel: *const u16,
         out: *mut f32,
     ) {
-        check_rows(m);
-        assert!(step_bytes >= 64 * m && k.is_multiple_of(BF16_K_STEP));
+        check_packed(step_bytes, m, k, BF16_K_STEP);
         // SAFETY: forwarded contract.
         let code = unsafe { kt_amx_emu_bf16_dot_packed(packed, step_bytes, m, k, panel, out) };
         check_emulated(code, "bf16 panel, packed rows");
+    }
+
+    /// Emulated [`dot_int8_packed`](super::dot_int8_packed).
+    ///
+    /// # Safety
+    /// The [`PackedGroupDotFn`](crate::kernels::group_dot::PackedGroupDotFn) contract.
+    pub unsafe fn dot_int8_packed(
+        packed: *const u8,
+        step: usize,
+        m: usize,
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        check_packed(step, m, k, 64);
+        // SAFETY: forwarded contract.
+        let code = unsafe { kt_amx_emu_int8_dot_packed(packed, step, m, k, g, s, o) };
+        check_emulated(code, "int8 group, packed rows");
+    }
+
+    /// Emulated [`dot_int4_packed`](super::dot_int4_packed).
+    ///
+    /// # Safety
+    /// As [`dot_int8_packed`] for an AMXINT4 group.
+    pub unsafe fn dot_int4_packed(
+        packed: *const u8,
+        step: usize,
+        m: usize,
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        check_packed(step, m, k, 128);
+        // SAFETY: forwarded contract.
+        let code = unsafe { kt_amx_emu_int4_dot_packed(packed, step, m, k, g, s, o) };
+        check_emulated(code, "int4 group, packed rows");
     }
 
     /// The emulator's own checks (fault detection, instruction arithmetic on random tiles):

@@ -61,6 +61,23 @@ pub type GroupDotFn = unsafe fn(
     out: *mut i32,
 );
 
+/// A [`GroupDotFn`] on rows packed by 64-byte column block
+/// ([`crate::kernels::amx::PackedRows`]): `m` rows, block `c` of row `r` at
+/// `packed + c·step_bytes + 64·r`.
+///
+/// # Safety
+/// As [`GroupDotFn`], with `packed` holding `k/64` steps of `step_bytes` (≥ 64·m) bytes in
+/// place of the row pointers.
+pub type PackedGroupDotFn = unsafe fn(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    group: *const u8,
+    row_sums: *const i32,
+    out: *mut i32,
+);
+
 /// A format's vector group kernel for one ISA level, chosen once per layer.
 #[derive(Debug, Clone, Copy)]
 pub struct VectorKernel {

@@ -99,6 +99,10 @@ pub struct AmxPath {
     pub int8: group_dot::GroupDotFn,
     /// Tile program for 32-row groups of int4 nibbles (AMXINT4's layout).
     pub int4: group_dot::GroupDotFn,
+    /// The int8 program on packed rows.
+    pub int8_packed: group_dot::PackedGroupDotFn,
+    /// The int4 program on packed rows.
+    pub int4_packed: group_dot::PackedGroupDotFn,
     /// bf16 panel kernel (`k % 32 == 0`).
     pub bf16: PanelDotBf16Fn,
     /// The same on packed rows.
@@ -398,6 +402,8 @@ impl KernelSet {
                 amx: Some(AmxPath {
                     int8: amx::dot_int8,
                     int4: amx::dot_int4,
+                    int8_packed: amx::dot_int8_packed,
+                    int4_packed: amx::dot_int4_packed,
                     bf16: amx::panel_dot_bf16,
                     bf16_packed: amx::panel_dot_bf16_packed,
                     stage: self.stage_fn(),
@@ -424,6 +430,8 @@ impl KernelSet {
             amx: Some(AmxPath {
                 int8: amx::emulated::dot_int8,
                 int4: amx::emulated::dot_int4,
+                int8_packed: amx::emulated::dot_int8_packed,
+                int4_packed: amx::emulated::dot_int4_packed,
                 bf16: amx::emulated::panel_dot_bf16,
                 bf16_packed: amx::emulated::panel_dot_bf16_packed,
                 stage: self.stage_fn(),

@@ -386,49 +386,36 @@ impl PartForward<'_> {
         });
     }
 
-    /// 2. gate and up for each (block of an expert's rows, 32-row panel of this part's slice),
-    ///    then SwiGLU into the rows' panel columns of `act`. A block's panels are consecutive
-    ///    tasks, so a thread mostly takes several panels of one block and the kernels may reuse
-    ///    what they made of its rows (e.g. AMX's packed rows).
+    /// 2. gate and up for each (expert, 32-row panel of this part's slice), then SwiGLU into
+    ///    the expert's rows of `act`.
     ///
     /// # Safety
     /// The chunk's contract.
     unsafe fn gate_up_swiglu(&self) {
-        let (layer, routing) = (self.c.layer, self.c.routing);
-        let panels = self.ip / PANEL;
-        let mut blocks: Vec<(usize, Range<usize>)> = Vec::new();
-        for ei in 0..routing.experts.len() {
-            let rows = routing.offsets[ei]..routing.offsets[ei + 1];
-            let block = layer
-                .experts
-                .block_rows(self.part, rows.len(), Stage::GateUp)
-                .max(1);
-            let mut r0 = rows.start;
-            while r0 < rows.end {
-                let nr = block.min(rows.end - r0);
-                blocks.push((ei, r0..r0 + nr));
-                r0 += nr;
-            }
-        }
+        let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
         let reuse = crate::formats::next_reuse_key();
-        self.team.parallel_for(blocks.len() * panels, &|task| {
-            let (ei, rows) = &blocks[task / panels];
-            // SAFETY: the chunk's contract; task (block, panel) writes only its panel's columns
-            // of the block's act rows.
-            unsafe { self.gate_up_task(*ei, rows.clone(), task % panels, reuse) }
+        self.team.parallel_for(experts * panels, &|task| {
+            // SAFETY: the chunk's contract; task (expert, panel) writes only its panel's
+            // columns of the expert's act rows.
+            unsafe { self.gate_up_task(task / panels, task % panels, reuse) }
         });
     }
 
-    /// Rows `block` of expert `ei` (at most the format's block size) against gate/up panel
-    /// `p`; SwiGLU into the rows' panel-`p` columns of `act`. `reuse` names this phase's x rows
-    /// ([`RowBlock::reuse`]).
+    /// Expert `ei`'s rows against gate/up panel `p`, in blocks of the format's size; SwiGLU
+    /// into the rows' panel-`p` columns of `act`. The blocks run one after the other, so the
+    /// panel's weights are in cache for all but the first; `reuse` names this phase's x rows
+    /// ([`RowBlock::reuse`]), so the kernels may keep what they made of a block's rows for the
+    /// expert's next panels.
     ///
     /// # Safety
-    /// The chunk's contract; no other task writes panel `p` of these act rows.
-    unsafe fn gate_up_task(&self, ei: usize, block: Range<usize>, p: usize, reuse: u64) {
+    /// The chunk's contract; no other task writes panel `p` of expert `ei`'s act rows.
+    unsafe fn gate_up_task(&self, ei: usize, p: usize, reuse: u64) {
         let (layer, routing) = (self.c.layer, self.c.routing);
         let cfg = &layer.config;
-        let expert_rows = routing.offsets[ei + 1] - routing.offsets[ei];
+        let rows = routing.offsets[ei]..routing.offsets[ei + 1];
+        let block = layer
+            .experts
+            .block_rows(self.part, rows.len(), Stage::GateUp);
         let at = PanelAt {
             part: self.part,
             slot: routing.experts[ei] as usize,
@@ -437,21 +424,25 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g, u, a } = &mut *scratch;
         let mut gathered = Gathered::new();
-        let nr = block.len();
-        // SAFETY: rows of `block` are this chunk's; the chunk's contract.
-        unsafe { self.gather_x_rows(&mut gathered, block.clone()) };
-        let rb = gathered.block(expert_rows, nr, reuse);
-        // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values, prepared
-        // rows of x_stride bytes when prep_x (the chunk's contract covers the workspace), which
-        // no task writes in this phase; g and u hold MAX_ROWS·32.
-        unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
-        let m = nr * PANEL;
-        let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
-        layer
-            .kernels
-            .swiglu(&g[..m], &u[..m], &mut a[..m], limit, alpha);
-        // SAFETY: this task owns panel p of these rows (the caller's contract).
-        unsafe { self.store_act(block, p, expert_rows, &a[..m]) };
+        let mut r0 = rows.start;
+        while r0 < rows.end {
+            let nr = block.min(rows.end - r0);
+            // SAFETY: rows r0..r0+nr are this chunk's; the chunk's contract.
+            unsafe { self.gather_x_rows(&mut gathered, r0..r0 + nr) };
+            let rb = gathered.block(rows.len(), nr, reuse);
+            // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values,
+            // prepared rows of x_stride bytes when prep_x (the chunk's contract covers the
+            // workspace), which no task writes in this phase; g and u hold MAX_ROWS·32.
+            unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
+            let m = nr * PANEL;
+            let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
+            layer
+                .kernels
+                .swiglu(&g[..m], &u[..m], &mut a[..m], limit, alpha);
+            // SAFETY: this task owns panel p of these rows (the caller's contract).
+            unsafe { self.store_act(r0..r0 + nr, p, rows.len(), &a[..m]) };
+            r0 += nr;
+        }
         PanelScratch::give_back(scratch);
     }
 
@@ -557,12 +548,10 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g: o, .. } = &mut *scratch;
         let mut at = Gathered::new();
-        // Blocks outer, panels inner: each block's rows serve all the panels in a row (a
-        // token's sum over experts keeps its order, so the results are the same).
-        let mut r0 = rows.start;
-        while r0 < rows.end {
-            let nr = block.min(rows.end - r0);
-            for p in panels.clone() {
+        for p in panels {
+            let mut r0 = rows.start;
+            while r0 < rows.end {
+                let nr = block.min(rows.end - r0);
                 before_block(r0..r0 + nr, p);
                 for (i, r) in (r0..r0 + nr).enumerate() {
                     // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
@@ -588,8 +577,8 @@ impl PartForward<'_> {
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }
+                r0 += nr;
             }
-            r0 += nr;
         }
         PanelScratch::give_back(scratch);
     }

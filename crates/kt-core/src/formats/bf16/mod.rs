@@ -122,10 +122,18 @@ impl Bf16Experts {
     }
 }
 
+/// A whole decoded bf16 panel (32 × k values) and what it holds: the reuse key of the forward
+/// phase and the address of the weights it was decoded from.
+struct DecodedPanel {
+    key: Option<(u64, usize, usize)>,
+    buf: crate::pack::AlignedBuf<u16>,
+}
+
 thread_local! {
-    /// A whole decoded bf16 panel (32 × k values), per thread, grown to the largest k seen.
-    static WHOLE_PANEL: std::cell::RefCell<Option<crate::pack::AlignedBuf<u16>>> =
-        const { std::cell::RefCell::new(None) };
+    /// This thread's last two decoded panels (gate's and up's of one expert), grown to the
+    /// largest k seen.
+    static WHOLE_PANELS: std::cell::RefCell<[Option<DecodedPanel>; 2]> =
+        const { std::cell::RefCell::new([None, None]) };
 }
 
 /// `out` (32 per row) = one whole panel of `k` inputs against `rows`, decoded block by block
@@ -133,35 +141,63 @@ thread_local! {
 /// this thread's whole-panel buffer, then multiplied once over all k through `path`. The
 /// panel layout is pair-major, so the blocks' panels laid end to end are the whole panel's;
 /// the tile programs (or the bf16 dot) pay their per-call cost once per panel, not per block.
+/// `weights` is the address of the panel's stored bytes: while the rows' reuse key is the
+/// same (one forward phase), a panel decoded for the expert's previous row block is used again.
 ///
 /// # Safety
 /// The [`ExpertFormat::gate_up_panel`] contract for `rows` of `k` inputs, with staged bf16
-/// rows (as `path`, a bf16 path, reads them).
+/// rows (as `path`, a bf16 path, reads them); `decode` gives the same values for the same
+/// `weights` within one reuse key.
+#[allow(clippy::too_many_arguments)] // one panel's product: each argument a fact of it
 pub(crate) unsafe fn multiply_decoded_panel(
     kernels: &KernelSet,
     path: Bf16Path,
     rows: &RowBlock,
     k: usize,
     block: usize,
+    weights: *const u8,
     mut decode: impl FnMut(usize, &mut [u16]),
     out: &mut [f32],
 ) {
-    WHOLE_PANEL.with(|buf| {
-        let mut buf = buf.borrow_mut();
+    WHOLE_PANELS.with(|cell| {
+        let mut panels = cell.borrow_mut();
         let len = crate::pack::PANEL * k;
-        if buf.as_ref().is_none_or(|b| b.len() < len) {
-            // A few hundred KiB at most (k = 7168: 448 KiB), once per thread and size.
-            *buf = Some(
-                crate::pack::AlignedBuf::zeroed(len).expect("allocating a decoded panel buffer"),
-            );
+        let key = rows.reuse.map(|r| (r, weights as usize, k));
+        let hit = key.and_then(|key| {
+            panels
+                .iter()
+                .position(|p| p.as_ref().is_some_and(|p| p.key == Some(key)))
+        });
+        // Decode into the slot not used last (slot 1 moves to slot 0 first: slot 0 is the
+        // older), unless the panel is there already.
+        let slot = match hit {
+            Some(i) => i,
+            None => {
+                panels.swap(0, 1);
+                let entry = &mut panels[1];
+                if entry.as_ref().is_none_or(|p| p.buf.len() < len) {
+                    // A few hundred KiB at most (k = 7168: 448 KiB), once per thread and size.
+                    *entry = Some(DecodedPanel {
+                        key: None,
+                        buf: crate::pack::AlignedBuf::zeroed(len)
+                            .expect("allocating a decoded panel buffer"),
+                    });
+                }
+                let p = entry.as_mut().expect("allocated above");
+                for (b, dst) in p.buf.as_mut_slice()[..len]
+                    .chunks_exact_mut(crate::pack::PANEL * block)
+                    .enumerate()
+                {
+                    decode(b, dst);
+                }
+                p.key = key;
+                1
+            }
+        };
+        if slot == 0 {
+            panels.swap(0, 1);
         }
-        let decoded = &mut buf.as_mut().expect("allocated above").as_mut_slice()[..len];
-        for (b, dst) in decoded
-            .chunks_exact_mut(crate::pack::PANEL * block)
-            .enumerate()
-        {
-            decode(b, dst);
-        }
+        let decoded = &panels[1].as_ref().expect("filled above").buf.as_slice()[..len];
         // SAFETY: the caller's contract, all k inputs as one block; the rows are whole, so a
         // packing of them serves every panel of this block (`rows.reuse`).
         unsafe {

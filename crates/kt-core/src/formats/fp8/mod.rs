@@ -492,7 +492,16 @@ impl Fp8Experts {
             };
             // SAFETY: the caller's contract; `path` reads the staged rows.
             unsafe {
-                bf16::multiply_decoded_panel(&self.kernels, path, rows, k, BLOCK, decode, out)
+                bf16::multiply_decoded_panel(
+                    &self.kernels,
+                    path,
+                    rows,
+                    k,
+                    BLOCK,
+                    codes.as_ptr(),
+                    decode,
+                    out,
+                )
             };
             return;
         }

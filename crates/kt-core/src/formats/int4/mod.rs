@@ -27,4 +27,5 @@ pub const INT4: IntLayout = IntLayout {
     unit: 128,
     vector_kernel: kernels::vector_kernel,
     amx_kernel: |a| a.int4,
+    amx_packed: |a| a.int4_packed,
 };

@@ -13,7 +13,7 @@ use super::{ExpertFormat, LayerFiles, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::error::FirstError;
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
-use crate::kernels::group_dot::{GroupDotFn, VectorKernel, ACT_COPIES};
+use crate::kernels::group_dot::{GroupDotFn, PackedGroupDotFn, VectorKernel, ACT_COPIES};
 use crate::kernels::{AmxPath, KernelSet};
 use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
@@ -40,6 +40,8 @@ pub struct IntLayout {
     pub vector_kernel: fn(Level) -> VectorKernel,
     /// The tile kernel of an AMX path.
     pub amx_kernel: fn(&AmxPath) -> GroupDotFn,
+    /// The same on packed rows.
+    pub amx_packed: fn(&AmxPath) -> PackedGroupDotFn,
 }
 
 impl IntLayout {
@@ -61,6 +63,7 @@ pub const INT8: IntLayout = IntLayout {
     unit: 64,
     vector_kernel: kernels::vector_kernel,
     amx_kernel: |a| a.int8,
+    amx_packed: |a| a.int8_packed,
 };
 
 /// The registry's builder ([`super::build`]).
@@ -207,18 +210,44 @@ impl IntExperts {
         let sums = &m.sums.as_slice()[qrow..qrow + PANEL];
         assert!(rows.len() <= crate::kernels::MAX_ROWS && out.len() >= rows.len() * PANEL);
         assert!(rows.prepared.len() == rows.len() && rows.scales.len() == rows.len());
-        // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the prepared
-        // rows are activation rows of ACT_COPIES·k bytes (this fn's contract); `acc` holds
-        // MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was built.
-        unsafe {
-            kernel(
-                rows.prepared,
-                k,
-                group.as_ptr(),
-                sums.as_ptr(),
-                acc.acc.as_mut_ptr(),
-            )
-        };
+        let amx = self.kernels.amx().filter(|a| a.applies(rows.expert_rows));
+        match (amx, rows.reuse) {
+            // The tiles on rows packed once for all the panels of this block (see
+            // `amx::with_packed_rows`): the first k bytes of each activation row.
+            (Some(a), Some(key)) => {
+                let packed = (self.layout.amx_packed)(a);
+                let n = rows.len();
+                // SAFETY: activation rows of at least k = (k/64)·64 bytes; the forward's
+                // reuse promise; a group and its sums as below; the ISA was checked when the
+                // KernelSet was built.
+                unsafe {
+                    crate::kernels::amx::with_packed_rows(key, rows.prepared, k / 64, |p, step| {
+                        packed(
+                            p,
+                            step,
+                            n,
+                            k,
+                            group.as_ptr(),
+                            sums.as_ptr(),
+                            acc.acc.as_mut_ptr(),
+                        )
+                    })
+                };
+            }
+            // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the
+            // prepared rows are activation rows of ACT_COPIES·k bytes (this fn's contract);
+            // `acc` holds MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was
+            // built.
+            _ => unsafe {
+                kernel(
+                    rows.prepared,
+                    k,
+                    group.as_ptr(),
+                    sums.as_ptr(),
+                    acc.acc.as_mut_ptr(),
+                )
+            },
+        }
         let w_scale = &m.scales.as_slice()[qrow..qrow + PANEL];
         for (i, &a_scale) in rows.scales.iter().enumerate() {
             scale_panel_row(&acc.acc, w_scale, a_scale, i, out);

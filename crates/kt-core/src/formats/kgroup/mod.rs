@@ -797,7 +797,16 @@ impl KGroupExperts {
             // 512-token S1 layer: RAWINT4 123 -> 91 ms).
             // SAFETY: the caller's contract; `path` reads the staged rows.
             unsafe {
-                bf16::multiply_decoded_panel(&self.kernels, path, rows, k, block, decode_block, out)
+                bf16::multiply_decoded_panel(
+                    &self.kernels,
+                    path,
+                    rows,
+                    k,
+                    block,
+                    codes.as_ptr(),
+                    decode_block,
+                    out,
+                )
             };
             if global != 1.0 {
                 out.iter_mut().for_each(|o| *o *= global);
