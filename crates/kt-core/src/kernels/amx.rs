@@ -232,44 +232,53 @@ pub unsafe fn panel_dot_bf16_packed(
     unsafe { kt_amx_bf16_dot_packed(packed, step_bytes, m, k, panel, out) }
 }
 
-/// Hardware AMXINT8 group kernel on packed rows ([`PackedRows`]).
-///
-/// # Safety
-/// AMX usable by this process; the
-/// [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) contract.
-#[cfg(kt_amx_hw)]
-pub unsafe fn dot_int8_packed(
-    packed: *const u8,
-    step: usize,
-    m: usize,
-    k: usize,
-    g: *const u8,
-    s: *const i32,
-    o: *mut i32,
-) {
-    check_packed(step, m, k, 64);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_int8_dot_packed(packed, step, m, k, g, s, o) }
+/// A [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) over one C++ entry point: the
+/// shape checks (`k` a multiple of `$unit`), then the call; `$done` sees what it returned (the
+/// emulator's fault code).
+macro_rules! packed_group_kernel {
+    ($(#[$doc:meta])* $name:ident, $ffi:ident, $unit:expr, $done:expr) => {
+        $(#[$doc])*
+        pub unsafe fn $name(
+            packed: *const u8,
+            step: usize,
+            m: usize,
+            k: usize,
+            g: *const u8,
+            s: *const i32,
+            o: *mut i32,
+        ) {
+            check_packed(step, m, k, $unit);
+            // SAFETY: forwarded contract.
+            let returned = unsafe { $ffi(packed, step, m, k, g, s, o) };
+            $done(returned);
+        }
+    };
 }
 
-/// Hardware AMXINT4 group kernel on packed rows (`k % 128 == 0`).
-///
-/// # Safety
-/// As [`dot_int8_packed`] for an AMXINT4 group.
 #[cfg(kt_amx_hw)]
-pub unsafe fn dot_int4_packed(
-    packed: *const u8,
-    step: usize,
-    m: usize,
-    k: usize,
-    g: *const u8,
-    s: *const i32,
-    o: *mut i32,
-) {
-    check_packed(step, m, k, 128);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_int4_dot_packed(packed, step, m, k, g, s, o) }
-}
+packed_group_kernel!(
+    /// Hardware AMXINT8 group kernel on packed rows ([`PackedRows`]).
+    ///
+    /// # Safety
+    /// AMX usable by this process; the
+    /// [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) contract.
+    dot_int8_packed,
+    kt_amx_int8_dot_packed,
+    64,
+    |()| ()
+);
+
+#[cfg(kt_amx_hw)]
+packed_group_kernel!(
+    /// Hardware AMXINT4 group kernel on packed rows (`k % 128 == 0`).
+    ///
+    /// # Safety
+    /// As [`dot_int8_packed`] for an AMXINT4 group.
+    dot_int4_packed,
+    kt_amx_int4_dot_packed,
+    128,
+    |()| ()
+);
 
 /// The shape checks of every packed kernel: rows, step size, and `k` a multiple of `unit`.
 fn check_packed(step_bytes: usize, m: usize, k: usize, unit: usize) {
@@ -461,43 +470,27 @@ pub mod emulated {
         check_emulated(code, "bf16 panel, packed rows");
     }
 
-    /// Emulated [`dot_int8_packed`](super::dot_int8_packed).
-    ///
-    /// # Safety
-    /// The [`PackedGroupDotFn`](crate::kernels::group_dot::PackedGroupDotFn) contract.
-    pub unsafe fn dot_int8_packed(
-        packed: *const u8,
-        step: usize,
-        m: usize,
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        check_packed(step, m, k, 64);
-        // SAFETY: forwarded contract.
-        let code = unsafe { kt_amx_emu_int8_dot_packed(packed, step, m, k, g, s, o) };
-        check_emulated(code, "int8 group, packed rows");
-    }
+    packed_group_kernel!(
+        /// Emulated [`dot_int8_packed`](super::dot_int8_packed).
+        ///
+        /// # Safety
+        /// The [`PackedGroupDotFn`](crate::kernels::group_dot::PackedGroupDotFn) contract.
+        dot_int8_packed,
+        kt_amx_emu_int8_dot_packed,
+        64,
+        |code| check_emulated(code, "int8 group, packed rows")
+    );
 
-    /// Emulated [`dot_int4_packed`](super::dot_int4_packed).
-    ///
-    /// # Safety
-    /// As [`dot_int8_packed`] for an AMXINT4 group.
-    pub unsafe fn dot_int4_packed(
-        packed: *const u8,
-        step: usize,
-        m: usize,
-        k: usize,
-        g: *const u8,
-        s: *const i32,
-        o: *mut i32,
-    ) {
-        check_packed(step, m, k, 128);
-        // SAFETY: forwarded contract.
-        let code = unsafe { kt_amx_emu_int4_dot_packed(packed, step, m, k, g, s, o) };
-        check_emulated(code, "int4 group, packed rows");
-    }
+    packed_group_kernel!(
+        /// Emulated [`dot_int4_packed`](super::dot_int4_packed).
+        ///
+        /// # Safety
+        /// As [`dot_int8_packed`] for an AMXINT4 group.
+        dot_int4_packed,
+        kt_amx_emu_int4_dot_packed,
+        128,
+        |code| check_emulated(code, "int4 group, packed rows")
+    );
 
     /// The emulator's own checks (fault detection, instruction arithmetic on random tiles):
     /// `Err(n)` names the first that failed.
