@@ -58,13 +58,12 @@ pub type FusedFn = unsafe fn(
 
 /// [`DecodeFn`] for power-of-two scales given as exponents (E8M0 bytes: the scale of a byte
 /// `e` is 2^(e−127)): each value's bf16 exponent field is moved by `e − 127`, with no
-/// multiply. Exact, and equal to [`DecodeFn`] with the scales as f32, when every value and
-/// product is a normal number: nibble tables whose nonzero magnitudes lie in [0.5, 6]
-/// (E2M1) and exponents in [`POW2_EXPONENTS`].
+/// multiply. Exact, and equal to [`DecodeFn`] with the scales as f32, when every product is
+/// a normal number: exponents inside the decoder's [`Pow2Decoder::exponents`].
 ///
 /// # Safety
-/// As [`DecodeFn`], with `exps` holding `32·lines/group_lines` bytes inside
-/// [`POW2_EXPONENTS`].
+/// As [`DecodeFn`], with `exps` holding `32·lines/group_lines` bytes inside the decoder's
+/// exponent range.
 pub type DecodePow2Fn = unsafe fn(
     codes: *const u8,
     lines: usize,
@@ -74,17 +73,29 @@ pub type DecodePow2Fn = unsafe fn(
     out: *mut u16,
 );
 
-/// E8M0 exponents for which [`DecodePow2Fn`] gives normal numbers from E2M1 values
+/// A [`DecodePow2Fn`] and the E8M0 exponents for which its products stay normal numbers.
+#[derive(Debug, Clone)]
+pub struct Pow2Decoder {
+    /// The decoder.
+    pub decode: DecodePow2Fn,
+    /// E2M1 (magnitudes 0.5..=6): 2..=252; E4M3 (2⁻⁹..=448): 10..=246.
+    pub exponents: std::ops::RangeInclusive<u8>,
+}
+
+/// E8M0 exponents for which E2M1 values times 2^(e−127) are normal numbers
 /// (0.5·2^(2−127) = 2⁻¹²⁶ up to 6·2^(252−127) < 2¹²⁸).
-pub const POW2_EXPONENTS: std::ops::RangeInclusive<u8> = 2..=252;
+pub const E2M1_POW2_EXPONENTS: std::ops::RangeInclusive<u8> = 2..=252;
+
+/// The same for E4M3 values (2⁻⁹·2^(10−127) = 2⁻¹²⁶ up to 448·2^(246−127) < 2¹²⁸).
+pub const E4M3_POW2_EXPONENTS: std::ops::RangeInclusive<u8> = 10..=246;
 
 /// The kernels of one code kind at one ISA level.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct KGroupKernels {
     /// The decoder ([`DecodeFn`]).
     pub decode: DecodeFn,
-    /// The power-of-two decoder of nibble codes, where the level has one.
-    pub decode_pow2: Option<DecodePow2Fn>,
+    /// The power-of-two decoder, where the level has one.
+    pub decode_pow2: Option<Pow2Decoder>,
     /// The fused few-row kernel, if the level has one, and the rows it takes.
     pub fused: Option<(FusedFn, usize)>,
     /// Name, as the layer's `kernel` reports it.
@@ -108,7 +119,11 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                         x86::decode_bytes_avx512
                     },
                     fused: Some((x86::fused_bytes_avx512, FUSED_ROWS)),
-                    decode_pow2: None,
+                    // The exact E4M3 decode needs VBMI's byte lookups.
+                    decode_pow2: (level >= Level::Avx512Vbmi).then_some(Pow2Decoder {
+                        decode: x86::decode_bytes_pow2_vbmi,
+                        exponents: E4M3_POW2_EXPONENTS,
+                    }),
                     name: "avx512",
                 }
             } else {
@@ -120,7 +135,10 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                     },
                     // 4-bit codes take the integer kernels ([`super::int_dot`]).
                     fused: None,
-                    decode_pow2: Some(x86::decode_nibbles_pow2_avx512),
+                    decode_pow2: Some(Pow2Decoder {
+                        decode: x86::decode_nibbles_pow2_avx512,
+                        exponents: E2M1_POW2_EXPONENTS,
+                    }),
                     name: "avx512",
                 }
             };
@@ -785,6 +803,76 @@ mod x86 {
         unsafe { decode_nibbles_pow2(codes, lines, group_lines, exps, table, out) }
     }
 
+    /// [`super::DecodePow2Fn`] for E4M3 bytes: the exact bf16 of each code (the FP8 format's
+    /// VBMI table decoder, in order: a line's byte `2j + p` is output word `2j + p`), then per
+    /// line a masked 16-bit add moves each nonzero value's exponent by its output's group
+    /// exponent, spread to both words of the output's pair with one `vpermw`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn decode_bytes_pow2(
+        codes: *const u8,
+        lines: usize,
+        group_lines: usize,
+        exps: *const u8,
+        _table: &[f32; 16],
+        out: *mut u16,
+    ) {
+        /// Word `w` of half `h` takes output `16h + w/2`'s exponent.
+        const SPREAD: [[u16; 32]; 2] = {
+            let mut t = [[0u16; 32]; 2];
+            let mut w = 0;
+            while w < 32 {
+                t[0][w] = (w / 2) as u16;
+                t[1][w] = (16 + w / 2) as u16;
+                w += 1;
+            }
+            t
+        };
+        // SAFETY: the DecodePow2Fn contract: 64 codes and 64 outputs per line, 32 exponent
+        // bytes per group; the FP8 decoder's contract (a multiple of 32 codes, no NaN).
+        unsafe {
+            crate::formats::fp8::kernels::x86::decode_avx512vbmi(codes, lines * 64, out);
+            let spread = [
+                _mm512_loadu_si512(SPREAD[0].as_ptr().cast()),
+                _mm512_loadu_si512(SPREAD[1].as_ptr().cast()),
+            ];
+            let magnitude = _mm512_set1_epi16(0x7FFF);
+            let mut shift = [_mm512_setzero_si512(); 2];
+            for q in 0..lines {
+                if q % group_lines == 0 {
+                    let e = _mm256_loadu_si256(exps.add((q / group_lines) * 32).cast());
+                    let e = _mm512_cvtepu8_epi16(e);
+                    let e = _mm512_slli_epi16(_mm512_sub_epi16(e, _mm512_set1_epi16(127)), 7);
+                    shift = [
+                        _mm512_permutexvar_epi16(spread[0], e),
+                        _mm512_permutexvar_epi16(spread[1], e),
+                    ];
+                }
+                for (h, s) in shift.iter().enumerate() {
+                    let p = out.add(q * 64 + 32 * h) as *mut __m512i;
+                    let v = _mm512_loadu_si512(p);
+                    let nonzero = _mm512_test_epi16_mask(v, magnitude);
+                    _mm512_storeu_si512(p, _mm512_mask_add_epi16(v, nonzero, v, *s));
+                }
+            }
+        }
+    }
+
+    /// The AVX512-VBMI power-of-two E4M3 decoder.
+    ///
+    /// # Safety
+    /// The [`super::DecodePow2Fn`] contract; AVX-512F/BW/VBMI available.
+    pub unsafe fn decode_bytes_pow2_vbmi(
+        codes: *const u8,
+        lines: usize,
+        group_lines: usize,
+        exps: *const u8,
+        table: &[f32; 16],
+        out: *mut u16,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { decode_bytes_pow2(codes, lines, group_lines, exps, table, out) }
+    }
+
     macro_rules! public_decoder {
         ($name:ident, $inner:ident, $what:literal) => {
             #[doc = concat!("The ", $what, " decoder.")]
@@ -923,53 +1011,55 @@ mod tests {
     }
 
     /// The power-of-two decoders give the scalar twin's bits with the exponents as f32
-    /// scales, for every exponent they accept (both ends included) and every E2M1 code.
+    /// scales, for every exponent they accept (both ends included) and every code.
     #[test]
     fn power_of_two_decoders_equal_the_scalar_twin() {
         let mut rng = crate::rng::Rng::new(8);
-        let pow2: Vec<(Level, DecodePow2Fn)> = levels()
-            .into_iter()
-            .filter_map(|l| kernels_for(CodeKind::E2M1, l).decode_pow2.map(|d| (l, d)))
-            .collect();
-        #[cfg(target_arch = "x86_64")]
-        if crate::isa::allows(Level::Avx512Base) {
-            assert!(!pow2.is_empty());
-        }
-        for (lines, group_lines) in [(64usize, 16usize), (48, 48), (8, 8)] {
-            let (codes, _) = data(4, lines, 1, 9);
-            let groups = lines / group_lines;
-            let mut exps: Vec<u8> = (0..groups * 32)
-                .map(|_| *POW2_EXPONENTS.start() + rng.below(251) as u8)
+        for (kind, table) in [(CodeKind::E2M1, E2M1_VALUES), (CodeKind::E4M3, E2M1_VALUES)] {
+            let pow2: Vec<(Level, Pow2Decoder)> = levels()
+                .into_iter()
+                .filter_map(|l| kernels_for(kind, l).decode_pow2.map(|d| (l, d)))
                 .collect();
-            exps[0] = *POW2_EXPONENTS.start();
-            exps[1] = *POW2_EXPONENTS.end();
-            let scales: Vec<f32> = exps.iter().map(|&e| crate::codes::e8m0_to_f32(e)).collect();
-            let mut want = vec![0u16; lines * 64];
-            // SAFETY: sizes as the contract asks; scalar code.
-            unsafe {
-                decode_scalar::<4>(
-                    codes.as_ptr(),
-                    lines,
-                    group_lines,
-                    scales.as_ptr(),
-                    &E2M1_VALUES,
-                    want.as_mut_ptr(),
-                )
-            };
-            for &(level, decode) in &pow2 {
-                let mut got = vec![0xFFFFu16; lines * 64];
-                // SAFETY: as above, exponents inside POW2_EXPONENTS; the level is allowed.
-                unsafe {
-                    decode(
-                        codes.as_ptr(),
-                        lines,
-                        group_lines,
-                        exps.as_ptr(),
-                        &E2M1_VALUES,
-                        got.as_mut_ptr(),
-                    )
-                };
-                assert_eq!(got, want, "{level:?} lines={lines}");
+            #[cfg(target_arch = "x86_64")]
+            if crate::isa::allows(Level::Avx512Vbmi) {
+                assert!(!pow2.is_empty(), "{kind:?}");
+            }
+            for (lines, group_lines) in [(64usize, 16usize), (48, 48), (8, 8)] {
+                let (codes, _) = data(kind.bits(), lines, 1, 9);
+                for (level, d) in &pow2 {
+                    let (lo, hi) = (*d.exponents.start(), *d.exponents.end());
+                    let mut exps: Vec<u8> = (0..lines / group_lines * 32)
+                        .map(|_| lo + rng.below((hi - lo) as usize + 1) as u8)
+                        .collect();
+                    exps[0] = lo;
+                    exps[1] = hi;
+                    let scales: Vec<f32> =
+                        exps.iter().map(|&e| crate::codes::e8m0_to_f32(e)).collect();
+                    let mut want = vec![0u16; lines * 64];
+                    let twin = kernels_for(kind, Level::Generic).decode;
+                    let mut got = vec![0xFFFFu16; lines * 64];
+                    // SAFETY: sizes as the contracts ask; exponents inside the decoder's range;
+                    // the level is allowed on this CPU.
+                    unsafe {
+                        twin(
+                            codes.as_ptr(),
+                            lines,
+                            group_lines,
+                            scales.as_ptr(),
+                            &table,
+                            want.as_mut_ptr(),
+                        );
+                        (d.decode)(
+                            codes.as_ptr(),
+                            lines,
+                            group_lines,
+                            exps.as_ptr(),
+                            &table,
+                            got.as_mut_ptr(),
+                        )
+                    };
+                    assert_eq!(got, want, "{kind:?} {level:?} lines={lines}");
+                }
             }
         }
     }

@@ -772,23 +772,23 @@ impl KGroupExperts {
             k.is_multiple_of(block) && (block.is_multiple_of(group) || group.is_multiple_of(block))
         );
         // Decode block b (scales folded in) into `dst` (PANEL·block values, panel order).
-        // Power-of-two scales (MXFP4) move exponents instead of multiplying, where the
+        // Power-of-two scales (MXFP4, MXFP8) move exponents instead of multiplying, where the
         // results stay normal numbers (then the bits are the same).
-        let pow2 = self.code_kernels.decode_pow2.filter(|_| {
-            (self.spec.kind, self.spec.scale_type) == (CodeKind::E2M1, ScaleType::E8M0)
-        });
+        let pow2 = self
+            .code_kernels
+            .decode_pow2
+            .as_ref()
+            .filter(|_| self.spec.scale_type == ScaleType::E8M0);
         let decode_block = |b: usize, dst: &mut [u16]| {
             let (line0, lines) = (b * block / 2, block / 2);
             let (g0, groups) = (line0 / gl, (lines / gl).max(1));
             let raw = &scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss];
-            if let Some(decode) =
-                pow2.filter(|_| raw.iter().all(|e| kernels::POW2_EXPONENTS.contains(e)))
-            {
+            if let Some(p) = pow2.filter(|p| raw.iter().all(|e| p.exponents.contains(e))) {
                 assert!(dst.len() >= PANEL * block);
                 // SAFETY: as below, with the group exponents (one byte per output) checked
                 // inside the decoder's range just above.
                 unsafe {
-                    decode(
+                    (p.decode)(
                         codes[line0 * lb..].as_ptr(),
                         lines,
                         gl.min(lines),
