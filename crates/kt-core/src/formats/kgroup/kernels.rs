@@ -787,22 +787,6 @@ mod x86 {
         }
     }
 
-    /// The AVX-512BW power-of-two nibble decoder.
-    ///
-    /// # Safety
-    /// The [`super::DecodePow2Fn`] contract; AVX-512F/BW available.
-    pub unsafe fn decode_nibbles_pow2_avx512(
-        codes: *const u8,
-        lines: usize,
-        group_lines: usize,
-        exps: *const u8,
-        table: &[f32; 16],
-        out: *mut u16,
-    ) {
-        // SAFETY: forwarded.
-        unsafe { decode_nibbles_pow2(codes, lines, group_lines, exps, table, out) }
-    }
-
     /// [`super::DecodePow2Fn`] for E4M3 bytes: the exact bf16 of each code (the FP8 format's
     /// VBMI table decoder, in order: a line's byte `2j + p` is output word `2j + p`), then per
     /// line a masked 16-bit add moves each nonzero value's exponent by its output's group
@@ -857,41 +841,42 @@ mod x86 {
         }
     }
 
-    /// The AVX512-VBMI power-of-two E4M3 decoder.
-    ///
-    /// # Safety
-    /// The [`super::DecodePow2Fn`] contract; AVX-512F/BW/VBMI available.
-    pub unsafe fn decode_bytes_pow2_vbmi(
-        codes: *const u8,
-        lines: usize,
-        group_lines: usize,
-        exps: *const u8,
-        table: &[f32; 16],
-        out: *mut u16,
-    ) {
-        // SAFETY: forwarded.
-        unsafe { decode_bytes_pow2(codes, lines, group_lines, exps, table, out) }
-    }
-
     macro_rules! public_decoder {
         ($name:ident, $inner:ident, $what:literal) => {
+            public_decoder!($name, $inner, $what, "DecodeFn", scales: *const f32);
+        };
+        ($name:ident, $inner:ident, $what:literal, $contract:literal, $scales:ident: $ty:ty) => {
             #[doc = concat!("The ", $what, " decoder.")]
             ///
             /// # Safety
-            /// The [`super::DecodeFn`] contract; the named features available.
+            #[doc = concat!("The [`super::", $contract, "`] contract; the named features available.")]
             pub unsafe fn $name(
                 codes: *const u8,
                 lines: usize,
                 group_lines: usize,
-                scales: *const f32,
+                $scales: $ty,
                 table: &[f32; 16],
                 out: *mut u16,
             ) {
                 // SAFETY: forwarded.
-                unsafe { $inner(codes, lines, group_lines, scales, table, out) }
+                unsafe { $inner(codes, lines, group_lines, $scales, table, out) }
             }
         };
     }
+    public_decoder!(
+        decode_nibbles_pow2_avx512,
+        decode_nibbles_pow2,
+        "AVX-512F/BW power-of-two nibble",
+        "DecodePow2Fn",
+        exps: *const u8
+    );
+    public_decoder!(
+        decode_bytes_pow2_vbmi,
+        decode_bytes_pow2,
+        "AVX512-VBMI power-of-two E4M3",
+        "DecodePow2Fn",
+        exps: *const u8
+    );
     public_decoder!(
         decode_nibbles_avx512,
         decode_nibbles512,
