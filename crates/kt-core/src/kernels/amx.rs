@@ -703,6 +703,74 @@ pub(crate) mod tests {
         }
     }
 
+    /// A packed group program as a [`GroupDotFn`](crate::kernels::group_dot::GroupDotFn):
+    /// the first `k` bytes of each row packed by [`pack_rows`], then the program.
+    unsafe fn via_packing(
+        packed: crate::kernels::group_dot::PackedGroupDotFn,
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        let mut buf = vec![0u8; k / 64 * 2048];
+        // SAFETY: rows of at least k bytes = k/64 steps; buf holds every step.
+        unsafe {
+            let step = pack_rows(a, k / 64, &mut buf);
+            packed(buf.as_ptr(), step, a.len(), k, g, s, o)
+        }
+    }
+
+    /// The packed int8 program (emulated) through [`via_packing`], for `check_int`.
+    pub(crate) unsafe fn emulated_int8_via_packing(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { via_packing(emulated::dot_int8_packed, a, k, g, s, o) }
+    }
+
+    /// The packed int4 program (emulated) through [`via_packing`], for `check_int`.
+    pub(crate) unsafe fn emulated_int4_via_packing(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe { via_packing(emulated::dot_int4_packed, a, k, g, s, o) }
+    }
+
+    /// The packed int8 program on the tiles through [`via_packing`].
+    #[cfg(kt_amx_hw)]
+    pub(crate) unsafe fn hardware_int8_via_packing(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded; the caller checked that AMX runs.
+        unsafe { via_packing(dot_int8_packed, a, k, g, s, o) }
+    }
+
+    /// The packed int4 program on the tiles through [`via_packing`].
+    #[cfg(kt_amx_hw)]
+    pub(crate) unsafe fn hardware_int4_via_packing(
+        a: &[*const u8],
+        k: usize,
+        g: *const u8,
+        s: *const i32,
+        o: *mut i32,
+    ) {
+        // SAFETY: forwarded; the caller checked that AMX runs.
+        unsafe { via_packing(dot_int4_packed, a, k, g, s, o) }
+    }
+
     #[test]
     fn emulated_packed_bf16_tile_program_matches_its_twin() {
         check_bf16(emulated_packed, true);

@@ -295,9 +295,12 @@ pub(crate) mod tests {
             )
         };
         check(crate::kernels::amx::emulated::dot_int4);
+        // The same program on rows packed by column block (the prefill path).
+        check(crate::kernels::amx::tests::emulated_int4_via_packing);
         #[cfg(kt_amx_hw)]
         if crate::isa::allows(crate::isa::Level::Amx) {
             check(crate::kernels::amx::dot_int4);
+            check(crate::kernels::amx::tests::hardware_int4_via_packing);
         }
     }
 

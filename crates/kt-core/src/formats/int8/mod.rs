@@ -204,7 +204,6 @@ impl IntExperts {
         acc: &mut PanelAcc,
         out: &mut [f32],
     ) {
-        let (kernel, _) = self.kernel_for(rows.expert_rows);
         let start = self.layout.matrix_bytes(qrow, k);
         let group = &m.mats.as_slice()[start..start + self.layout.matrix_bytes(PANEL, k)];
         let sums = &m.sums.as_slice()[qrow..qrow + PANEL];
@@ -239,7 +238,7 @@ impl IntExperts {
             // `acc` holds MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was
             // built.
             _ => unsafe {
-                kernel(
+                (self.kernel_for(rows.expert_rows).0)(
                     rows.prepared,
                     k,
                     group.as_ptr(),
