@@ -284,8 +284,10 @@ def test_named_pipe_as_weight_file_is_refused_not_waited_on(tmp_path, method):
 @pytest.mark.parametrize(
     ("name", "value", "ok"),
     [
-        ("KT_SPIN_ROUNDS", "abc", False),
-        ("KT_SPIN_ROUNDS", "100", True),
+        ("KT_SPIN_US", "abc", False),
+        ("KT_SPIN_US", "100", True),
+        # The round count it replaced is refused with the new name, not silently ignored.
+        ("KT_SPIN_ROUNDS", "100", False),
         ("KT_KERNEL_AMX_EMULATE", "yes", False),
         ("KT_KERNEL_AMX_EMULATE", "0", True),
         ("KT_BF16_KERNEL", "", True),

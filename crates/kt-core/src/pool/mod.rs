@@ -5,8 +5,9 @@
 //! leader. [`Pool::run_parts`] runs a closure once per part, each on its own sub-pool, and inside
 //! it [`Team::parallel_for`] hands tasks to that sub-pool's workers through a shared counter.
 //!
-//! Every wait spins for a short, bounded number of rounds (phases of one forward follow each other
-//! within microseconds) and then parks, so an idle process uses no CPU.
+//! Every wait spins for a bounded time (`KT_SPIN_US`, 1 ms by default: phases of one forward, and
+//! the layers of one decode step, follow each other within it) and then parks, so an idle process
+//! uses no CPU.
 use crate::topology::{plan_pinning, Topology};
 use crate::{Error, Result};
 use std::any::Any;
@@ -14,6 +15,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
 
 /// Most worker threads a pool takes: far above any CPU Linux runs on (8192 CPUs), low enough
 /// that a mistyped count is an error rather than an allocation failure or a thread storm.
@@ -78,32 +80,60 @@ impl PoolConfig {
     }
 }
 
-/// `KT_SPIN_ROUNDS` if set; a set but unusable value is an error (checked when a pool starts,
-/// so it is never a silent default).
-fn spin_rounds_setting() -> Result<Option<u32>> {
-    match std::env::var("KT_SPIN_ROUNDS") {
-        Ok(v) => v.parse().map(Some).map_err(|_| {
-            Error::Invalid(format!(
-                "KT_SPIN_ROUNDS={v:?} is not a round count (a whole number >= 0; default 4000)"
-            ))
-        }),
+/// Default spin before parking. A pause costs 8 ns on some x86 cores and 140 on others, so the
+/// budget is time, not rounds. Waking a parked thread costs tens of microseconds (far more in a
+/// VM, where it goes through the hypervisor), and a decode step calls layer after layer with
+/// gaps of a few hundred microseconds, so workers keep spinning across such gaps.
+const DEFAULT_SPIN_US: u64 = 1000;
+
+/// `KT_SPIN_US` if set; a set but unusable value is an error (checked when a pool starts, so it
+/// is never a silent default). `KT_SPIN_ROUNDS`, its predecessor, is refused with the new name.
+fn spin_setting() -> Result<Option<Duration>> {
+    if let Ok(v) = std::env::var("KT_SPIN_ROUNDS") {
+        return Err(Error::Invalid(format!(
+            "KT_SPIN_ROUNDS={v:?} is no longer read: the spin before parking is now a time, \
+             set KT_SPIN_US (microseconds, default {DEFAULT_SPIN_US})"
+        )));
+    }
+    match std::env::var("KT_SPIN_US") {
+        Ok(v) => v
+            .parse()
+            .map(|us| Some(Duration::from_micros(us)))
+            .map_err(|_| {
+                Error::Invalid(format!(
+                    "KT_SPIN_US={v:?} is not a time in microseconds (a whole number >= 0; \
+                 default {DEFAULT_SPIN_US})"
+                ))
+            }),
         Err(_) => Ok(None),
     }
 }
 
-/// Spin rounds before parking (override with `KT_SPIN_ROUNDS`).
-fn spin_rounds() -> u32 {
-    static ROUNDS: OnceLock<u32> = OnceLock::new();
-    *ROUNDS.get_or_init(|| spin_rounds_setting().ok().flatten().unwrap_or(4000))
+/// How long a waiting thread spins before it parks (override with `KT_SPIN_US`).
+fn spin_budget() -> Duration {
+    static BUDGET: OnceLock<Duration> = OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        spin_setting()
+            .ok()
+            .flatten()
+            .unwrap_or(Duration::from_micros(DEFAULT_SPIN_US))
+    })
 }
 
-/// Spin, then park until `ready()`. `sleeping` tells notifiers to unpark us.
-fn wait_until(ready: impl Fn() -> bool, sleeping: &AtomicBool, spins: u32) {
-    for _ in 0..spins {
-        if ready() {
-            return;
+/// Spin for up to `budget`, then park until `ready()`. `sleeping` tells notifiers to unpark us.
+fn wait_until(ready: impl Fn() -> bool, sleeping: &AtomicBool, budget: Duration) {
+    if ready() {
+        return;
+    }
+    let start = Instant::now();
+    // The clock is read once per 32 pauses: cheap next to them, fine-grained next to the budget.
+    while start.elapsed() < budget {
+        for _ in 0..32 {
+            if ready() {
+                return;
+            }
+            std::hint::spin_loop();
         }
-        std::hint::spin_loop();
     }
     loop {
         sleeping.store(true, SeqCst);
@@ -271,7 +301,7 @@ impl Team {
         wait_until(
             || job.remaining_helpers.load(SeqCst) == 0,
             &self.shared.leader_sleeping,
-            spin_rounds() / 4,
+            spin_budget(),
         );
         let panicked = job.panic.lock().unwrap().take();
         if let Some(p) = panicked {
@@ -286,7 +316,7 @@ fn helper_loop(shared: Arc<SubShared>, me: usize) {
         wait_until(
             || !slot.job.load(SeqCst).is_null() || shared.shutdown.load(SeqCst),
             &slot.sleeping,
-            spin_rounds(),
+            spin_budget(),
         );
         let ptr = slot.job.swap(std::ptr::null_mut(), SeqCst);
         if ptr.is_null() {
@@ -313,7 +343,7 @@ fn leader_loop(shared: Arc<SubShared>) {
         wait_until(
             || !slot.job.load(SeqCst).is_null() || shared.shutdown.load(SeqCst),
             &slot.sleeping,
-            spin_rounds(),
+            spin_budget(),
         );
         let ptr = slot.job.swap(std::ptr::null_mut(), SeqCst);
         if ptr.is_null() {
@@ -362,7 +392,7 @@ impl Pool {
         if let Some(i) = config.threads.iter().position(|&t| t == 0) {
             return Err(Error::Invalid(format!("sub-pool {i} has no threads")));
         }
-        spin_rounds_setting()?;
+        spin_setting()?;
         check_thread_count(
             config
                 .threads
@@ -522,7 +552,7 @@ impl Pool {
         wait_until(
             || job.remaining.load(SeqCst) == 0,
             &self.caller_sleeping,
-            64,
+            spin_budget(),
         );
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
