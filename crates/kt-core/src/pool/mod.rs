@@ -302,6 +302,18 @@ impl Team {
             slot.post(ptr);
         }
         job.run_tasks();
+        // Every task is taken. A helper that has not picked the job up yet (descheduled: the
+        // core is shared, e.g. with torch's spinning threads) is not waited for: the post is
+        // withdrawn, so a late helper never holds up the leader.
+        for slot in &self.shared.helpers[1..=helpers] {
+            if slot
+                .job
+                .compare_exchange(ptr, std::ptr::null_mut(), SeqCst, SeqCst)
+                .is_ok()
+            {
+                job.remaining_helpers.fetch_sub(1, SeqCst);
+            }
+        }
         wait_until(
             || job.remaining_helpers.load(SeqCst) == 0,
             &self.shared.leader_sleeping,
@@ -324,9 +336,13 @@ fn helper_loop(shared: Arc<SubShared>, me: usize) {
         );
         let ptr = slot.job.swap(std::ptr::null_mut(), SeqCst);
         if ptr.is_null() {
-            return; // shutdown
+            if shared.shutdown.load(SeqCst) {
+                return;
+            }
+            continue; // the leader withdrew the job before we took it
         }
-        // SAFETY: the leader keeps the job alive until we decrement remaining_helpers.
+        // SAFETY: the leader keeps the job alive until we decrement remaining_helpers (or
+        // until it has withdrawn the post, which the swap above would then have seen).
         let job = unsafe { &*ptr };
         job.run_tasks();
         let leader = job.leader.clone();
