@@ -38,6 +38,37 @@ BYTES = {
 }
 
 
+def s1_weights(gen: torch.Generator) -> list:
+    """Seeded bf16 (gate, up, down) expert weights of the L layers."""
+    shapes = [(E, INTER, H), (E, INTER, H), (E, H, INTER)]
+    return [
+        tuple((torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for s in shapes)
+        for _ in range(L)
+    ]
+
+
+def s1_layers(method: str, weights: list, tokens: int = 1) -> list:
+    """One 2-thread wrapper per layer of ``weights``, quantized online to ``method``."""
+    layers = []
+    for li, (g, u, d) in enumerate(weights):
+        w = KTMoEWrapper(
+            layer_idx=li,
+            num_experts=E,
+            num_experts_per_tok=K,
+            hidden_size=H,
+            moe_intermediate_size=INTER,
+            gpu_experts_mask=None,
+            cpuinfer_threads=2,
+            threadpool_count=1,
+            weight_path="",
+            chunked_prefill_size=max(512, tokens),
+            method=method,
+        )
+        w.load_weights_from_tensors(g, u, d, torch.arange(E))
+        layers.append(w)
+    return layers
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["FP8", "RAWINT4", "MXFP4"])
@@ -47,31 +78,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
-    weights = []
-    for _ in range(L):
-        g = (torch.randn(E, INTER, H, generator=gen) * 0.02).to(torch.bfloat16)
-        u = (torch.randn(E, INTER, H, generator=gen) * 0.02).to(torch.bfloat16)
-        d = (torch.randn(E, H, INTER, generator=gen) * 0.02).to(torch.bfloat16)
-        weights.append((g, u, d))
+    weights = s1_weights(gen)
     layers = {}
     for m in args.methods:
-        layers[m] = []
-        for li, (g, u, d) in enumerate(weights):
-            w = KTMoEWrapper(
-                layer_idx=li,
-                num_experts=E,
-                num_experts_per_tok=K,
-                hidden_size=H,
-                moe_intermediate_size=INTER,
-                gpu_experts_mask=None,
-                cpuinfer_threads=2,
-                threadpool_count=1,
-                weight_path="",
-                chunked_prefill_size=max(512, args.tokens),
-                method=m,
-            )
-            w.load_weights_from_tensors(g, u, d, torch.arange(E))
-            layers[m].append(w)
+        layers[m] = s1_layers(m, weights, args.tokens)
         print(f"{m}: kernel {layers[m][0].moe.kernel}", flush=True)
         settle_prefetch(layers[m], gen)
     del weights

@@ -16,35 +16,19 @@ import sys
 import time
 
 import torch
-from kt_kernel import KTMoEWrapper
+from decode_loop import E as EXPERTS
+from decode_loop import H as HIDDEN
+from decode_loop import K as TOP_K
+from decode_loop import L as LAYERS
+from decode_loop import s1_layers, s1_weights
 from kt_kernel.bench import _routing, settle_prefetch
-
-EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 3
 
 
 def main() -> None:
     method = sys.argv[1] if len(sys.argv) > 1 else "MXFP4"
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
-    layers = []
-    for li in range(LAYERS):
-        shapes = [(EXPERTS, INTER, HIDDEN), (EXPERTS, INTER, HIDDEN), (EXPERTS, HIDDEN, INTER)]
-        g, u, d = ((torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for s in shapes)
-        w = KTMoEWrapper(
-            layer_idx=li,
-            num_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            hidden_size=HIDDEN,
-            moe_intermediate_size=INTER,
-            gpu_experts_mask=None,
-            cpuinfer_threads=2,
-            threadpool_count=1,
-            weight_path="",
-            chunked_prefill_size=512,
-            method=method,
-        )
-        w.load_weights_from_tensors(g, u, d, torch.arange(EXPERTS))
-        layers.append(w)
+    layers = s1_layers(method, s1_weights(gen))
     settle_prefetch(layers, gen)
     x = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16)
     a = torch.randn(4096, HIDDEN)
