@@ -934,6 +934,33 @@ mod tests {
         v
     }
 
+    /// `decode` over `lines` lines of `codes` into a buffer first filled with `fill`.
+    ///
+    /// # Safety
+    /// `codes` and `scales` hold `lines` lines as [`data`] makes them; the CPU runs `decode`.
+    unsafe fn decoded(
+        decode: DecodeFn,
+        (codes, scales): (&[u8], &[f32]),
+        lines: usize,
+        group_lines: usize,
+        table: &[f32; 16],
+        fill: u16,
+    ) -> Vec<u16> {
+        let mut out = vec![fill; lines * 64];
+        // SAFETY: the caller's contract; `out` holds every line.
+        unsafe {
+            decode(
+                codes.as_ptr(),
+                lines,
+                group_lines,
+                scales.as_ptr(),
+                table,
+                out.as_mut_ptr(),
+            )
+        };
+        out
+    }
+
     #[test]
     fn decoders_equal_their_scalar_twin() {
         for (kind, table) in [
@@ -943,19 +970,10 @@ mod tests {
         ] {
             for (lines, group_lines) in [(64usize, 16usize), (64, 8), (48, 48), (8, 8)] {
                 let (codes, scales) = data(kind.bits(), lines, lines / group_lines, 3);
-                let mut want = vec![0u16; lines * 64];
                 let twin = kernels_for(kind, Level::Generic).decode;
-                // SAFETY: sizes as the contract asks; scalar code.
-                unsafe {
-                    twin(
-                        codes.as_ptr(),
-                        lines,
-                        group_lines,
-                        scales.as_ptr(),
-                        &table,
-                        want.as_mut_ptr(),
-                    )
-                };
+                let values = (codes.as_slice(), scales.as_slice());
+                // SAFETY: sizes as `data` made them; scalar code.
+                let want = unsafe { decoded(twin, values, lines, group_lines, &table, 0) };
                 // The twin itself against the definition: value · scale rounded to bf16.
                 for q in [0, lines - 1] {
                     for j in [0, 17, 31] {
@@ -977,18 +995,9 @@ mod tests {
                 }
                 for level in levels() {
                     let k = kernels_for(kind, level);
-                    let mut got = vec![0xFFFFu16; lines * 64];
                     // SAFETY: as above; the level is allowed on this CPU.
-                    unsafe {
-                        (k.decode)(
-                            codes.as_ptr(),
-                            lines,
-                            group_lines,
-                            scales.as_ptr(),
-                            &table,
-                            got.as_mut_ptr(),
-                        )
-                    };
+                    let got =
+                        unsafe { decoded(k.decode, values, lines, group_lines, &table, 0xFFFF) };
                     assert_eq!(got, want, "{kind:?} {} lines={lines}", k.name);
                 }
             }
@@ -1020,20 +1029,14 @@ mod tests {
                     exps[1] = hi;
                     let scales: Vec<f32> =
                         exps.iter().map(|&e| crate::codes::e8m0_to_f32(e)).collect();
-                    let mut want = vec![0u16; lines * 64];
                     let twin = kernels_for(kind, Level::Generic).decode;
+                    let values = (codes.as_slice(), scales.as_slice());
+                    // SAFETY: sizes as `data` made them; scalar code.
+                    let want = unsafe { decoded(twin, values, lines, group_lines, &table, 0) };
                     let mut got = vec![0xFFFFu16; lines * 64];
-                    // SAFETY: sizes as the contracts ask; exponents inside the decoder's range;
+                    // SAFETY: sizes as the contract asks; exponents inside the decoder's range;
                     // the level is allowed on this CPU.
                     unsafe {
-                        twin(
-                            codes.as_ptr(),
-                            lines,
-                            group_lines,
-                            scales.as_ptr(),
-                            &table,
-                            want.as_mut_ptr(),
-                        );
                         (d.decode)(
                             codes.as_ptr(),
                             lines,
