@@ -410,117 +410,144 @@ mod x86 {
     /// See [`UP`].
     const DOWN: f32 = 72_057_594_037_927_936.0; // 2⁵⁶
 
-    /// Rows `16h..16h+16` of E4M3 line `q` as value · 2⁻¹²⁰: a code at the top of a 32-bit
-    /// lane, shifted right arithmetically by 4 and masked, is that f32 (subnormal codes become
-    /// f32 denormals). Six integer ops for 32 codes.
+    /// Line `q`'s E4M3 codes as value · 2⁻¹²⁰ in two pairs of f32 vectors, (input `2q`, input
+    /// `2q+1`) for the rows fed by `vpunpcklbw` and by `vpunpckhbw` (see [`ROWS_512`]). A code
+    /// at the top of a 16-bit lane, shifted right arithmetically by 4 and masked to `s000 0eee
+    /// emmm 0000`, is the bf16 of that value, subnormals included (as bf16 denormals); a shift
+    /// or a mask makes it an f32. Five integer ops per 32 codes.
     #[inline(always)]
-    unsafe fn small512(codes: *const u8, q: usize, h: usize, _t: __m512) -> (__m512, __m512) {
-        // SAFETY: the caller's contract: 32 bytes of line q exist; no NaN codes.
+    unsafe fn small512(codes: *const u8, q: usize) -> [(__m512, __m512); 2] {
+        // SAFETY: the caller's contract: line q's 64 bytes exist; AVX-512BW.
         unsafe {
-            let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                codes.add(q * 64 + 32 * h) as *const __m256i
-            ));
-            let keep = _mm512_set1_epi32(0x87F0_0000u32 as i32);
-            let lo = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 4), keep);
-            let hi = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 4), keep);
-            (_mm512_castsi512_ps(lo), _mm512_castsi512_ps(hi))
+            let v = _mm512_loadu_si512(codes.add(q * 64) as *const __m512i);
+            let zero = _mm512_setzero_si512();
+            let keep = _mm512_set1_epi16(0x87F0u16 as i16);
+            let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)].map(|half| {
+                let pairs = _mm512_and_si512(_mm512_srai_epi16(half, 4), keep);
+                (
+                    _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+                    _mm512_castsi512_ps(_mm512_and_si512(pairs, high)),
+                )
+            })
         }
     }
 
-    /// Rows `8o..8o+8` of E4M3 line `q` as value · 2⁻¹²⁰ (see [`small512`]).
-    #[inline(always)]
-    unsafe fn small256(
+    /// Row of lane `i` of [`small512`]'s vectors `u` (0: `vpunpcklbw`, 1: `vpunpckhbw`): the
+    /// 128-bit lane `i / 4` holds rows `8·(i / 4)..+8` of the line, two bytes per row, and the
+    /// low (high) 8 bytes of it are its first (last) four rows.
+    const fn row_512(u: usize, i: usize) -> i32 {
+        (8 * (i / 4) + 4 * u + i % 4) as i32
+    }
+
+    /// [`row_512`] of every lane, as `vpermt2ps` indices into (rows 0..16, rows 16..32).
+    const ROWS_512: [[i32; 16]; 2] = {
+        let mut rows = [[0; 16]; 2];
+        let mut i = 0;
+        while i < 32 {
+            rows[i / 16][i % 16] = row_512(i / 16, i % 16);
+            i += 1;
+        }
+        rows
+    };
+
+    /// For rows `16h..16h+16`, the (vector, lane) of [`small512`]'s layout as `vpermt2ps`
+    /// indices into (vector 0, vector 1): the inverse of [`ROWS_512`].
+    const LANES_512: [[i32; 16]; 2] = {
+        let mut lanes = [[0; 16]; 2];
+        let mut i = 0;
+        while i < 32 {
+            let row = row_512(i / 16, i % 16) as usize;
+            lanes[row / 16][row % 16] = i as i32;
+            i += 1;
+        }
+        lanes
+    };
+
+    /// The AVX-512 fused kernel on `R` rows: per line, one 64-byte load and [`small512`]
+    /// feed `4·R` FMAs. Each output lane keeps the scalar twin's even and odd sums and its
+    /// order of operations; only the lanes' rows are permuted (the group scales to match, the
+    /// totals back at the end).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+    unsafe fn fused_bytes_rows512<const R: usize>(
+        a: &[*const f32],
+        lines: usize,
+        group_lines: usize,
         codes: *const u8,
-        q: usize,
-        o: usize,
-        _t: (__m256, __m256),
-    ) -> (__m256, __m256) {
-        // SAFETY: the caller's contract: 16 bytes of line q exist; no NaN codes.
+        scales: *const u8,
+        scale_type: ScaleType,
+        out: *mut f32,
+    ) {
+        // SAFETY: the FusedFn contract with exactly R rows: every line, input, scale and output
+        // read or written below is inside the caller's buffers.
         unsafe {
-            let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(
-                codes.add(q * 64 + 16 * o) as *const __m128i
-            ));
-            let keep = _mm256_set1_epi32(0x87F0_0000u32 as i32);
-            let lo = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 4), keep);
-            let hi = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 4), keep);
-            (_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi))
+            let ss = scale_type.size();
+            let load = |t: &[i32; 16]| _mm512_loadu_si512(t.as_ptr() as *const __m512i);
+            let rows = [load(&ROWS_512[0]), load(&ROWS_512[1])];
+            let mut total = [[_mm512_setzero_ps(); 2]; R];
+            let dist =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
+            for g in 0..lines / group_lines {
+                // Even and odd inputs in separate sums: four FMA chains per row.
+                let mut even = [[_mm512_setzero_ps(); 2]; R];
+                let mut odd = [[_mm512_setzero_ps(); 2]; R];
+                for q in g * group_lines..(g + 1) * group_lines {
+                    crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
+                    let values = small512(codes, q);
+                    for r in 0..R {
+                        let x = a[r].add(2 * q);
+                        let (x0, x1) = (_mm512_set1_ps(*x * UP), _mm512_set1_ps(*x.add(1) * UP));
+                        for (u, &(lo, hi)) in values.iter().enumerate() {
+                            even[r][u] = _mm512_fmadd_ps(lo, x0, even[r][u]);
+                            odd[r][u] = _mm512_fmadd_ps(hi, x1, odd[r][u]);
+                        }
+                    }
+                }
+                let at = |h: usize| scales16(scales.add((g * 32 + 16 * h) * ss), scale_type);
+                let (s0, s1) = (at(0), at(1));
+                for u in 0..2 {
+                    let sv = _mm512_mul_ps(
+                        _mm512_set1_ps(DOWN),
+                        _mm512_permutex2var_ps(s0, rows[u], s1),
+                    );
+                    for r in 0..R {
+                        let sum = _mm512_add_ps(even[r][u], odd[r][u]);
+                        total[r][u] = _mm512_fmadd_ps(sum, sv, total[r][u]);
+                    }
+                }
+            }
+            let lanes = [load(&LANES_512[0]), load(&LANES_512[1])];
+            for r in 0..R {
+                for h in 0..2 {
+                    let o = out.add(r * 32 + 16 * h);
+                    let t = _mm512_permutex2var_ps(total[r][0], lanes[h], total[r][1]);
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), t));
+                }
+            }
         }
     }
 
-    macro_rules! fused512 {
-        ($fused_rows:ident, $fused:ident, $values:ident) => {
-            #[target_feature(enable = "avx512f,avx512bw")]
-            #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-            unsafe fn $fused_rows<const R: usize>(
-                a: &[*const f32],
-                lines: usize,
-                group_lines: usize,
-                codes: *const u8,
-                scales: *const u8,
-                scale_type: ScaleType,
-                out: *mut f32,
-            ) {
-                // SAFETY: the FusedFn contract with exactly R rows.
-                unsafe {
-                    let t = _mm512_setzero_ps();
-                    let ss = scale_type.size();
-                    let mut total = [[_mm512_setzero_ps(); 2]; R];
-                    let dist = crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
-                    for g in 0..lines / group_lines {
-                        // Even and odd inputs in separate sums: four FMA chains per row.
-                        let mut even = [[_mm512_setzero_ps(); 2]; R];
-                        let mut odd = [[_mm512_setzero_ps(); 2]; R];
-                        for q in g * group_lines..(g + 1) * group_lines {
-                            crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
-                            for h in 0..2 {
-                                let (lo, hi) = $values(codes, q, h, t);
-                                for r in 0..R {
-                                    let x = a[r].add(2 * q);
-                                    even[r][h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(*x * UP), even[r][h]);
-                                    odd[r][h] =
-                                        _mm512_fmadd_ps(hi, _mm512_set1_ps(*x.add(1) * UP), odd[r][h]);
-                                }
-                            }
-                        }
-                        for h in 0..2 {
-                            let sv = _mm512_mul_ps(_mm512_set1_ps(DOWN), scales16(scales.add((g * 32 + 16 * h) * ss), scale_type));
-                            for r in 0..R {
-                                let sum = _mm512_add_ps(even[r][h], odd[r][h]);
-                                total[r][h] = _mm512_fmadd_ps(sum, sv, total[r][h]);
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        for h in 0..2 {
-                            let o = out.add(r * 32 + 16 * h);
-                            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), total[r][h]));
-                        }
-                    }
-                }
-            }
-
-            /// The AVX-512 fused kernel (1 to 4 rows).
-            ///
-            /// # Safety
-            /// The [`super::FusedFn`] contract; AVX-512F/BW available.
-            pub unsafe fn $fused(
-                a: &[*const f32],
-                lines: usize,
-                group_lines: usize,
-                codes: *const u8,
-                scales: *const u8,
-                scale_type: ScaleType,
-                out: *mut f32,
-            ) {
-                // SAFETY: forwarded.
-                unsafe {
-                    crate::kernels::dispatch_rows!(
-                        $fused_rows, "kgroup avx512 fused panel", a,
-                        (a, lines, group_lines, codes, scales, scale_type, out); 1 2 3 4
-                    )
-                }
-            }
-        };
+    /// The AVX-512 fused kernel (1 to 4 rows).
+    ///
+    /// # Safety
+    /// The [`super::FusedFn`] contract; AVX-512F/BW available.
+    pub unsafe fn fused_bytes_avx512(
+        a: &[*const f32],
+        lines: usize,
+        group_lines: usize,
+        codes: *const u8,
+        scales: *const u8,
+        scale_type: ScaleType,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(
+                fused_bytes_rows512, "kgroup avx512 fused panel", a,
+                (a, lines, group_lines, codes, scales, scale_type, out); 1 2 3 4
+            )
+        }
     }
 
     decoder512!(decode_nibbles512, nibbles512);
@@ -537,7 +564,6 @@ mod x86 {
         pair512_bf16,
         "avx512f,avx512bw,avx512bf16"
     );
-    fused512!(fused_bytes_rows512, fused_bytes_avx512, small512);
 
     /// Round f32 lanes to bf16, nearest even (upper 16 bits of each lane).
     #[inline(always)]
@@ -652,85 +678,120 @@ mod x86 {
         };
     }
 
-    macro_rules! fused256 {
-        ($fused_rows:ident, $fused:ident, $values:ident) => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-            unsafe fn $fused_rows<const R: usize>(
-                a: &[*const f32],
-                lines: usize,
-                group_lines: usize,
-                codes: *const u8,
-                scales: *const u8,
-                scale_type: ScaleType,
-                out: *mut f32,
-            ) {
-                // SAFETY: the FusedFn contract with exactly R rows.
-                unsafe {
-                    let t = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                    let ss = scale_type.size();
-                    let mut total = [[_mm256_setzero_ps(); 4]; R];
-                    let dist = crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
-                    for g in 0..lines / group_lines {
-                        let mut even = [[_mm256_setzero_ps(); 4]; R];
-                        let mut odd = [[_mm256_setzero_ps(); 4]; R];
-                        for q in g * group_lines..(g + 1) * group_lines {
-                            crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
-                            for o in 0..4 {
-                                let (lo, hi) = $values(codes, q, o, t);
-                                for r in 0..R {
-                                    let x = a[r].add(2 * q);
-                                    even[r][o] = _mm256_fmadd_ps(lo, _mm256_set1_ps(*x * UP), even[r][o]);
-                                    odd[r][o] =
-                                        _mm256_fmadd_ps(hi, _mm256_set1_ps(*x.add(1) * UP), odd[r][o]);
-                                }
-                            }
-                        }
-                        for o in 0..4 {
-                            let sv = _mm256_mul_ps(_mm256_set1_ps(DOWN), scales8(scales.add((g * 32 + 8 * o) * ss), scale_type));
-                            for r in 0..R {
-                                let sum = _mm256_add_ps(even[r][o], odd[r][o]);
-                                total[r][o] = _mm256_fmadd_ps(sum, sv, total[r][o]);
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        for o in 0..4 {
-                            let p = out.add(r * 32 + 8 * o);
-                            _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), total[r][o]));
-                        }
-                    }
-                }
-            }
+    /// [`small512`] on the 32-byte half `h` of line `q` (rows `16h..16h+16`); the row of lane
+    /// `i` of vectors `u` is `16h + 8·(i / 4) + 4u + i % 4`.
+    #[inline(always)]
+    unsafe fn small256(codes: *const u8, q: usize, h: usize) -> [(__m256, __m256); 2] {
+        // SAFETY: the caller's contract: line q's 64 bytes exist; AVX2.
+        unsafe {
+            let v = _mm256_loadu_si256(codes.add(q * 64 + 32 * h) as *const __m256i);
+            let zero = _mm256_setzero_si256();
+            let keep = _mm256_set1_epi16(0x87F0u16 as i16);
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)].map(|half| {
+                let pairs = _mm256_and_si256(_mm256_srai_epi16(half, 4), keep);
+                (
+                    _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
+                    _mm256_castsi256_ps(_mm256_and_si256(pairs, high)),
+                )
+            })
+        }
+    }
 
-            /// The AVX2 fused kernel (1 or 2 rows).
-            ///
-            /// # Safety
-            /// The [`super::FusedFn`] contract with at most 2 rows; AVX2, FMA and F16C
-            /// available.
-            pub unsafe fn $fused(
-                a: &[*const f32],
-                lines: usize,
-                group_lines: usize,
-                codes: *const u8,
-                scales: *const u8,
-                scale_type: ScaleType,
-                out: *mut f32,
-            ) {
-                // SAFETY: forwarded.
-                unsafe {
-                    crate::kernels::dispatch_rows!(
-                        $fused_rows, "kgroup avx2 fused panel", a,
-                        (a, lines, group_lines, codes, scales, scale_type, out); 1 2
-                    )
+    /// The AVX2 fused kernel on `R` rows ([`fused_bytes_rows512`] on 32-byte halves):
+    /// accumulator `2h + u` holds [`small256`]`(h)`'s vectors `u`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+    unsafe fn fused_bytes_rows256<const R: usize>(
+        a: &[*const f32],
+        lines: usize,
+        group_lines: usize,
+        codes: *const u8,
+        scales: *const u8,
+        scale_type: ScaleType,
+        out: *mut f32,
+    ) {
+        // SAFETY: the FusedFn contract with exactly R rows.
+        unsafe {
+            let ss = scale_type.size();
+            let mut total = [[_mm256_setzero_ps(); 4]; R];
+            let dist =
+                crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
+            for g in 0..lines / group_lines {
+                let mut even = [[_mm256_setzero_ps(); 4]; R];
+                let mut odd = [[_mm256_setzero_ps(); 4]; R];
+                for q in g * group_lines..(g + 1) * group_lines {
+                    crate::kernels::prefetch::ahead(codes.add(q * 64), dist);
+                    for h in 0..2 {
+                        let values = small256(codes, q, h);
+                        for r in 0..R {
+                            let x = a[r].add(2 * q);
+                            let (x0, x1) =
+                                (_mm256_set1_ps(*x * UP), _mm256_set1_ps(*x.add(1) * UP));
+                            for (u, &(lo, hi)) in values.iter().enumerate() {
+                                even[r][2 * h + u] = _mm256_fmadd_ps(lo, x0, even[r][2 * h + u]);
+                                odd[r][2 * h + u] = _mm256_fmadd_ps(hi, x1, odd[r][2 * h + u]);
+                            }
+                        }
+                    }
+                }
+                let down = _mm256_set1_ps(DOWN);
+                for h in 0..2 {
+                    // Rows 16h + 0..4 and 16h + 8..12 (u = 0), 16h + 4..8 and 16h + 12..16 (u = 1).
+                    let at = |o: usize| scales8(scales.add((g * 32 + 8 * o) * ss), scale_type);
+                    let (sa, sb) = (at(2 * h), at(2 * h + 1));
+                    let sv = [
+                        _mm256_mul_ps(down, _mm256_permute2f128_ps(sa, sb, 0x20)),
+                        _mm256_mul_ps(down, _mm256_permute2f128_ps(sa, sb, 0x31)),
+                    ];
+                    for u in 0..2 {
+                        for r in 0..R {
+                            let sum = _mm256_add_ps(even[r][2 * h + u], odd[r][2 * h + u]);
+                            total[r][2 * h + u] = _mm256_fmadd_ps(sum, sv[u], total[r][2 * h + u]);
+                        }
+                    }
                 }
             }
-        };
+            for r in 0..R {
+                for h in 0..2 {
+                    let (t0, t1) = (total[r][2 * h], total[r][2 * h + 1]);
+                    let rows = [
+                        _mm256_permute2f128_ps(t0, t1, 0x20),
+                        _mm256_permute2f128_ps(t0, t1, 0x31),
+                    ];
+                    for (half, t) in rows.into_iter().enumerate() {
+                        let p = out.add(r * 32 + 16 * h + 8 * half);
+                        _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), t));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 fused kernel (1 or 2 rows).
+    ///
+    /// # Safety
+    /// The [`super::FusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
+    pub unsafe fn fused_bytes_avx2(
+        a: &[*const f32],
+        lines: usize,
+        group_lines: usize,
+        codes: *const u8,
+        scales: *const u8,
+        scale_type: ScaleType,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(
+                fused_bytes_rows256, "kgroup avx2 fused panel", a,
+                (a, lines, group_lines, codes, scales, scale_type, out); 1 2
+            )
+        }
     }
 
     decoder256!(decode_nibbles256, nibbles256);
     decoder256!(decode_bytes256, bytes256_t);
-    fused256!(fused_bytes_rows256, fused_bytes_avx2, small256);
 
     /// [`super::DecodePow2Fn`] on AVX-512BW: per line, a 32-bit lane per output holds the
     /// line's two nibbles in its low byte; the even nibble indexes the low 16-bit word, the odd
