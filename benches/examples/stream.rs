@@ -96,6 +96,44 @@ fn main() {
         "R=1 int4 kernel: best {best_int4:.1} GB/s ({:.0}%)",
         100.0 * best_int4 / best_probe
     );
+    // The AMX int8 kernel with m rows (a prefill expert's row block) over the same groups.
+    #[cfg(target_arch = "x86_64")]
+    if set.amx().is_some() {
+        let rows: Vec<Vec<u8>> = (0..32)
+            .map(|r| kt_core::kernels::group_dot::activation_row(&vec![120 + r as u8; kk]))
+            .collect();
+        for m in [32usize, 16] {
+            let ptrs: Vec<*const u8> = rows[..m].iter().map(|r| r.as_ptr()).collect();
+            let ptrs_at = ptrs.as_ptr() as usize;
+            let mut best_amx = 0f64;
+            for _round in 0..6 {
+                let t = Instant::now();
+                pool.parallel_for_all(groups, &|g| {
+                    let mut out = [0i32; 32 * 32];
+                    // SAFETY: group g lies inside the buffer; m prepared rows of kk bytes; AMX
+                    // allowed (the kernel set has it).
+                    unsafe {
+                        let a = std::slice::from_raw_parts(ptrs_at as *const *const u8, m);
+                        kt_core::kernels::amx::dot_int8(
+                            a,
+                            kk,
+                            (base as *const u8).add(g * 32 * kk),
+                            sums.as_ptr(),
+                            out.as_mut_ptr(),
+                        )
+                    };
+                    std::hint::black_box(out);
+                })
+                .unwrap();
+                best_amx =
+                    best_amx.max((groups * 32 * kk) as f64 / t.elapsed().as_secs_f64() / 1e9);
+            }
+            println!(
+                "AMX int8 kernel, {m} rows: best {best_amx:.1} GB/s ({:.0}%)",
+                100.0 * best_amx / best_probe
+            );
+        }
+    }
     println!("probe best {best_probe:.1} GB/s");
     println!(
         "R=1 panel kernel: best {best:.1} GB/s ({:.0}%)",
