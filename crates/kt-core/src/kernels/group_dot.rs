@@ -19,6 +19,7 @@ pub const ACT_COPIES: usize = 3;
 
 /// Complete an activation row whose first `k` bytes hold the biased values: the signed values
 /// and their magnitudes follow.
+#[inline(always)]
 pub fn fill_activation_copies(row: &mut [u8]) {
     let k = row.len() / ACT_COPIES;
     assert_eq!(
