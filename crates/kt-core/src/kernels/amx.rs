@@ -328,7 +328,15 @@ pub unsafe fn pack_rows(rows: &[*const u8], steps: usize, dst: &mut [u8]) -> usi
     check_rows(rows.len());
     let step = packed_step_bytes(rows.len());
     assert!(dst.len() >= steps * step);
+    // The rows are scattered token rows, often out of L2: two rows ahead are asked for while
+    // one is copied (the hardware prefetchers see only short streams).
+    for &row in rows.iter().take(2) {
+        super::prefetch::lines(row, steps * 64);
+    }
     for (r, &row) in rows.iter().enumerate() {
+        if let Some(&next) = rows.get(r + 2) {
+            super::prefetch::lines(next, steps * 64);
+        }
         for s in 0..steps {
             // SAFETY: 64 bytes of block s of row r (the contract) into its slot, in bounds.
             unsafe {
