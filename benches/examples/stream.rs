@@ -97,8 +97,7 @@ fn main() {
         100.0 * best_int4 / best_probe
     );
     // The AMX int8 kernel with m rows (a prefill expert's row block) over the same groups.
-    #[cfg(target_arch = "x86_64")]
-    if set.amx().is_some() {
+    if let Some(amx) = set.amx().filter(|a| !a.emulated) {
         let rows: Vec<Vec<u8>> = (0..32)
             .map(|r| kt_core::kernels::group_dot::activation_row(&vec![120 + r as u8; kk]))
             .collect();
@@ -114,7 +113,7 @@ fn main() {
                     // allowed (the kernel set has it).
                     unsafe {
                         let a = std::slice::from_raw_parts(ptrs_at as *const *const u8, m);
-                        kt_core::kernels::amx::dot_int8(
+                        (amx.int8)(
                             a,
                             kk,
                             (base as *const u8).add(g * 32 * kk),
