@@ -44,54 +44,18 @@ fn main() {
     let int4 = kt_core::formats::int4::kernels::vector_kernel(set.level());
     let kk = 2048;
     let groups = panels * panel * 2 / (32 * kk);
-    let a = kt_core::kernels::group_dot::activation_row(&vec![129u8; kk]);
-    let sums = [0i32; 32];
-    let mut best_int8 = 0f64;
-    for _round in 0..6 {
-        let t = Instant::now();
-        pool.parallel_for_all(groups, &|g| {
-            let mut out = [0i32; 32];
-            // SAFETY: group g lies inside the buffer; sizes as the kernel contract requires.
-            unsafe {
-                (int8.dot)(
-                    &[a.as_ptr()],
-                    kk,
-                    (base as *const u8).add(g * 32 * kk),
-                    sums.as_ptr(),
-                    out.as_mut_ptr(),
-                )
-            };
-            std::hint::black_box(out);
-        })
-        .unwrap();
-        best_int8 = best_int8.max((groups * 32 * kk) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
+    let one_row = vec![kt_core::kernels::group_dot::activation_row(&vec![
+        129u8;
+        kk
+    ])];
+    let best_int8 = best_group_gbps(&pool, int8.dot, &one_row, kk, base, groups, 32 * kk);
     println!(
         "R=1 int8 kernel: best {best_int8:.1} GB/s ({:.0}%)",
         100.0 * best_int8 / best_probe
     );
     // The int4 kernel: the same bytes as 32-row int4 groups of k = 2048 (32 KiB each).
     let groups4 = panels * panel * 2 / (32 * kk / 2);
-    let mut best_int4 = 0f64;
-    for _round in 0..6 {
-        let t = Instant::now();
-        pool.parallel_for_all(groups4, &|g| {
-            let mut out = [0i32; 32];
-            // SAFETY: group g lies inside the buffer; sizes as the kernel contract requires.
-            unsafe {
-                (int4.dot)(
-                    &[a.as_ptr()],
-                    kk,
-                    (base as *const u8).add(g * 16 * kk),
-                    sums.as_ptr(),
-                    out.as_mut_ptr(),
-                )
-            };
-            std::hint::black_box(out);
-        })
-        .unwrap();
-        best_int4 = best_int4.max((groups4 * 16 * kk) as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
+    let best_int4 = best_group_gbps(&pool, int4.dot, &one_row, kk, base, groups4, 16 * kk);
     println!(
         "R=1 int4 kernel: best {best_int4:.1} GB/s ({:.0}%)",
         100.0 * best_int4 / best_probe
@@ -102,31 +66,7 @@ fn main() {
             .map(|r| kt_core::kernels::group_dot::activation_row(&vec![120 + r as u8; kk]))
             .collect();
         for m in [32usize, 16] {
-            let ptrs: Vec<*const u8> = rows[..m].iter().map(|r| r.as_ptr()).collect();
-            let ptrs_at = ptrs.as_ptr() as usize;
-            let mut best_amx = 0f64;
-            for _round in 0..6 {
-                let t = Instant::now();
-                pool.parallel_for_all(groups, &|g| {
-                    let mut out = [0i32; 32 * 32];
-                    // SAFETY: group g lies inside the buffer; m prepared rows of kk bytes; AMX
-                    // allowed (the kernel set has it).
-                    unsafe {
-                        let a = std::slice::from_raw_parts(ptrs_at as *const *const u8, m);
-                        (amx.int8)(
-                            a,
-                            kk,
-                            (base as *const u8).add(g * 32 * kk),
-                            sums.as_ptr(),
-                            out.as_mut_ptr(),
-                        )
-                    };
-                    std::hint::black_box(out);
-                })
-                .unwrap();
-                best_amx =
-                    best_amx.max((groups * 32 * kk) as f64 / t.elapsed().as_secs_f64() / 1e9);
-            }
+            let best_amx = best_group_gbps(&pool, amx.int8, &rows[..m], kk, base, groups, 32 * kk);
             println!(
                 "AMX int8 kernel, {m} rows: best {best_amx:.1} GB/s ({:.0}%)",
                 100.0 * best_amx / best_probe
@@ -138,4 +78,44 @@ fn main() {
         "R=1 panel kernel: best {best:.1} GB/s ({:.0}%)",
         100.0 * best / best_probe
     );
+}
+
+/// Best GB/s over 6 rounds of `kernel` on each of the `groups` groups of `group_bytes` at
+/// `base`, with `rows` (1 to 32 activation rows of `k` inputs), on every thread of the pool.
+fn best_group_gbps(
+    pool: &kt_core::pool::Pool,
+    kernel: kt_core::kernels::group_dot::GroupDotFn,
+    rows: &[Vec<u8>],
+    k: usize,
+    base: usize,
+    groups: usize,
+    group_bytes: usize,
+) -> f64 {
+    let sums = [0i32; 32];
+    let mut best = 0f64;
+    for _round in 0..6 {
+        let t = Instant::now();
+        pool.parallel_for_all(groups, &|g| {
+            let mut ptrs = [std::ptr::null::<u8>(); 32];
+            for (p, r) in ptrs.iter_mut().zip(rows) {
+                *p = r.as_ptr();
+            }
+            let mut out = [0i32; 32 * 32];
+            // SAFETY: group g lies inside the buffer; rows.len() activation rows of k inputs
+            // and 32 outputs per row, as the kernel's contract requires.
+            unsafe {
+                kernel(
+                    &ptrs[..rows.len()],
+                    k,
+                    (base as *const u8).add(g * group_bytes),
+                    sums.as_ptr(),
+                    out.as_mut_ptr(),
+                )
+            };
+            std::hint::black_box(out);
+        })
+        .unwrap();
+        best = best.max((groups * group_bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
 }

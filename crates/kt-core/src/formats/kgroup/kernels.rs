@@ -528,27 +528,38 @@ mod x86 {
         }
     }
 
-    /// The AVX-512 fused kernel (1 to 4 rows).
-    ///
-    /// # Safety
-    /// The [`super::FusedFn`] contract; AVX-512F/BW available.
-    pub unsafe fn fused_bytes_avx512(
-        a: &[*const f32],
-        lines: usize,
-        group_lines: usize,
-        codes: *const u8,
-        scales: *const u8,
-        scale_type: ScaleType,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(
-                fused_bytes_rows512, "kgroup avx512 fused panel", a,
-                (a, lines, group_lines, codes, scales, scale_type, out); 1 2 3 4
-            )
-        }
+    /// A public fused kernel: `$rows::<R>` for the listed row counts, with the
+    /// [`super::FusedFn`] signature.
+    macro_rules! fused_entry {
+        ($(#[$doc:meta])* $name:ident, $rows:ident, $label:literal, $($r:literal)+) => {
+            $(#[$doc])*
+            pub unsafe fn $name(
+                a: &[*const f32],
+                lines: usize,
+                group_lines: usize,
+                codes: *const u8,
+                scales: *const u8,
+                scale_type: ScaleType,
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded.
+                unsafe {
+                    crate::kernels::dispatch_rows!(
+                        $rows, $label, a,
+                        (a, lines, group_lines, codes, scales, scale_type, out); $($r)+
+                    )
+                }
+            }
+        };
     }
+
+    fused_entry!(
+        /// The AVX-512 fused kernel (1 to 4 rows).
+        ///
+        /// # Safety
+        /// The [`super::FusedFn`] contract; AVX-512F/BW available.
+        fused_bytes_avx512, fused_bytes_rows512, "kgroup avx512 fused panel", 1 2 3 4
+    );
 
     decoder512!(decode_nibbles512, nibbles512);
     decoder512!(decode_bytes512, bytes512_t);
@@ -768,27 +779,13 @@ mod x86 {
         }
     }
 
-    /// The AVX2 fused kernel (1 or 2 rows).
-    ///
-    /// # Safety
-    /// The [`super::FusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
-    pub unsafe fn fused_bytes_avx2(
-        a: &[*const f32],
-        lines: usize,
-        group_lines: usize,
-        codes: *const u8,
-        scales: *const u8,
-        scale_type: ScaleType,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            crate::kernels::dispatch_rows!(
-                fused_bytes_rows256, "kgroup avx2 fused panel", a,
-                (a, lines, group_lines, codes, scales, scale_type, out); 1 2
-            )
-        }
-    }
+    fused_entry!(
+        /// The AVX2 fused kernel (1 or 2 rows).
+        ///
+        /// # Safety
+        /// The [`super::FusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
+        fused_bytes_avx2, fused_bytes_rows256, "kgroup avx2 fused panel", 1 2
+    );
 
     decoder256!(decode_nibbles256, nibbles256);
     decoder256!(decode_bytes256, bytes256_t);
