@@ -484,7 +484,7 @@ impl ExpertFormat for IntExperts {
 fn quantize_activation(row: &[f32], out: &mut [u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::isa::allows(crate::isa::Level::Avx512Base) {
-        // SAFETY: AVX-512F/BW allowed (checked above).
+        // SAFETY: the AVX-512 base level (F/BW/VL/DQ, with AVX2 and FMA below it) is allowed.
         return unsafe { quantize_activation_avx512(row, out) };
     } else if crate::isa::allows(crate::isa::Level::Avx2) {
         // SAFETY: AVX2 allowed (checked above).
@@ -498,7 +498,7 @@ fn quantize_activation(row: &[f32], out: &mut [u8]) -> f32 {
 /// layer at 512 tokens with SSE2's four lanes).
 ///
 /// # Safety
-/// AVX-512F/BW available.
+/// AVX-512F/BW/VL, AVX2 and FMA available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn quantize_activation_avx512(row: &[f32], out: &mut [u8]) -> f32 {
