@@ -150,6 +150,11 @@ struct EmuTiles {
   }
 };
 
+// The emulator of the hardware's cached-panel kernels: no prefetch addresses computed.
+struct CachedEmuTiles : EmuTiles {
+  size_t prefetch_bytes() const { return 0; }
+};
+
 // A few tile programs of its own that the hardware would reject, each must fault as stated.
 int check_faults() {
   {
@@ -295,6 +300,22 @@ int kt_amx_emu_self_test() {
 int kt_amx_emu_bf16_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
                                const uint16_t* panel, float* out) {
   EmuTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::bf16_panel(tm, act, m, k, panel, out);
+  return tm.fault;
+}
+
+// The kernels for panels already in cache: the same program without the weight prefetch.
+int kt_amx_emu_bf16_dot_cached(const uint32_t* const* a, size_t m, size_t k, const uint16_t* panel,
+                               float* out) {
+  CachedEmuTiles tm;
+  kt_amx::bf16_panel(tm, a, m, k, panel, out);
+  return tm.fault;
+}
+
+int kt_amx_emu_bf16_dot_packed_cached(const uint8_t* packed, size_t step_bytes, size_t m,
+                                      size_t k, const uint16_t* panel, float* out) {
+  CachedEmuTiles tm;
   kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
   kt_amx::bf16_panel(tm, act, m, k, panel, out);
   return tm.fault;

@@ -50,6 +50,21 @@ extern "C" {
         panel: *const u16,
         out: *mut f32,
     ) -> i32;
+    fn kt_amx_emu_bf16_dot_cached(
+        a: *const *const u32,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) -> i32;
+    fn kt_amx_emu_bf16_dot_packed_cached(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) -> i32;
     fn kt_amx_emu_int8_dot_packed(
         packed: *const u8,
         step_bytes: usize,
@@ -91,6 +106,21 @@ extern "C" {
     );
     fn kt_amx_bf16_dot(a: *const *const u32, m: usize, k: usize, panel: *const u16, out: *mut f32);
     fn kt_amx_bf16_dot_packed(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    );
+    fn kt_amx_bf16_dot_cached(
+        a: *const *const u32,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    );
+    fn kt_amx_bf16_dot_packed_cached(
         packed: *const u8,
         step_bytes: usize,
         m: usize,
@@ -230,6 +260,36 @@ pub unsafe fn panel_dot_bf16_packed(
     check_packed(step_bytes, m, k, BF16_K_STEP);
     // SAFETY: forwarded contract.
     unsafe { kt_amx_bf16_dot_packed(packed, step_bytes, m, k, panel, out) }
+}
+
+/// [`panel_dot_bf16`] for a panel already in cache (just decoded): no weight prefetch.
+///
+/// # Safety
+/// As [`panel_dot_bf16`].
+#[cfg(kt_amx_hw)]
+pub unsafe fn panel_dot_bf16_cached(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+    check_rows(a.len());
+    debug_assert_eq!(k % BF16_K_STEP, 0);
+    // SAFETY: forwarded contract.
+    unsafe { kt_amx_bf16_dot_cached(a.as_ptr(), a.len(), k, panel, out) }
+}
+
+/// [`panel_dot_bf16_packed`] for a panel already in cache (just decoded): no weight prefetch.
+///
+/// # Safety
+/// As [`panel_dot_bf16_packed`].
+#[cfg(kt_amx_hw)]
+pub unsafe fn panel_dot_bf16_packed_cached(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    panel: *const u16,
+    out: *mut f32,
+) {
+    check_packed(step_bytes, m, k, BF16_K_STEP);
+    // SAFETY: forwarded contract.
+    unsafe { kt_amx_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) }
 }
 
 /// A [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) over one C++ entry point: the
@@ -478,6 +538,42 @@ pub mod emulated {
         check_emulated(code, "bf16 panel, packed rows");
     }
 
+    /// Emulated [`panel_dot_bf16_cached`](super::panel_dot_bf16_cached).
+    ///
+    /// # Safety
+    /// As [`panel_dot_bf16`].
+    pub unsafe fn panel_dot_bf16_cached(
+        a: &[*const u32],
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
+        check_rows(a.len());
+        assert_eq!(k % BF16_K_STEP, 0, "AMX bf16 needs k % 32 == 0");
+        // SAFETY: forwarded contract.
+        let code = unsafe { kt_amx_emu_bf16_dot_cached(a.as_ptr(), a.len(), k, panel, out) };
+        check_emulated(code, "bf16 panel, cached");
+    }
+
+    /// Emulated [`panel_dot_bf16_packed_cached`](super::panel_dot_bf16_packed_cached).
+    ///
+    /// # Safety
+    /// As [`panel_dot_bf16_packed`].
+    pub unsafe fn panel_dot_bf16_packed_cached(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
+        check_packed(step_bytes, m, k, BF16_K_STEP);
+        // SAFETY: forwarded contract.
+        let code =
+            unsafe { kt_amx_emu_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) };
+        check_emulated(code, "bf16 panel, packed rows, cached");
+    }
+
     packed_group_kernel!(
         /// Emulated [`dot_int8_packed`](super::dot_int8_packed).
         ///
@@ -699,6 +795,24 @@ pub(crate) mod tests {
 
     /// Rows packed by [`pack_rows`], then the packed tile program (emulated).
     unsafe fn emulated_packed(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { emulated_packed_with(emulated::panel_dot_bf16_packed, a, k, panel, out) }
+    }
+
+    /// As [`emulated_packed`], the kernel for panels already in cache.
+    unsafe fn emulated_packed_cached(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { emulated_packed_with(emulated::panel_dot_bf16_packed_cached, a, k, panel, out) }
+    }
+
+    /// Rows packed by [`pack_rows`], then `kernel` (an emulated packed tile program).
+    unsafe fn emulated_packed_with(
+        kernel: crate::kernels::PackedDotBf16Fn,
+        a: &[*const u32],
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
         let rows: Vec<*const u8> = a.iter().map(|p| p.cast()).collect();
         let mut buf = vec![0u8; k / 32 * 2048 + 64];
         // 64-byte aligned start inside buf (the tile loads do not need it; the packing does
@@ -707,7 +821,7 @@ pub(crate) mod tests {
         // SAFETY: rows of k/2 pairs = k/32 steps of 64 bytes; buf holds every step.
         unsafe {
             let step = pack_rows(&rows, k / 32, &mut buf[off..]);
-            emulated::panel_dot_bf16_packed(buf[off..].as_ptr(), step, a.len(), k, panel, out)
+            kernel(buf[off..].as_ptr(), step, a.len(), k, panel, out)
         }
     }
 
@@ -784,13 +898,38 @@ pub(crate) mod tests {
         check_bf16(emulated_packed, true);
     }
 
+    /// The kernels for panels already in cache run the same program without its prefetch.
+    #[test]
+    fn emulated_cached_bf16_tile_programs_match_their_twin() {
+        check_bf16(emulated::panel_dot_bf16_cached, true);
+        check_bf16(emulated_packed_cached, true);
+    }
+
     #[cfg(kt_amx_hw)]
     unsafe fn hardware_packed(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { hardware_packed_with(panel_dot_bf16_packed, a, k, panel, out) }
+    }
+
+    #[cfg(kt_amx_hw)]
+    unsafe fn hardware_packed_cached(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { hardware_packed_with(panel_dot_bf16_packed_cached, a, k, panel, out) }
+    }
+
+    #[cfg(kt_amx_hw)]
+    unsafe fn hardware_packed_with(
+        kernel: crate::kernels::PackedDotBf16Fn,
+        a: &[*const u32],
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
         let rows: Vec<*const u8> = a.iter().map(|p| p.cast()).collect();
         // SAFETY: as emulated_packed; AMX checked by the caller.
         unsafe {
             with_packed_rows(u64::MAX, &rows, k / 32, |pk, step| {
-                panel_dot_bf16_packed(pk, step, a.len(), k, panel, out)
+                kernel(pk, step, a.len(), k, panel, out)
             })
         }
     }
@@ -800,6 +939,15 @@ pub(crate) mod tests {
     fn hardware_packed_bf16_tile_program_matches_its_twin_where_amx_runs() {
         if crate::isa::allows(crate::isa::Level::Amx) {
             check_bf16(hardware_packed, false);
+        }
+    }
+
+    #[cfg(kt_amx_hw)]
+    #[test]
+    fn hardware_cached_bf16_tile_programs_match_their_twin_where_amx_runs() {
+        if crate::isa::allows(crate::isa::Level::Amx) {
+            check_bf16(panel_dot_bf16_cached, false);
+            check_bf16(hardware_packed_cached, false);
         }
     }
 

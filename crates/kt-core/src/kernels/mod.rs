@@ -89,6 +89,22 @@ pub struct Bf16Path {
     pub min_rows: usize,
     /// The same kernel on packed rows (AMX), for rows that several panels reuse.
     pub packed: Option<PackedDotBf16Fn>,
+    /// `dot` and `packed` for panels already in cache ([`Bf16Path::for_cached_panels`]).
+    pub dot_cached: PanelDotBf16Fn,
+    /// See `dot_cached`.
+    pub packed_cached: Option<PackedDotBf16Fn>,
+}
+
+impl Bf16Path {
+    /// This path for panels a decoder has just written (in cache): the AMX kernels without
+    /// their weight prefetch; the vector kernels are the same.
+    pub fn for_cached_panels(self) -> Bf16Path {
+        Bf16Path {
+            dot: self.dot_cached,
+            packed: self.packed_cached,
+            ..self
+        }
+    }
 }
 
 /// The AMX tile path: experts with at least `min_rows` rows in a forward use the tile kernels,
@@ -107,6 +123,10 @@ pub struct AmxPath {
     pub bf16: PanelDotBf16Fn,
     /// The same on packed rows.
     pub bf16_packed: PackedDotBf16Fn,
+    /// `bf16` and `bf16_packed` for panels already in cache (no weight prefetch).
+    pub bf16_cached: PanelDotBf16Fn,
+    /// See `bf16_cached`.
+    pub bf16_packed_cached: PackedDotBf16Fn,
     /// fp32 → bf16 pairs for the bf16 kernel.
     pub stage: StageFn,
     /// Use the tile kernels for experts with at least this many rows (0 = never).
@@ -132,6 +152,8 @@ impl AmxPath {
             stage: self.stage,
             min_rows: self.min_rows,
             packed: Some(self.bf16_packed),
+            dot_cached: self.bf16_cached,
+            packed_cached: Some(self.bf16_packed_cached),
         })
     }
 }
@@ -249,6 +271,8 @@ impl KernelSet {
                 rows_per_block: avx512_bf16::ROWS,
                 stage: avx512_bf16::stage_bf16,
                 packed: None,
+                dot_cached: avx512_bf16::panel_dot_bf16,
+                packed_cached: None,
                 min_rows,
             });
             return Ok(set);
@@ -281,6 +305,8 @@ impl KernelSet {
                 stage: scalar::stage_bf16,
                 min_rows,
                 packed: None,
+                dot_cached: scalar::panel_dot_bf16,
+                packed_cached: None,
             }),
             ..Self::scalar_twin()
         }
@@ -406,6 +432,8 @@ impl KernelSet {
                     int4_packed: amx::dot_int4_packed,
                     bf16: amx::panel_dot_bf16,
                     bf16_packed: amx::panel_dot_bf16_packed,
+                    bf16_cached: amx::panel_dot_bf16_cached,
+                    bf16_packed_cached: amx::panel_dot_bf16_packed_cached,
                     stage: self.stage_fn(),
                     min_rows,
                     min_rows_fixed: true,
@@ -434,6 +462,8 @@ impl KernelSet {
                 int4_packed: amx::emulated::dot_int4_packed,
                 bf16: amx::emulated::panel_dot_bf16,
                 bf16_packed: amx::emulated::panel_dot_bf16_packed,
+                bf16_cached: amx::emulated::panel_dot_bf16_cached,
+                bf16_packed_cached: amx::emulated::panel_dot_bf16_packed_cached,
                 stage: self.stage_fn(),
                 min_rows,
                 min_rows_fixed: true,

@@ -293,6 +293,8 @@ pub(crate) unsafe fn add_decoded_block(
 ) {
     let n = rows.len();
     assert!(decoded.len() >= PANEL * block && out.len() >= n * PANEL);
+    // The decoder has just written the panel: no weight prefetch.
+    let path = path.map(Bf16Path::for_cached_panels);
     let step = path.map_or(kernels.rows_per_block(), |p| p.rows_per_block);
     let mut partial = [0f32; crate::kernels::MAX_ROWS * PANEL];
     let mut r0 = 0;
