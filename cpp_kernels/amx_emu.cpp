@@ -321,6 +321,15 @@ int kt_amx_emu_bf16_dot_packed_cached(const uint8_t* packed, size_t step_bytes, 
   return tm.fault;
 }
 
+int kt_amx_emu_bf16_dot_packed_decoding(const uint8_t* packed, size_t step_bytes, size_t m,
+                                        size_t k, size_t block_inputs, const uint16_t* panel,
+                                        kt_amx::DecodeBlockFn decode, void* ctx, float* out) {
+  CachedEmuTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::bf16_panel_decoding(tm, act, m, k, block_inputs, panel, decode, ctx, out);
+  return tm.fault;
+}
+
 // As kt_amx_emu_int8_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
 int kt_amx_emu_int8_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
                                const uint8_t* group, const int32_t* sums, int32_t* out) {

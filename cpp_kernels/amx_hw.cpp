@@ -193,6 +193,16 @@ void kt_amx_bf16_dot_packed_cached(const uint8_t* packed, size_t step_bytes, siz
   kt_amx::bf16_panel(tm, act, m, k, panel, out);
 }
 
+// kt_amx_bf16_dot_packed_cached over a panel that `decode` writes as the tiles go
+// (kt_amx::bf16_panel_decoding).
+void kt_amx_bf16_dot_packed_decoding(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
+                                     size_t block_inputs, const uint16_t* panel,
+                                     kt_amx::DecodeBlockFn decode, void* ctx, float* out) {
+  CachedHwTiles tm;
+  kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
+  kt_amx::bf16_panel_decoding(tm, act, m, k, block_inputs, panel, decode, ctx, out);
+}
+
 // As kt_amx_int8_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
 void kt_amx_int8_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
                             const uint8_t* group, const int32_t* sums, int32_t* out) {

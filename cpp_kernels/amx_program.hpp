@@ -280,4 +280,33 @@ void bf16_panel(Tiles& tm, const uint32_t* const* a, size_t m, size_t k, const u
   bf16_panel(tm, act, m, k, panel, out);
 }
 
+// Writes block b (`block_inputs` inputs: block_inputs / 2 pair lines of the panel) of a bf16
+// panel that a decoder produces from stored codes.
+using DecodeBlockFn = void (*)(void* ctx, size_t b);
+
+// bf16_panel over a panel that `decode` writes block by block as the tiles go: block b + 2 is
+// decoded (vector instructions) right after the tile steps of block b are issued, so the
+// decoder runs while the tile unit works on earlier blocks, and a block's tile loads come two
+// blocks after the stores that wrote it. `panel` is where the decoder writes (the whole panel);
+// on return it holds every block, for the expert's further row blocks. The decoder must not
+// touch the tiles.
+template <class Tiles>
+void bf16_panel_decoding(Tiles& tm, ActivationBlocks& act, size_t m, size_t k, size_t block_inputs,
+                         const uint16_t* panel, DecodeBlockFn decode, void* ctx, float* out) {
+  const size_t blocks = k / block_inputs, steps = block_inputs / 32;
+  for (size_t b = 0; b < blocks && b < 2; ++b) decode(ctx, b);
+  const bool second = begin(tm, m);
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(panel);
+  for (size_t b = 0; b < blocks; ++b) {
+    for (size_t t = 0; t < steps; ++t) {
+      const size_t s = b * steps + t;
+      act.select(s * 64);
+      const uint8_t* pairs = p + s * 16 * 128;
+      step<Tiles, true>(tm, act, second, pairs, pairs + 64, 128);
+    }
+    if (b + 2 < blocks) decode(ctx, b + 2);
+  }
+  store_all(tm, out, second);
+}
+
 }  // namespace kt_amx

@@ -12,6 +12,8 @@
 //! with the contracts of [`GroupDotFn`](super::group_dot::GroupDotFn) and
 //! [`PanelDotBf16Fn`](super::PanelDotBf16Fn); bf16 additionally needs `k % 32 == 0`.
 
+use std::ffi::c_void;
+
 /// Token rows per call (two tile row blocks).
 pub const ROWS: usize = 32;
 
@@ -63,6 +65,17 @@ extern "C" {
         m: usize,
         k: usize,
         panel: *const u16,
+        out: *mut f32,
+    ) -> i32;
+    fn kt_amx_emu_bf16_dot_packed_decoding(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        block: usize,
+        panel: *const u16,
+        decode: DecodeBlockFn,
+        ctx: *mut c_void,
         out: *mut f32,
     ) -> i32;
     fn kt_amx_emu_int8_dot_packed(
@@ -126,6 +139,17 @@ extern "C" {
         m: usize,
         k: usize,
         panel: *const u16,
+        out: *mut f32,
+    );
+    fn kt_amx_bf16_dot_packed_decoding(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        block: usize,
+        panel: *const u16,
+        decode: DecodeBlockFn,
+        ctx: *mut c_void,
         out: *mut f32,
     );
     fn kt_amx_int8_dot_packed(
@@ -290,6 +314,84 @@ pub unsafe fn panel_dot_bf16_packed_cached(
     check_packed(step_bytes, m, k, BF16_K_STEP);
     // SAFETY: forwarded contract.
     unsafe { kt_amx_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) }
+}
+
+/// The C++ side's `DecodeBlockFn`: `decode(ctx, b)`.
+type DecodeBlockFn = unsafe extern "C" fn(ctx: *mut c_void, b: usize);
+
+/// What a decoding tile program hands back to [`decode_block_trampoline`]: the decoder, and a
+/// panic it raised (kept until the program returns: unwinding through C++ frames is not
+/// allowed).
+struct DecodeContext<'a> {
+    decode: &'a mut dyn FnMut(usize),
+    panic: Option<Box<dyn std::any::Any + Send>>,
+}
+
+/// Calls the decoder for block `b` (none after one has panicked).
+unsafe extern "C" fn decode_block_trampoline(ctx: *mut c_void, b: usize) {
+    // SAFETY: `ctx` is the DecodeContext that `with_decoder` passed, alive for the whole call.
+    let ctx = unsafe { &mut *ctx.cast::<DecodeContext<'_>>() };
+    if ctx.panic.is_none() {
+        let decode = &mut ctx.decode;
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode(b))) {
+            ctx.panic = Some(p);
+        }
+    }
+}
+
+/// Runs `program` with a C callback and context that call `decode`; a panic of the decoder is
+/// raised again once the program has returned. Checks the decoding kernels' shape contract.
+fn with_decoder<R>(
+    k: usize,
+    block: usize,
+    decode: &mut dyn FnMut(usize),
+    program: impl FnOnce(DecodeBlockFn, *mut c_void) -> R,
+) -> R {
+    assert!(
+        block > 0 && block.is_multiple_of(BF16_K_STEP) && k.is_multiple_of(block),
+        "decoding blocks of {block} inputs do not tile {k} inputs in steps of {BF16_K_STEP}"
+    );
+    let mut ctx = DecodeContext {
+        decode,
+        panic: None,
+    };
+    let result = program(
+        decode_block_trampoline,
+        (&mut ctx as *mut DecodeContext<'_>).cast(),
+    );
+    if let Some(p) = ctx.panic {
+        std::panic::resume_unwind(p);
+    }
+    result
+}
+
+/// [`panel_dot_bf16_packed_cached`] over a panel that `decode` writes block by block as the
+/// tiles go ([`PackedDecodingBf16Fn`](super::PackedDecodingBf16Fn)).
+///
+/// # Safety
+/// AMX usable by this process; the [`PackedDecodingBf16Fn`](super::PackedDecodingBf16Fn)
+/// contract.
+#[cfg(kt_amx_hw)]
+#[allow(clippy::too_many_arguments)] // the packed kernel's arguments plus the decoder's
+pub unsafe fn panel_dot_bf16_packed_decoding(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    block: usize,
+    panel: *mut u16,
+    decode: &mut dyn FnMut(usize),
+    out: *mut f32,
+) {
+    check_packed(step_bytes, m, k, BF16_K_STEP);
+    with_decoder(k, block, decode, |callback, ctx| {
+        // SAFETY: forwarded contract; the callback and context live through the call.
+        unsafe {
+            kt_amx_bf16_dot_packed_decoding(
+                packed, step_bytes, m, k, block, panel, callback, ctx, out,
+            )
+        }
+    })
 }
 
 /// A [`PackedGroupDotFn`](super::group_dot::PackedGroupDotFn) over one C++ entry point: the
@@ -572,6 +674,33 @@ pub mod emulated {
         let code =
             unsafe { kt_amx_emu_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) };
         check_emulated(code, "bf16 panel, packed rows, cached");
+    }
+
+    /// Emulated [`panel_dot_bf16_packed_decoding`](super::panel_dot_bf16_packed_decoding).
+    ///
+    /// # Safety
+    /// The [`PackedDecodingBf16Fn`](crate::kernels::PackedDecodingBf16Fn) contract.
+    #[allow(clippy::too_many_arguments)] // as the hardware kernel
+    pub unsafe fn panel_dot_bf16_packed_decoding(
+        packed: *const u8,
+        step_bytes: usize,
+        m: usize,
+        k: usize,
+        block: usize,
+        panel: *mut u16,
+        decode: &mut dyn FnMut(usize),
+        out: *mut f32,
+    ) {
+        check_packed(step_bytes, m, k, BF16_K_STEP);
+        let code = with_decoder(k, block, decode, |callback, ctx| {
+            // SAFETY: forwarded contract; the callback and context live through the call.
+            unsafe {
+                kt_amx_emu_bf16_dot_packed_decoding(
+                    packed, step_bytes, m, k, block, panel, callback, ctx, out,
+                )
+            }
+        });
+        check_emulated(code, "bf16 panel, packed rows, decoding");
     }
 
     packed_group_kernel!(
@@ -903,6 +1032,95 @@ pub(crate) mod tests {
     fn emulated_cached_bf16_tile_programs_match_their_twin() {
         check_bf16(emulated::panel_dot_bf16_cached, true);
         check_bf16(emulated_packed_cached, true);
+    }
+
+    /// `kernel` (a decoding tile program) on packed rows, its "decoder" copying block b of
+    /// `panel` into a fresh buffer (32 inputs a block, the smallest k allows, so every k of
+    /// [`check_bf16`] runs blocks two ahead), then checks that the buffer ends up whole.
+    unsafe fn decoding_with(
+        kernel: crate::kernels::PackedDecodingBf16Fn,
+        a: &[*const u32],
+        k: usize,
+        panel: *const u16,
+        out: *mut f32,
+    ) {
+        let block = 32;
+        let n = 32 * block;
+        // SAFETY: the panel holds 32·k values (check_bf16's contract).
+        let source = unsafe { std::slice::from_raw_parts(panel, 32 * k) };
+        let mut buf = vec![0u16; 32 * k];
+        let dst = buf.as_mut_ptr();
+        let mut decoded = vec![false; k / block];
+        let mut decode = |b: usize| {
+            // SAFETY: block b of the 32·k-value buffer.
+            unsafe { std::ptr::copy_nonoverlapping(source[b * n..].as_ptr(), dst.add(b * n), n) };
+            decoded[b] = true;
+        };
+        let rows: Vec<*const u8> = a.iter().map(|p| p.cast()).collect();
+        // SAFETY: as emulated_packed; the decoder writes block b of `buf` alone.
+        unsafe {
+            with_packed_rows(u64::MAX - 1, &rows, k / 32, |pk, step| {
+                kernel(pk, step, a.len(), k, block, dst, &mut decode, out)
+            })
+        };
+        assert!(decoded.iter().all(|&d| d), "every block decoded");
+        assert_eq!(buf, source, "the decoded panel is left whole");
+    }
+
+    unsafe fn emulated_decoding(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { decoding_with(emulated::panel_dot_bf16_packed_decoding, a, k, panel, out) }
+    }
+
+    /// The decoding program multiplies exactly what the plain one does: its own blocks,
+    /// decoded two ahead of the tiles.
+    #[test]
+    fn emulated_decoding_bf16_tile_program_matches_its_twin() {
+        check_bf16(emulated_decoding, true);
+    }
+
+    /// A decoder that panics: the panic reaches the caller after the tile program returns.
+    #[test]
+    #[should_panic(expected = "decoder failed")]
+    fn a_decoder_panic_is_raised_after_the_tile_program() {
+        let a = [0u8; 64];
+        let mut panel = vec![0u16; 32 * 64];
+        let mut out = vec![0f32; 32];
+        let mut decode = |b: usize| {
+            if b == 1 {
+                panic!("decoder failed");
+            }
+        };
+        let rows = [a.as_ptr()];
+        // SAFETY: one row of 32 pairs (64 inputs), a 32 × 64 panel, 32 outputs.
+        unsafe {
+            with_packed_rows(u64::MAX - 2, &rows, 2, |pk, step| {
+                emulated::panel_dot_bf16_packed_decoding(
+                    pk,
+                    step,
+                    1,
+                    64,
+                    32,
+                    panel.as_mut_ptr(),
+                    &mut decode,
+                    out.as_mut_ptr(),
+                )
+            })
+        };
+    }
+
+    #[cfg(kt_amx_hw)]
+    unsafe fn hardware_decoding(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+        // SAFETY: forwarded; AMX checked by the caller.
+        unsafe { decoding_with(panel_dot_bf16_packed_decoding, a, k, panel, out) }
+    }
+
+    #[cfg(kt_amx_hw)]
+    #[test]
+    fn hardware_decoding_bf16_tile_program_matches_its_twin_where_amx_runs() {
+        if crate::isa::allows(crate::isa::Level::Amx) {
+            check_bf16(hardware_decoding, false);
+        }
     }
 
     #[cfg(kt_amx_hw)]

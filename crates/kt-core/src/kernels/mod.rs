@@ -64,6 +64,24 @@ pub type PackedDotBf16Fn = unsafe fn(
     out: *mut f32,
 );
 
+/// A [`PackedDotBf16Fn`] over a panel that `decode(b)` writes block by block (`block` inputs
+/// each) while the tiles multiply the blocks before it (AMX): on return all of `panel` is
+/// written, for the expert's further row blocks.
+///
+/// # Safety
+/// As [`PackedDotBf16Fn`]; `panel` is writable for 32·`k` values, `decode(b)` writes exactly
+/// block b of it and nothing the kernel reads otherwise; `block % 32 == 0`, `k % block == 0`.
+pub type PackedDecodingBf16Fn = unsafe fn(
+    packed: *const u8,
+    step_bytes: usize,
+    m: usize,
+    k: usize,
+    block: usize,
+    panel: *mut u16,
+    decode: &mut dyn FnMut(usize),
+    out: *mut f32,
+);
+
 /// Round fp32 to bf16 pairs.
 ///
 /// # Safety
@@ -93,6 +111,8 @@ pub struct Bf16Path {
     pub dot_cached: PanelDotBf16Fn,
     /// See `dot_cached`.
     pub packed_cached: Option<PackedDotBf16Fn>,
+    /// The packed kernel decoding its panel as it goes (AMX).
+    pub packed_decoding: Option<PackedDecodingBf16Fn>,
 }
 
 impl Bf16Path {
@@ -127,6 +147,8 @@ pub struct AmxPath {
     pub bf16_cached: PanelDotBf16Fn,
     /// See `bf16_cached`.
     pub bf16_packed_cached: PackedDotBf16Fn,
+    /// The packed bf16 program decoding its panel as it goes.
+    pub bf16_packed_decoding: PackedDecodingBf16Fn,
     /// fp32 → bf16 pairs for the bf16 kernel.
     pub stage: StageFn,
     /// Use the tile kernels for experts with at least this many rows (0 = never).
@@ -154,6 +176,7 @@ impl AmxPath {
             packed: Some(self.bf16_packed),
             dot_cached: self.bf16_cached,
             packed_cached: Some(self.bf16_packed_cached),
+            packed_decoding: Some(self.bf16_packed_decoding),
         })
     }
 }
@@ -273,6 +296,7 @@ impl KernelSet {
                 packed: None,
                 dot_cached: avx512_bf16::panel_dot_bf16,
                 packed_cached: None,
+                packed_decoding: None,
                 min_rows,
             });
             return Ok(set);
@@ -307,6 +331,7 @@ impl KernelSet {
                 packed: None,
                 dot_cached: scalar::panel_dot_bf16,
                 packed_cached: None,
+                packed_decoding: None,
             }),
             ..Self::scalar_twin()
         }
@@ -434,6 +459,7 @@ impl KernelSet {
                     bf16_packed: amx::panel_dot_bf16_packed,
                     bf16_cached: amx::panel_dot_bf16_cached,
                     bf16_packed_cached: amx::panel_dot_bf16_packed_cached,
+                    bf16_packed_decoding: amx::panel_dot_bf16_packed_decoding,
                     stage: self.stage_fn(),
                     min_rows,
                     min_rows_fixed: true,
@@ -464,6 +490,7 @@ impl KernelSet {
                 bf16_packed: amx::emulated::panel_dot_bf16_packed,
                 bf16_cached: amx::emulated::panel_dot_bf16_cached,
                 bf16_packed_cached: amx::emulated::panel_dot_bf16_packed_cached,
+                bf16_packed_decoding: amx::emulated::panel_dot_bf16_packed_decoding,
                 stage: self.stage_fn(),
                 min_rows,
                 min_rows_fixed: true,

@@ -184,6 +184,45 @@ pub(crate) unsafe fn multiply_decoded_panel(
                     });
                 }
                 let p = entry.as_mut().expect("allocated above");
+                p.key = None;
+                let fused = path.packed_decoding.zip(rows.reuse);
+                if let Some((kernel, reuse)) =
+                    fused.filter(|_| block.is_multiple_of(crate::kernels::amx::BF16_K_STEP))
+                {
+                    // The tiles multiply the first row block while the panel is decoded.
+                    let buf = p.buf.as_mut_ptr();
+                    let mut decode_at = |b: usize| {
+                        let n = crate::pack::PANEL * block;
+                        // SAFETY: block b of the len-value buffer; the kernel reads only the
+                        // blocks decoded before (its contract), so this slice is not aliased.
+                        decode(b, unsafe {
+                            std::slice::from_raw_parts_mut(buf.add(b * n), n)
+                        })
+                    };
+                    // SAFETY: the caller's contract (staged rows of k inputs, the reuse
+                    // promise); the buffer holds 32·k values.
+                    let done = unsafe {
+                        decode_first_rows(rows, k, block, reuse, kernel, buf, &mut decode_at, out)
+                    };
+                    let decoded = &p.buf.as_slice()[..len];
+                    // SAFETY: as below, from the rows after the first block.
+                    unsafe {
+                        add_decoded_rows(
+                            kernels,
+                            Some(path),
+                            rows,
+                            k,
+                            0,
+                            decoded,
+                            1.0,
+                            out,
+                            rows.reuse,
+                            done,
+                        )
+                    };
+                    p.key = key;
+                    return;
+                }
                 for (b, dst) in p.buf.as_mut_slice()[..len]
                     .chunks_exact_mut(crate::pack::PANEL * block)
                     .enumerate()
@@ -214,6 +253,41 @@ pub(crate) unsafe fn multiply_decoded_panel(
             )
         };
     })
+}
+
+/// The first row block of `rows` (up to the tile kernels' rows) against a panel that `kernel`
+/// decodes as it multiplies (`decode(b)` writes block b into `panel`); their 32 outputs per row
+/// into `out`. Returns how many rows it did.
+///
+/// # Safety
+/// As [`multiply_decoded_panel`] with `kernel` an AMX decoding kernel; `panel` holds 32·k
+/// values that `decode` writes.
+#[allow(clippy::too_many_arguments)] // the decoding kernel's facts
+unsafe fn decode_first_rows(
+    rows: &RowBlock,
+    k: usize,
+    block: usize,
+    reuse: u64,
+    kernel: crate::kernels::PackedDecodingBf16Fn,
+    panel: *mut u16,
+    decode: &mut dyn FnMut(usize),
+    out: &mut [f32],
+) -> usize {
+    let m = rows.len().min(crate::kernels::amx::ROWS);
+    let mut staged = [std::ptr::null::<u8>(); crate::kernels::MAX_ROWS];
+    for (s, &r) in staged.iter_mut().zip(rows.prepared) {
+        *s = r.cast();
+    }
+    let mut partial = [0f32; crate::kernels::MAX_ROWS * PANEL];
+    // SAFETY: staged rows of k/2 pairs = k/32 steps of 64 bytes (the caller's contract), the
+    // reuse promise; the kernel's contract for the panel and the decoder.
+    unsafe {
+        crate::kernels::amx::with_packed_rows(reuse, &staged[..m], k / 32, |pk, step| {
+            kernel(pk, step, m, k, block, panel, decode, partial.as_mut_ptr())
+        })
+    };
+    out[..m * PANEL].copy_from_slice(&partial[..m * PANEL]);
+    m
 }
 
 /// `path`'s kernel on staged rows (`k/2` pairs each). With a reuse key, the AMX kernel runs on
@@ -291,13 +365,34 @@ pub(crate) unsafe fn add_decoded_block(
     out: &mut [f32],
     reuse: Option<u64>,
 ) {
+    // SAFETY: forwarded, from the first row.
+    unsafe { add_decoded_rows(kernels, path, rows, block, b, decoded, scale, out, reuse, 0) }
+}
+
+/// [`add_decoded_block`] for the rows from `first` on (those before are done already).
+///
+/// # Safety
+/// As [`add_decoded_block`].
+#[allow(clippy::too_many_arguments)] // add_decoded_block's and the first row
+unsafe fn add_decoded_rows(
+    kernels: &KernelSet,
+    path: Option<Bf16Path>,
+    rows: &RowBlock,
+    block: usize,
+    b: usize,
+    decoded: &[u16],
+    scale: f32,
+    out: &mut [f32],
+    reuse: Option<u64>,
+    first: usize,
+) {
     let n = rows.len();
     assert!(decoded.len() >= PANEL * block && out.len() >= n * PANEL);
     // The decoder has just written the panel: no weight prefetch.
     let path = path.map(Bf16Path::for_cached_panels);
     let step = path.map_or(kernels.rows_per_block(), |p| p.rows_per_block);
     let mut partial = [0f32; crate::kernels::MAX_ROWS * PANEL];
-    let mut r0 = 0;
+    let mut r0 = first;
     while r0 < n {
         let m = step.min(n - r0);
         let mut f32_rows = [std::ptr::null::<f32>(); crate::kernels::MAX_ROWS];
