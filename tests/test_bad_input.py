@@ -166,14 +166,14 @@ def test_every_runnable_variant_and_two_subpools_end_to_end(variant, parts):
     assert got_variant == variant and int(got_parts) == parts
 
 
-@pytest.mark.parametrize("setting", ["0", "4096", "lots"])
+@pytest.mark.parametrize("setting", ["0", "4096", "4096:l2", "lots", "4096:l3"])
 def test_prefetch_setting_is_used_or_refused_clearly(setting):
     # Prefetching changes speed only: the same layer output with and without it.
     r = _run(
         LOWER_LEVEL_CHECK.format(tests=os.path.dirname(__file__), parts=1),
         KT_KERNEL_PREFETCH=setting,
     )
-    if setting == "lots":
+    if setting in ("lots", "4096:l3"):
         assert r.returncode != 0 and "KT_KERNEL_PREFETCH" in r.stderr, r.stderr
         assert "Traceback" in r.stderr and "Segmentation" not in r.stderr
         return
@@ -182,11 +182,16 @@ def test_prefetch_setting_is_used_or_refused_clearly(setting):
 
     # The setting applies to both kernel families; calibrated, each picks 0 or 4096 itself.
     code = (
-        "import kt_kernel; i = kt_kernel.cpu_info(); "
-        "print(i['prefetch_bytes'], i['prefetch_bytes_group_scaled'])"
+        "import kt_kernel; from kt_kernel import _kt_core; i = kt_kernel.cpu_info(); "
+        "print(i['prefetch_bytes'], i['prefetch_bytes_group_scaled'], "
+        "*_kt_core.prefetch_state('MXFP4'))"
     )
     r = _run(code, KT_KERNEL_PREFETCH=setting)
-    assert r.returncode == 0 and r.stdout.split() == [setting, setting], r.stderr
+    bytes_ahead = setting.removesuffix(":l2")
+    # (tuned, bytes, into L2): a setting from the environment is final as given.
+    into_l2 = str(setting.endswith(":l2") and bytes_ahead != "0")
+    want = [bytes_ahead, bytes_ahead, "True", bytes_ahead, into_l2]
+    assert r.returncode == 0 and r.stdout.split() == want, (r.stdout, r.stderr)
     info = kt_kernel.cpu_info()
     assert info["prefetch_bytes"] in (0, 4096)
     assert info["prefetch_bytes_group_scaled"] in (0, 4096)

@@ -191,6 +191,19 @@ def settle_prefetch(layers, gen: torch.Generator, max_calls: int = 400) -> None:
         layers[i % len(layers)].forward(x, ids, w, None)
 
 
+def prefetch_summary(methods) -> str:
+    """What the process's prefetch tuners chose for ``methods``' kernels, grouped by setting
+    (the choice moves the one-token rows by up to 15%, so a table says which ran)."""
+    from . import _kt_core
+
+    by_setting: dict[str, list[str]] = {}
+    for m in dict.fromkeys(methods):
+        tuned, ahead, into_l2 = _kt_core.prefetch_state(m)
+        where = "off" if ahead == 0 else f"{ahead} B ahead into {'L2' if into_l2 else 'L1'}"
+        by_setting.setdefault(where + ("" if tuned else ", not tuned"), []).append(m)
+    return "; ".join(f"{', '.join(ms)}: {where}" for where, ms in by_setting.items())
+
+
 def torch_moe(x, ids, weights, gate, up, down):
     """Plain torch: loop over the activated experts, bf16 matmuls, index_add into the output."""
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -628,6 +641,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{probes['bf16']}; DRAM in huge pages, as the weights). The floor column: the "
                 f"larger of the weight bytes at the DRAM bandwidth sampled during the row and "
                 f"the multiply-adds at the peak of the instruction the method's many-row "
-                f"kernels compute with.\n\n{table}\n"
+                f"kernels compute with. Weight prefetch chosen by the process's first decodes: "
+                f"{prefetch_summary(args.methods)}.\n\n{table}\n"
             )
     return 0

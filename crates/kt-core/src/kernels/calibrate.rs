@@ -37,7 +37,9 @@ pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usiz
                 None => calibrate(family, workload),
             };
             if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-                eprintln!("[kt_kernel] prefetch distance ({family:?}): {d} bytes");
+                let (bytes, l2) = prefetch::describe(d);
+                let into = if l2 { " into L2" } else { "" };
+                eprintln!("[kt_kernel] prefetch distance ({family:?}): {bytes} bytes{into}");
             }
             Ok(d)
         })
@@ -54,16 +56,27 @@ fn from_env() -> Result<Option<usize>> {
     }
 }
 
-/// A byte count (multiple of 64, ≤ 64 KiB), `0`/`off`, or `auto`/empty (= None: calibrate).
+/// A byte count (multiple of 64, ≤ 64 KiB; with `:l2` the lines go to L2 rather than L1),
+/// `0`/`off`, or `auto`/empty (= None: calibrate).
 fn parse_setting(v: &str) -> Result<Option<usize>> {
-    match v.trim() {
-        "" | "auto" => Ok(None),
-        "off" => Ok(Some(0)),
-        s => match s.parse::<usize>() {
-            Ok(n) if n <= MAX_DISTANCE && n.is_multiple_of(64) => Ok(Some(n)),
+    let s = v.trim();
+    let (bytes, into_l2) = match s.strip_suffix(":l2") {
+        Some(b) => (b, true),
+        None => (s, false),
+    };
+    match bytes {
+        "" if !into_l2 => Ok(None),
+        "auto" if !into_l2 => Ok(None),
+        "off" if !into_l2 => Ok(Some(0)),
+        b => match b.parse::<usize>() {
+            Ok(n) if n <= MAX_DISTANCE && n.is_multiple_of(64) => Ok(Some(if into_l2 && n > 0 {
+                n | prefetch::INTO_L2
+            } else {
+                n
+            })),
             _ => Err(Error::Invalid(format!(
                 "KT_KERNEL_PREFETCH={v:?}: use a byte count that is a multiple of 64 and at most \
-                 {MAX_DISTANCE}, 0/off, or auto"
+                 {MAX_DISTANCE} (into L1; `<bytes>:l2` into L2), 0/off, or auto"
             ))),
         },
     }
@@ -232,7 +245,12 @@ mod tests {
         assert_eq!(p("off"), Ok(Some(0)));
         assert_eq!(p("auto"), Ok(None));
         assert_eq!(p(""), Ok(None));
-        for bad in ["100", "lots", "1048576", "-64"] {
+        let l2 = crate::kernels::prefetch::INTO_L2;
+        assert_eq!(p("4096:l2"), Ok(Some(4096 | l2)));
+        assert_eq!(p("0:l2"), Ok(Some(0)));
+        for bad in [
+            "100", "lots", "1048576", "-64", ":l2", "auto:l2", "100:l2", "4096:l3",
+        ] {
             assert!(p(bad).is_err(), "{bad}");
         }
     }

@@ -15,7 +15,7 @@
 //! only the starting point: the process's first decodes of each family time runs without
 //! prefetching and with lines prefetched into L1 or into L2 ([`tune_begin`], [`tune_end`]) and
 //! keep the fastest.
-//! `KT_KERNEL_PREFETCH=<bytes>|0|auto` overrides both. Prefetching never changes a result,
+//! `KT_KERNEL_PREFETCH=<bytes>|<bytes>:l2|0|auto` overrides both. Prefetching never changes a result,
 //! only speed.
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -63,10 +63,12 @@ pub fn set(bytes: usize) {
     set_of(Family::ByteGroups, bytes);
 }
 
-/// Set `family`'s distance (a multiple of 64 bytes; 0 turns prefetching off), prefetching
-/// into L1.
-pub fn set_of(family: Family, bytes: usize) {
-    DISTANCE[family as usize].store(bytes / 64 * 64, Ordering::Relaxed);
+/// Set `family`'s distance (a multiple of 64 bytes, plus [`INTO_L2`] for lines into L2 rather
+/// than L1; 0 turns prefetching off).
+pub fn set_of(family: Family, setting: usize) {
+    let bytes = setting & !63;
+    let into_l2 = if bytes > 0 { setting & INTO_L2 } else { 0 };
+    DISTANCE[family as usize].store(bytes | into_l2, Ordering::Relaxed);
 }
 
 /// Marks a distance whose lines go to L2 (`prefetcht1`) rather than L1: distances are
