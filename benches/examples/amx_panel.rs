@@ -34,25 +34,7 @@ fn main() {
             }
             let mut out = vec![0f32; m * 32];
             let calls = (400_000_000 / (2 * m * 32 * k)).max(panels * 4);
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                let t = Instant::now();
-                for c in 0..calls {
-                    let p = c % panels;
-                    // SAFETY: packed rows of k inputs, a panel of k inputs, m·32 outputs.
-                    unsafe {
-                        (amx.bf16_packed)(
-                            a.as_ptr(),
-                            step,
-                            m,
-                            k,
-                            w.as_ptr().add(p * len),
-                            out.as_mut_ptr(),
-                        )
-                    };
-                }
-                best = best.min(t.elapsed().as_secs_f64());
-            }
+            let best = best_seconds(5, amx, &a, m, k, &w, &mut out, calls, panels);
             let flops = (2 * m * 32 * k * calls) as f64;
             println!(
                 "k {k:5} panels {panels:4} ({:6} KiB of weights): {:7.0} GFLOP/s",
@@ -83,24 +65,7 @@ fn two_threads(m: usize) -> f64 {
                         .enumerate()
                         .for_each(|(i, v)| *v = i as u16);
                     let mut out = vec![0f32; 32 * 32];
-                    let mut best = f64::MAX;
-                    for _ in 0..4 {
-                        let t = Instant::now();
-                        for p in 0..panels {
-                            // SAFETY: as in main.
-                            unsafe {
-                                (amx.bf16_packed)(
-                                    a.as_ptr(),
-                                    step,
-                                    m,
-                                    k,
-                                    w.as_ptr().add(p * len),
-                                    out.as_mut_ptr(),
-                                )
-                            };
-                        }
-                        best = best.min(t.elapsed().as_secs_f64());
-                    }
+                    let best = best_seconds(4, amx, &a, m, k, &w, &mut out, panels, panels);
                     (panels * len * 2) as f64 / best / 1e9
                 })
             })
@@ -108,4 +73,41 @@ fn two_threads(m: usize) -> f64 {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     results.iter().sum()
+}
+
+/// The fastest of `rounds` timings of `calls` calls of the packed bf16 tile program on `m` packed
+/// rows of `k` inputs, call `c` against panel `c % panels` of `w`.
+#[allow(clippy::too_many_arguments)] // the program's operands and the loop's counts
+fn best_seconds(
+    rounds: usize,
+    amx: &kt_core::kernels::AmxPath,
+    a: &AlignedBuf<u8>,
+    m: usize,
+    k: usize,
+    w: &AlignedBuf<u16>,
+    out: &mut [f32],
+    calls: usize,
+    panels: usize,
+) -> f64 {
+    let (step, len) = (32 * 64, 32 * k);
+    let mut best = f64::MAX;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for c in 0..calls {
+            // SAFETY: packed rows of k inputs (steps of 32 rows), a panel of k inputs, m·32
+            // outputs.
+            unsafe {
+                (amx.bf16_packed)(
+                    a.as_ptr(),
+                    step,
+                    m,
+                    k,
+                    w.as_ptr().add(c % panels * len),
+                    out.as_mut_ptr(),
+                )
+            };
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
 }

@@ -255,66 +255,86 @@ pub unsafe fn dot_int4(a: &[*const u8], k: usize, g: *const u8, s: *const i32, o
     unsafe { kt_amx_int4_dot(a.as_ptr(), a.len(), k, g, s, o) }
 }
 
-/// Hardware bf16 panel kernel (`tdpbf16ps`, `k % 32 == 0`).
-///
-/// # Safety
-/// AMX usable by this process; the [`PanelDotBf16Fn`](super::PanelDotBf16Fn) contract with up
-/// to [`ROWS`] rows.
-#[cfg(kt_amx_hw)]
-pub unsafe fn panel_dot_bf16(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
-    check_rows(a.len());
-    debug_assert_eq!(k % BF16_K_STEP, 0);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_bf16_dot(a.as_ptr(), a.len(), k, panel, out) }
+/// A bf16 panel kernel over one C++ entry point: the row and shape checks, then the call
+/// (`$done` sees what the entry point returned: the emulator's fault code).
+macro_rules! bf16_rows_kernel {
+    ($(#[$doc:meta])* $name:ident, $ffi:ident, $done:expr) => {
+        $(#[$doc])*
+        pub unsafe fn $name(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
+            check_rows(a.len());
+            assert_eq!(k % BF16_K_STEP, 0, "AMX bf16 needs k % 32 == 0");
+            // SAFETY: forwarded contract.
+            let done = unsafe { $ffi(a.as_ptr(), a.len(), k, panel, out) };
+            $done(done)
+        }
+    };
 }
 
-/// Hardware bf16 panel kernel on packed rows ([`PackedRows`]).
-///
-/// # Safety
-/// AMX usable by this process; the [`PackedDotBf16Fn`](super::PackedDotBf16Fn) contract.
-#[cfg(kt_amx_hw)]
-pub unsafe fn panel_dot_bf16_packed(
-    packed: *const u8,
-    step_bytes: usize,
-    m: usize,
-    k: usize,
-    panel: *const u16,
-    out: *mut f32,
-) {
-    check_packed(step_bytes, m, k, BF16_K_STEP);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_bf16_dot_packed(packed, step_bytes, m, k, panel, out) }
+/// The same for the kernels on packed rows.
+macro_rules! bf16_packed_kernel {
+    ($(#[$doc:meta])* $name:ident, $ffi:ident, $done:expr) => {
+        $(#[$doc])*
+        pub unsafe fn $name(
+            packed: *const u8,
+            step_bytes: usize,
+            m: usize,
+            k: usize,
+            panel: *const u16,
+            out: *mut f32,
+        ) {
+            check_packed(step_bytes, m, k, BF16_K_STEP);
+            // SAFETY: forwarded contract.
+            let done = unsafe { $ffi(packed, step_bytes, m, k, panel, out) };
+            $done(done)
+        }
+    };
 }
 
-/// [`panel_dot_bf16`] for a panel already in cache (just decoded): no weight prefetch.
-///
-/// # Safety
-/// As [`panel_dot_bf16`].
 #[cfg(kt_amx_hw)]
-pub unsafe fn panel_dot_bf16_cached(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
-    check_rows(a.len());
-    debug_assert_eq!(k % BF16_K_STEP, 0);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_bf16_dot_cached(a.as_ptr(), a.len(), k, panel, out) }
-}
+bf16_rows_kernel!(
+    /// Hardware bf16 panel kernel (`tdpbf16ps`, `k % 32 == 0`).
+    ///
+    /// # Safety
+    /// AMX usable by this process; the [`PanelDotBf16Fn`](super::PanelDotBf16Fn) contract
+    /// with up to [`ROWS`] rows.
+    panel_dot_bf16,
+    kt_amx_bf16_dot,
+    |()| ()
+);
 
-/// [`panel_dot_bf16_packed`] for a panel already in cache (just decoded): no weight prefetch.
-///
-/// # Safety
-/// As [`panel_dot_bf16_packed`].
 #[cfg(kt_amx_hw)]
-pub unsafe fn panel_dot_bf16_packed_cached(
-    packed: *const u8,
-    step_bytes: usize,
-    m: usize,
-    k: usize,
-    panel: *const u16,
-    out: *mut f32,
-) {
-    check_packed(step_bytes, m, k, BF16_K_STEP);
-    // SAFETY: forwarded contract.
-    unsafe { kt_amx_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) }
-}
+bf16_packed_kernel!(
+    /// Hardware bf16 panel kernel on packed rows ([`PackedRows`]).
+    ///
+    /// # Safety
+    /// AMX usable by this process; the [`PackedDotBf16Fn`](super::PackedDotBf16Fn) contract.
+    panel_dot_bf16_packed,
+    kt_amx_bf16_dot_packed,
+    |()| ()
+);
+
+#[cfg(kt_amx_hw)]
+bf16_rows_kernel!(
+    /// [`panel_dot_bf16`] for a panel already in cache (just decoded): no weight prefetch.
+    ///
+    /// # Safety
+    /// As [`panel_dot_bf16`].
+    panel_dot_bf16_cached,
+    kt_amx_bf16_dot_cached,
+    |()| ()
+);
+
+#[cfg(kt_amx_hw)]
+bf16_packed_kernel!(
+    /// [`panel_dot_bf16_packed`] for a panel already in cache (just decoded): no weight
+    /// prefetch.
+    ///
+    /// # Safety
+    /// As [`panel_dot_bf16_packed`].
+    panel_dot_bf16_packed_cached,
+    kt_amx_bf16_dot_packed_cached,
+    |()| ()
+);
 
 /// The C++ side's `DecodeBlockFn`: `decode(ctx, b)`.
 type DecodeBlockFn = unsafe extern "C" fn(ctx: *mut c_void, b: usize);
@@ -609,72 +629,46 @@ pub mod emulated {
         check_emulated(code, "int4 group");
     }
 
-    /// Emulated [`panel_dot_bf16`](super::panel_dot_bf16).
-    ///
-    /// # Safety
-    /// The [`PanelDotBf16Fn`](crate::kernels::PanelDotBf16Fn) contract with up to [`ROWS`]
-    /// rows and `k % 32 == 0`.
-    pub unsafe fn panel_dot_bf16(a: &[*const u32], k: usize, panel: *const u16, out: *mut f32) {
-        check_rows(a.len());
-        assert_eq!(k % BF16_K_STEP, 0, "AMX bf16 needs k % 32 == 0");
-        // SAFETY: forwarded contract.
-        let code = unsafe { kt_amx_emu_bf16_dot(a.as_ptr(), a.len(), k, panel, out) };
-        check_emulated(code, "bf16 panel");
-    }
+    bf16_rows_kernel!(
+        /// Emulated [`panel_dot_bf16`](super::panel_dot_bf16).
+        ///
+        /// # Safety
+        /// The [`PanelDotBf16Fn`](crate::kernels::PanelDotBf16Fn) contract with up to
+        /// [`ROWS`] rows and `k % 32 == 0`.
+        panel_dot_bf16,
+        kt_amx_emu_bf16_dot,
+        |code| check_emulated(code, "bf16 panel")
+    );
 
-    /// Emulated [`panel_dot_bf16_packed`](super::panel_dot_bf16_packed).
-    ///
-    /// # Safety
-    /// The [`PackedDotBf16Fn`](crate::kernels::PackedDotBf16Fn) contract.
-    pub unsafe fn panel_dot_bf16_packed(
-        packed: *const u8,
-        step_bytes: usize,
-        m: usize,
-        k: usize,
-        panel: *const u16,
-        out: *mut f32,
-    ) {
-        check_packed(step_bytes, m, k, BF16_K_STEP);
-        // SAFETY: forwarded contract.
-        let code = unsafe { kt_amx_emu_bf16_dot_packed(packed, step_bytes, m, k, panel, out) };
-        check_emulated(code, "bf16 panel, packed rows");
-    }
+    bf16_packed_kernel!(
+        /// Emulated [`panel_dot_bf16_packed`](super::panel_dot_bf16_packed).
+        ///
+        /// # Safety
+        /// The [`PackedDotBf16Fn`](crate::kernels::PackedDotBf16Fn) contract.
+        panel_dot_bf16_packed,
+        kt_amx_emu_bf16_dot_packed,
+        |code| check_emulated(code, "bf16 panel, packed rows")
+    );
 
-    /// Emulated [`panel_dot_bf16_cached`](super::panel_dot_bf16_cached).
-    ///
-    /// # Safety
-    /// As [`panel_dot_bf16`].
-    pub unsafe fn panel_dot_bf16_cached(
-        a: &[*const u32],
-        k: usize,
-        panel: *const u16,
-        out: *mut f32,
-    ) {
-        check_rows(a.len());
-        assert_eq!(k % BF16_K_STEP, 0, "AMX bf16 needs k % 32 == 0");
-        // SAFETY: forwarded contract.
-        let code = unsafe { kt_amx_emu_bf16_dot_cached(a.as_ptr(), a.len(), k, panel, out) };
-        check_emulated(code, "bf16 panel, cached");
-    }
+    bf16_rows_kernel!(
+        /// Emulated [`panel_dot_bf16_cached`](super::panel_dot_bf16_cached).
+        ///
+        /// # Safety
+        /// As [`panel_dot_bf16`].
+        panel_dot_bf16_cached,
+        kt_amx_emu_bf16_dot_cached,
+        |code| check_emulated(code, "bf16 panel, cached")
+    );
 
-    /// Emulated [`panel_dot_bf16_packed_cached`](super::panel_dot_bf16_packed_cached).
-    ///
-    /// # Safety
-    /// As [`panel_dot_bf16_packed`].
-    pub unsafe fn panel_dot_bf16_packed_cached(
-        packed: *const u8,
-        step_bytes: usize,
-        m: usize,
-        k: usize,
-        panel: *const u16,
-        out: *mut f32,
-    ) {
-        check_packed(step_bytes, m, k, BF16_K_STEP);
-        // SAFETY: forwarded contract.
-        let code =
-            unsafe { kt_amx_emu_bf16_dot_packed_cached(packed, step_bytes, m, k, panel, out) };
-        check_emulated(code, "bf16 panel, packed rows, cached");
-    }
+    bf16_packed_kernel!(
+        /// Emulated [`panel_dot_bf16_packed_cached`](super::panel_dot_bf16_packed_cached).
+        ///
+        /// # Safety
+        /// As [`panel_dot_bf16_packed`].
+        panel_dot_bf16_packed_cached,
+        kt_amx_emu_bf16_dot_packed_cached,
+        |code| check_emulated(code, "bf16 panel, packed rows, cached")
+    );
 
     /// Emulated [`panel_dot_bf16_packed_decoding`](super::panel_dot_bf16_packed_decoding).
     ///

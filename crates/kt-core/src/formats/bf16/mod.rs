@@ -170,8 +170,9 @@ pub(crate) unsafe fn multiply_decoded_panel(
         });
         // Decode into the slot not used last (slot 1 moves to slot 0 first: slot 0 is the
         // older), unless the panel is there already.
-        let slot = match hit {
-            Some(i) => i,
+        // The slot holding the panel, and how many rows the decoding tile kernel has done.
+        let (slot, done) = match hit {
+            Some(i) => (i, 0),
             None => {
                 panels.swap(0, 1);
                 let entry = &mut panels[1];
@@ -186,59 +187,56 @@ pub(crate) unsafe fn multiply_decoded_panel(
                 let p = entry.as_mut().expect("allocated above");
                 p.key = None;
                 let fused = path.packed_decoding.zip(rows.reuse);
-                if let Some((kernel, reuse)) =
-                    fused.filter(|_| block.is_multiple_of(crate::kernels::amx::BF16_K_STEP))
+                let done = match fused
+                    .filter(|_| block.is_multiple_of(crate::kernels::amx::BF16_K_STEP))
                 {
-                    // The tiles multiply the first row block while the panel is decoded.
-                    let buf = p.buf.as_mut_ptr();
-                    let mut decode_at = |b: usize| {
-                        let n = crate::pack::PANEL * block;
-                        // SAFETY: block b of the len-value buffer; the kernel reads only the
-                        // blocks decoded before (its contract), so this slice is not aliased.
-                        decode(b, unsafe {
-                            std::slice::from_raw_parts_mut(buf.add(b * n), n)
-                        })
-                    };
-                    // SAFETY: the caller's contract (staged rows of k inputs, the reuse
-                    // promise); the buffer holds 32·k values.
-                    let done = unsafe {
-                        decode_first_rows(rows, k, block, reuse, kernel, buf, &mut decode_at, out)
-                    };
-                    let decoded = &p.buf.as_slice()[..len];
-                    // SAFETY: as below, from the rows after the first block.
-                    unsafe {
-                        add_decoded_rows(
-                            kernels,
-                            Some(path),
-                            rows,
-                            k,
-                            0,
-                            decoded,
-                            1.0,
-                            out,
-                            rows.reuse,
-                            done,
-                        )
-                    };
-                    p.key = key;
-                    return;
-                }
-                for (b, dst) in p.buf.as_mut_slice()[..len]
-                    .chunks_exact_mut(crate::pack::PANEL * block)
-                    .enumerate()
-                {
-                    decode(b, dst);
-                }
+                    Some((kernel, reuse)) => {
+                        // The tiles multiply the first row block while the panel is decoded.
+                        let buf = p.buf.as_mut_ptr();
+                        let mut decode_at = |b: usize| {
+                            let n = crate::pack::PANEL * block;
+                            // SAFETY: block b of the len-value buffer; the kernel reads only
+                            // the blocks decoded before (its contract): no alias.
+                            decode(b, unsafe {
+                                std::slice::from_raw_parts_mut(buf.add(b * n), n)
+                            })
+                        };
+                        // SAFETY: the caller's contract (staged rows of k inputs, the reuse
+                        // promise); the buffer holds 32·k values.
+                        unsafe {
+                            decode_first_rows(
+                                rows,
+                                k,
+                                block,
+                                reuse,
+                                kernel,
+                                buf,
+                                &mut decode_at,
+                                out,
+                            )
+                        }
+                    }
+                    None => {
+                        for (b, dst) in p.buf.as_mut_slice()[..len]
+                            .chunks_exact_mut(crate::pack::PANEL * block)
+                            .enumerate()
+                        {
+                            decode(b, dst);
+                        }
+                        0
+                    }
+                };
                 p.key = key;
-                1
+                (1, done)
             }
         };
         if slot == 0 {
             panels.swap(0, 1);
         }
         let decoded = &panels[1].as_ref().expect("filled above").buf.as_slice()[..len];
-        // SAFETY: the caller's contract, all k inputs as one block; the rows are whole, so a
-        // packing of them serves every panel of this block (`rows.reuse`).
+        // SAFETY: the caller's contract, all k inputs as one block, from the rows the decoding
+        // kernel left; the rows are whole, so a packing of them serves every panel of this
+        // block (`rows.reuse`).
         unsafe {
             add_decoded_block(
                 kernels,
@@ -250,6 +248,7 @@ pub(crate) unsafe fn multiply_decoded_panel(
                 1.0,
                 out,
                 rows.reuse,
+                done,
             )
         };
     })
@@ -348,6 +347,7 @@ pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf1
 /// kernel, in row blocks of the kernel's size. Block 0 assigns, the others add. FP8 and the
 /// group-scaled formats feed their decoded blocks through here. `reuse` (whole rows only: one
 /// block of all inputs) lets the AMX kernel keep its packing of the rows for the next panel.
+/// Rows before `first` are left alone (a decoding tile kernel did them).
 ///
 /// # Safety
 /// The [`ExpertFormat::gate_up_panel`] contract for `rows` of at least `(b+1)·block` inputs
@@ -355,26 +355,6 @@ pub(crate) fn path_for(kernels: &KernelSet, rows: usize, k: usize) -> Option<Bf1
 /// per row.
 #[allow(clippy::too_many_arguments)] // one block's product: each argument a fact of it
 pub(crate) unsafe fn add_decoded_block(
-    kernels: &KernelSet,
-    path: Option<Bf16Path>,
-    rows: &RowBlock,
-    block: usize,
-    b: usize,
-    decoded: &[u16],
-    scale: f32,
-    out: &mut [f32],
-    reuse: Option<u64>,
-) {
-    // SAFETY: forwarded, from the first row.
-    unsafe { add_decoded_rows(kernels, path, rows, block, b, decoded, scale, out, reuse, 0) }
-}
-
-/// [`add_decoded_block`] for the rows from `first` on (those before are done already).
-///
-/// # Safety
-/// As [`add_decoded_block`].
-#[allow(clippy::too_many_arguments)] // add_decoded_block's and the first row
-unsafe fn add_decoded_rows(
     kernels: &KernelSet,
     path: Option<Bf16Path>,
     rows: &RowBlock,

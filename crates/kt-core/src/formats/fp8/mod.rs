@@ -523,6 +523,7 @@ impl Fp8Experts {
                     scale,
                     out,
                     None,
+                    0,
                 )
             };
         }

@@ -852,6 +852,7 @@ impl KGroupExperts {
                     1.0,
                     out,
                     None,
+                    0,
                 )
             };
         }
