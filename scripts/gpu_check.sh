@@ -5,6 +5,8 @@
 #   mkdir -p .whl && cp dist/kt_kernel-*.whl .whl/ && python3 -m pip download --no-deps \
 #     --only-binary=:all: -d .whl gguf          # pure-Python test dependency missing there
 #   mkdir -p .gpu-shared && cp -r ../shared/fixtures ../shared/limits .gpu-shared/
+#   mkdir -p .gpu-shared/bin && cc -O2 -pthread -o .gpu-shared/bin/cuda_signal_probe \
+#     benches/cuda_signal_probe.c -ldl           # optional: stream signalling costs
 # (.whl and .gpu-shared listed in .git/info/exclude), then run it there with both carried.
 # Prints the machine, runs the real-CUDA tests, times the stream path against the real driver,
 # then runs the whole Python suite and a short layer benchmark on that machine's CPU.
@@ -27,6 +29,10 @@ echo "== real-CUDA tests"
 echo "== stream path against the real driver"
 timeout 120 python3 benches/stream_overhead.py --real-gpu --steps 200 2>&1 |
   tee "$OUT/stream-real.log"
+if [ -x .gpu-shared/bin/cuda_signal_probe ]; then
+  echo "== signalling a CPU thread from a stream (benches/cuda_signal_probe.c)"
+  timeout 60 .gpu-shared/bin/cuda_signal_probe 200 200 8 2>&1 | tee "$OUT/signal-probe.log"
+fi
 echo "== stream path, stand-in driver, same machine"
 timeout 60 python3 benches/stream_overhead.py --steps 200 2>&1 | tee "$OUT/stream-fake.log"
 echo "== whole Python suite on this machine's CPU (${KT_GPU_SUITE_S:-200} s at most)"
