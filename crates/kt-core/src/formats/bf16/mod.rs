@@ -277,15 +277,15 @@ unsafe fn decode_first_rows(
     for (s, &r) in staged.iter_mut().zip(rows.prepared) {
         *s = r.cast();
     }
-    let mut partial = [0f32; crate::kernels::MAX_ROWS * PANEL];
+    // The kernel writes (not adds) its m rows' outputs, straight into `out`.
+    let out = &mut out[..m * PANEL];
     // SAFETY: staged rows of k/2 pairs = k/32 steps of 64 bytes (the caller's contract), the
-    // reuse promise; the kernel's contract for the panel and the decoder.
+    // reuse promise; the kernel's contract for the panel and the decoder; m·32 outputs.
     unsafe {
         crate::kernels::amx::with_packed_rows(reuse, &staged[..m], k / 32, |pk, step| {
-            kernel(pk, step, m, k, block, panel, decode, partial.as_mut_ptr())
+            kernel(pk, step, m, k, block, panel, decode, out.as_mut_ptr())
         })
     };
-    out[..m * PANEL].copy_from_slice(&partial[..m * PANEL]);
     m
 }
 
