@@ -200,8 +200,9 @@ pub(crate) mod x86 {
     /// the decoder's samples in `perf`; S1 at 512 tokens: median 155 → 143 ms over 6 runs
     /// each). Two blocks ahead, the lines arrive before they are read; a prefetch never
     /// faults, past the end included.
+    /// The group-scaled decoders (`formats::kgroup`) stream their codes the same way.
     #[inline(always)]
-    unsafe fn prefetch_ahead(codes: *const u8, i: usize, n: usize) {
+    pub(crate) unsafe fn prefetch_ahead(codes: *const u8, i: usize, n: usize) {
         // SAFETY: a prefetch has no architectural effect; SSE is baseline on x86-64.
         unsafe { _mm_prefetch::<_MM_HINT_T1>(codes.wrapping_add(i + 2 * n) as *const i8) }
     }

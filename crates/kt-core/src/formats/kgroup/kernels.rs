@@ -274,7 +274,7 @@ pub unsafe fn fused_scalar(
 mod x86 {
     use super::super::int_dot::x86::{scales16, scales8};
     use crate::codes::ScaleType;
-    use crate::formats::fp8::kernels::x86::{decode8, e4m3x32_to_bf16};
+    use crate::formats::fp8::kernels::x86::{decode8, e4m3x32_to_bf16, prefetch_ahead};
     use std::arch::x86_64::*;
 
     /// Round f32 lanes to bf16, nearest even (in the upper 16 bits of each lane).
@@ -372,11 +372,16 @@ mod x86 {
         }
     }
 
+    /// Code bytes per line (two inputs of the panel's 32 rows) of 4-bit and 8-bit codes.
+    const NIBBLE_LINE: usize = 32;
+    /// See [`NIBBLE_LINE`].
+    const BYTE_LINE: usize = 64;
+
     macro_rules! decoder512 {
-        ($decode:ident, $values:ident) => {
-            decoder512!($decode, $values, pair512, "avx512f,avx512bw");
+        ($decode:ident, $values:ident, $line_bytes:expr) => {
+            decoder512!($decode, $values, $line_bytes, pair512, "avx512f,avx512bw");
         };
-        ($decode:ident, $values:ident, $pair:ident, $features:literal) => {
+        ($decode:ident, $values:ident, $line_bytes:expr, $pair:ident, $features:literal) => {
             #[target_feature(enable = $features)]
             unsafe fn $decode(
                 codes: *const u8,
@@ -389,13 +394,20 @@ mod x86 {
                 // SAFETY: the DecodeFn contract.
                 unsafe {
                     let t = _mm512_loadu_ps(table.as_ptr());
-                    for q in 0..lines {
-                        let s = scales.add((q / group_lines) * 32);
-                        for h in 0..2 {
-                            let (lo, hi) = $values(codes, q, h, t);
-                            let sv = _mm512_loadu_ps(s.add(16 * h));
-                            let v = $pair(_mm512_mul_ps(lo, sv), _mm512_mul_ps(hi, sv));
-                            _mm512_storeu_si512(out.add(q * 64 + 32 * h) as *mut __m512i, v);
+                    let line_bytes: usize = $line_bytes;
+                    // Groups outer: no division per line.
+                    for g in 0..lines / group_lines {
+                        let s = scales.add(g * 32);
+                        let sv = [_mm512_loadu_ps(s), _mm512_loadu_ps(s.add(16))];
+                        for q in g * group_lines..(g + 1) * group_lines {
+                            if (q * line_bytes) % 64 == 0 {
+                                prefetch_ahead(codes, q * line_bytes, lines * line_bytes);
+                            }
+                            for (h, sv) in sv.iter().enumerate() {
+                                let (lo, hi) = $values(codes, q, h, t);
+                                let v = $pair(_mm512_mul_ps(lo, *sv), _mm512_mul_ps(hi, *sv));
+                                _mm512_storeu_si512(out.add(q * 64 + 32 * h) as *mut __m512i, v);
+                            }
                         }
                     }
                 }
@@ -561,17 +573,19 @@ mod x86 {
         fused_bytes_avx512, fused_bytes_rows512, "kgroup avx512 fused panel", 1 2 3 4
     );
 
-    decoder512!(decode_nibbles512, nibbles512);
-    decoder512!(decode_bytes512, bytes512_t);
+    decoder512!(decode_nibbles512, nibbles512, NIBBLE_LINE);
+    decoder512!(decode_bytes512, bytes512_t, BYTE_LINE);
     decoder512!(
         decode_nibbles512bf16,
         nibbles512,
+        NIBBLE_LINE,
         pair512_bf16,
         "avx512f,avx512bw,avx512bf16"
     );
     decoder512!(
         decode_bytes512bf16,
         bytes512_t,
+        BYTE_LINE,
         pair512_bf16,
         "avx512f,avx512bw,avx512bf16"
     );
@@ -655,7 +669,7 @@ mod x86 {
     }
 
     macro_rules! decoder256 {
-        ($decode:ident, $values:ident) => {
+        ($decode:ident, $values:ident, $line_bytes:expr) => {
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn $decode(
                 codes: *const u8,
@@ -672,16 +686,23 @@ mod x86 {
                         _mm256_loadu_ps(table.as_ptr().add(8)),
                     );
                     let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-                    for q in 0..lines {
-                        let s = scales.add((q / group_lines) * 32);
-                        for o in 0..4 {
-                            let (lo, hi) = $values(codes, q, o, t);
-                            let sv = _mm256_loadu_ps(s.add(8 * o));
-                            let v = _mm256_or_si256(
-                                _mm256_srli_epi32(rne256(_mm256_mul_ps(lo, sv)), 16),
-                                _mm256_and_si256(rne256(_mm256_mul_ps(hi, sv)), high),
-                            );
-                            _mm256_storeu_si256(out.add(q * 64 + 16 * o) as *mut __m256i, v);
+                    let line_bytes: usize = $line_bytes;
+                    // Groups outer: no division per line.
+                    for g in 0..lines / group_lines {
+                        let s = scales.add(g * 32);
+                        for q in g * group_lines..(g + 1) * group_lines {
+                            if (q * line_bytes) % 64 == 0 {
+                                prefetch_ahead(codes, q * line_bytes, lines * line_bytes);
+                            }
+                            for o in 0..4 {
+                                let (lo, hi) = $values(codes, q, o, t);
+                                let sv = _mm256_loadu_ps(s.add(8 * o));
+                                let v = _mm256_or_si256(
+                                    _mm256_srli_epi32(rne256(_mm256_mul_ps(lo, sv)), 16),
+                                    _mm256_and_si256(rne256(_mm256_mul_ps(hi, sv)), high),
+                                );
+                                _mm256_storeu_si256(out.add(q * 64 + 16 * o) as *mut __m256i, v);
+                            }
                         }
                     }
                 }
@@ -787,8 +808,8 @@ mod x86 {
         fused_bytes_avx2, fused_bytes_rows256, "kgroup avx2 fused panel", 1 2
     );
 
-    decoder256!(decode_nibbles256, nibbles256);
-    decoder256!(decode_bytes256, bytes256_t);
+    decoder256!(decode_nibbles256, nibbles256, NIBBLE_LINE);
+    decoder256!(decode_bytes256, bytes256_t, BYTE_LINE);
 
     /// [`super::DecodePow2Fn`] on AVX-512BW: per line, a 32-bit lane per output holds the
     /// line's two nibbles in its low byte; the even nibble indexes the low 16-bit word, the odd
@@ -809,37 +830,45 @@ mod x86 {
         for (i, w) in words.iter_mut().enumerate() {
             *w = crate::dtype::f32_to_bf16_bits(table[i % 16]);
         }
+        // Nibble codes come in words of 4 lines and 4-bit groups span a multiple of 8 inputs
+        // (checked at load), so groups hold whole words.
+        debug_assert!(group_lines.is_multiple_of(4) && lines.is_multiple_of(group_lines));
         // SAFETY: the DecodePow2Fn contract: lines of codes, their groups' exponents, 64
         // outputs per line; 64-byte reads of local arrays.
         unsafe {
             let t = _mm512_loadu_si512(words.as_ptr().cast());
             let magnitude = _mm512_set1_epi16(0x7FFF);
-            let mut shift = [_mm512_setzero_si512(); 2];
-            for q in 0..lines {
-                if q % group_lines == 0 {
-                    let e = exps.add((q / group_lines) * 32);
-                    for (h, s) in shift.iter_mut().enumerate() {
-                        // (e − 127) << 7 in both 16-bit halves of each output's lane.
-                        let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(e.add(16 * h).cast()));
-                        let x = _mm512_slli_epi32(_mm512_sub_epi32(x, _mm512_set1_epi32(127)), 7);
-                        *s = _mm512_or_si512(
-                            _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF)),
-                            _mm512_slli_epi32(x, 16),
-                        );
-                    }
-                }
-                for (h, s) in shift.iter().enumerate() {
-                    let words = codes.add((q / 4) * 128 + 64 * h) as *const __m512i;
-                    let d = _mm512_srlv_epi32(
-                        _mm512_loadu_si512(words),
-                        _mm512_set1_epi32(8 * (q % 4) as i32),
+            // Groups outer and each 128-byte word block (4 lines) loaded once: no division
+            // and a quarter of the loads per line.
+            for g in 0..lines / group_lines {
+                let e = exps.add(g * 32);
+                let mut shift = [_mm512_setzero_si512(); 2];
+                for (h, s) in shift.iter_mut().enumerate() {
+                    // (e − 127) << 7 in both 16-bit halves of each output's lane.
+                    let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(e.add(16 * h).cast()));
+                    let x = _mm512_slli_epi32(_mm512_sub_epi32(x, _mm512_set1_epi32(127)), 7);
+                    *s = _mm512_or_si512(
+                        _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF)),
+                        _mm512_slli_epi32(x, 16),
                     );
-                    // Even words index by the low nibble, odd words by the high one.
-                    let idx = _mm512_mask_blend_epi16(0xAAAA_AAAA, d, _mm512_slli_epi32(d, 12));
-                    let v = _mm512_permutexvar_epi16(idx, t);
-                    let nonzero = _mm512_test_epi16_mask(v, magnitude);
-                    let r = _mm512_mask_add_epi16(v, nonzero, v, *s);
-                    _mm512_storeu_si512(out.add(q * 64 + 32 * h) as *mut __m512i, r);
+                }
+                for q4 in g * group_lines / 4..(g + 1) * group_lines / 4 {
+                    prefetch_ahead(codes, q4 * 128, lines * NIBBLE_LINE);
+                    prefetch_ahead(codes, q4 * 128 + 64, lines * NIBBLE_LINE);
+                    for (h, s) in shift.iter().enumerate() {
+                        let w = _mm512_loadu_si512(codes.add(q4 * 128 + 64 * h).cast());
+                        for sub in 0..4 {
+                            let d = _mm512_srlv_epi32(w, _mm512_set1_epi32(8 * sub as i32));
+                            // Even words index by the low nibble, odd words by the high one.
+                            let idx =
+                                _mm512_mask_blend_epi16(0xAAAA_AAAA, d, _mm512_slli_epi32(d, 12));
+                            let v = _mm512_permutexvar_epi16(idx, t);
+                            let nonzero = _mm512_test_epi16_mask(v, magnitude);
+                            let r = _mm512_mask_add_epi16(v, nonzero, v, *s);
+                            let q = 4 * q4 + sub;
+                            _mm512_storeu_si512(out.add(q * 64 + 32 * h) as *mut __m512i, r);
+                        }
+                    }
                 }
             }
         }

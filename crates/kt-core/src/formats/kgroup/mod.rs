@@ -608,8 +608,16 @@ impl KGroupExperts {
                 }
             }
             ScaleType::F16 => {
-                for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
-                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                // Converted as a slice (F16C vectors): one call per value took 3% of a
+                // 512-token GPTQ_INT4 layer.
+                use half::slice::HalfFloatSliceExt;
+                let mut bits = [half::f16::ZERO; 64];
+                for (o, r) in out.chunks_mut(64).zip(raw.chunks(128)) {
+                    let bits = &mut bits[..o.len()];
+                    for (h, b) in bits.iter_mut().zip(r.chunks_exact(2)) {
+                        *h = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                    }
+                    bits.convert_to_f32_slice(o);
                 }
             }
         }
@@ -783,7 +791,15 @@ impl KGroupExperts {
             let (line0, lines) = (b * block / 2, block / 2);
             let (g0, groups) = (line0 / gl, (lines / gl).max(1));
             let raw = &scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss];
-            if let Some(p) = pow2.filter(|p| raw.iter().all(|e| p.exponents.contains(e))) {
+            // The least and greatest exponent (a branch-free fold: vector min/max), not `all`:
+            // the per-byte test took 8% of a 512-token MXFP4 layer.
+            let (least, most) = raw
+                .iter()
+                .fold((u8::MAX, u8::MIN), |(a, b), &e| (a.min(e), b.max(e)));
+            let in_range = |p: &&kernels::Pow2Decoder| {
+                p.exponents.contains(&least) && p.exponents.contains(&most)
+            };
+            if let Some(p) = pow2.filter(in_range) {
                 assert!(dst.len() >= PANEL * block);
                 // SAFETY: as below, with the group exponents (one byte per output) checked
                 // inside the decoder's range just above.
