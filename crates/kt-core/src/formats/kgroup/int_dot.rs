@@ -278,52 +278,106 @@ unsafe fn scalar_twin<const FINE: bool>(
     }
 }
 
+/// Whether the AVX2-level integer kernels use AVX-VNNI's `vpdpbusd` here: AVX2 CPUs from 2021 on
+/// without AVX-512 have it (Alder Lake, Sierra Forest); the others take `vpmaddubsw` pairs.
+pub fn avx_vnni() -> bool {
+    crate::isa::has_feature("avx_vnni")
+}
+
+/// The kernel of one of the three integer families at `level`: AVX-512 VNNI where the level
+/// allows it, else the AVX2-level one with the multiply `vnni` picks ([`avx_vnni`]).
+#[cfg(target_arch = "x86_64")]
+fn pick(
+    level: Level,
+    vnni: bool,
+    avx512: (IntFusedFn, usize),
+    avx2: (IntFusedFn, usize),
+    avx_vnni: (IntFusedFn, usize),
+) -> Option<(IntFusedFn, usize)> {
+    if level >= Level::Avx512Vnni {
+        Some(avx512)
+    } else if level >= Level::Avx2 {
+        Some(if vnni { avx_vnni } else { avx2 })
+    } else {
+        None
+    }
+}
+
 /// The many-row (prefill) integer kernel `level` allows and the rows it takes: AVX-512 VNNI
-/// (12 rows) or AVX2 (4 rows). A 32-row panel's codes are read once per call for all rows.
+/// (12 rows) or the AVX2 level (4 rows; AVX-VNNI where the CPU has it). A 32-row panel's codes
+/// are read once per call for all rows.
 pub fn int_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
+    int_gemm_with(level, avx_vnni())
+}
+
+/// [`int_gemm_for`] with the AVX2-level multiply given (tests run both where they can).
+pub fn int_gemm_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
-        if level >= Level::Avx512Vnni {
-            return Some((x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512));
-        }
-        if level >= Level::Avx2 {
-            return Some((x86::int_gemm_avx2, x86::GEMM_ROWS_256));
-        }
+        pick(
+            level,
+            vnni,
+            (x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512),
+            (x86::int_gemm_avx2, x86::GEMM_ROWS_256),
+            (x86::int_gemm_avxvnni, x86::GEMM_ROWS_256),
+        )
     }
-    let _ = level;
-    None
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (level, vnni);
+        None
+    }
 }
 
 /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
 /// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
-/// VNNI (8 rows) or AVX2 (3 rows).
+/// VNNI (8 rows) or the AVX2 level (3 rows).
 pub fn int_fine_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if level >= Level::Avx512Vnni {
-            return Some((x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512));
-        }
-        if level >= Level::Avx2 {
-            return Some((x86::int_fine_gemm_avx2, x86::FINE_ROWS_256));
-        }
-    }
-    let _ = level;
-    None
+    int_fine_gemm_with(level, avx_vnni())
 }
 
-/// The integer kernel `level` allows and the rows it takes (AVX-512 VNNI; AVX2 otherwise).
-pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
+/// [`int_fine_gemm_for`] with the AVX2-level multiply given.
+pub fn int_fine_gemm_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
-        if level >= Level::Avx512Vnni {
-            return Some((x86::int_fused_avx512vnni, 4));
-        }
-        if level >= Level::Avx2 {
-            return Some((x86::int_fused_avx2, 2));
-        }
+        pick(
+            level,
+            vnni,
+            (x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512),
+            (x86::int_fine_gemm_avx2, x86::FINE_ROWS_256),
+            (x86::int_fine_gemm_avxvnni, x86::FINE_ROWS_256),
+        )
     }
-    let _ = level;
-    None
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (level, vnni);
+        None
+    }
+}
+
+/// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (4)
+/// or the AVX2 level (2; AVX-VNNI where the CPU has it).
+pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
+    int_fused_with(level, avx_vnni())
+}
+
+/// [`int_fused_for`] with the AVX2-level multiply given.
+pub fn int_fused_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        pick(
+            level,
+            vnni,
+            (x86::int_fused_avx512vnni, 4),
+            (x86::int_fused_avx2, 2),
+            (x86::int_fused_avxvnni, 2),
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (level, vnni);
+        None
+    }
 }
 
 /// The group-scaled family's prefetch calibration workload
@@ -582,9 +636,47 @@ pub(crate) mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
+    /// The 256-bit multiply-accumulate of the AVX2-level kernels: a block's 8 inputs (the even
+    /// nibbles' bytes `we` against activation word `xe`, the odd ones against `xo`) summed into
+    /// each row's i32 lanes of `a`. Both implementations give the same exact integers.
+    pub(crate) trait Acc256 {
+        /// # Safety
+        /// AVX2 and the implementation's own feature available.
+        unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i;
+    }
+
+    /// `vpmaddubsw` pairs widened by `vpmaddwd` (every AVX2 CPU). It cannot saturate: a byte
+    /// is at most 24, an activation byte at most 127 in magnitude, so two products and the sum
+    /// of two such pairs stay below 2^15.
+    pub(crate) struct Maddubs;
+    impl Acc256 for Maddubs {
+        #[inline(always)]
+        unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo));
+                _mm256_add_epi32(a, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+            }
+        }
+    }
+
+    /// AVX-VNNI's VEX `vpdpbusd` (AVX2 CPUs without AVX-512 from 2021 on: Alder Lake, Sierra
+    /// Forest): two instructions where `Maddubs` takes five.
+    pub(crate) struct Vnni256;
+    impl Acc256 for Vnni256 {
+        #[inline(always)]
+        unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avxvnni enabled.
+            unsafe { _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(a, we, xe), wo, xo) }
+        }
+    }
+
+    /// The few-row kernel on 256-bit vectors; inlined into a wrapper that enables the
+    /// features of `M` ([`call256`], [`call256_vnni`]).
+    #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn rows256<const R: usize, const LUT: bool>(
+    unsafe fn rows256<const R: usize, const LUT: bool, M: Acc256>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -595,14 +687,11 @@ pub(crate) mod x86 {
         w: &WeightBytes,
         out: *mut f32,
     ) {
-        // SAFETY: as rows512, 8 rows per quarter. `vpmaddubsw` cannot saturate: a byte is at
-        // most 24, an activation byte at most 127 in magnitude, so two products and the sum
-        // of two such pairs stay below 2^15.
+        // SAFETY: as rows512, 8 rows per quarter (the caller enables M's features).
         unsafe {
             let table = _mm_loadu_si128(w.lut.as_ptr() as *const __m128i);
             let lut = _mm256_set_m128i(table, table);
             let nib = _mm256_set1_epi32(0x0F0F_0F0F);
-            let ones = _mm256_set1_epi16(1);
             let inv254 = _mm256_set1_ps(1.0 / 254.0);
             let dist =
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
@@ -626,22 +715,8 @@ pub(crate) mod x86 {
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
                             let rr = rows[r].add(k + 8 * blk) as *const i32;
-                            let pa = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(x.read_unaligned())),
-                                _mm256_maddubs_epi16(
-                                    wo,
-                                    _mm256_set1_epi32(x.add(1).read_unaligned()),
-                                ),
-                            );
-                            let pb = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(rr.read_unaligned())),
-                                _mm256_maddubs_epi16(
-                                    wo,
-                                    _mm256_set1_epi32(rr.add(1).read_unaligned()),
-                                ),
-                            );
-                            a[r][o] = _mm256_add_epi32(a[r][o], _mm256_madd_epi16(pa, ones));
-                            b[r][o] = _mm256_add_epi32(b[r][o], _mm256_madd_epi16(pb, ones));
+                            a[r][o] = M::acc(a[r][o], we, wo, word(x), word(x.add(1)));
+                            b[r][o] = M::acc(b[r][o], we, wo, word(rr), word(rr.add(1)));
                         }
                     }
                 }
@@ -734,6 +809,36 @@ pub(crate) mod x86 {
         }
     }
 
+    /// AVX-VNNI integer kernel, 1 or 2 rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA, F16C and AVX-VNNI
+    /// available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fused_avxvnni(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        let args = (rows, k, range, chunk, group, codes, scales, w, out);
+        // SAFETY: forwarded.
+        unsafe {
+            match (rows.len(), w.identity) {
+                (1, true) => call256_vnni::<1, false>(args),
+                (2, true) => call256_vnni::<2, false>(args),
+                (1, false) => call256_vnni::<1, true>(args),
+                (2, false) => call256_vnni::<2, true>(args),
+                (n, _) => panic!("kgroup int avx-vnni kernel takes at most 2 rows, got {n}"),
+            }
+        }
+    }
+
     /// Rows per call of [`int_gemm_avx512vnni`]: 12 int32 and 12 fp32 accumulators, the two
     /// weight vectors and the constants fill the 32 registers.
     pub(crate) const GEMM_ROWS_512: usize = 12;
@@ -815,11 +920,11 @@ pub(crate) mod x86 {
         }
     }
 
-    /// The many-row kernel on AVX2, one 8-row quarter of the panel at a time (`vpmaddubsw`
-    /// cannot saturate, as in `rows256`).
-    #[target_feature(enable = "avx2,fma,f16c")]
+    /// The many-row kernel on 256-bit vectors, one 8-row quarter of the panel at a time;
+    /// inlined into wrappers that enable the features of `M`.
+    #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn gemm256<const R: usize, const LUT: bool, const FINE: bool>(
+    unsafe fn gemm256<const R: usize, const LUT: bool, const FINE: bool, M: Acc256>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -830,12 +935,11 @@ pub(crate) mod x86 {
         w: &WeightBytes,
         out: *mut f32,
     ) {
-        // SAFETY: as gemm512, 8 rows per quarter.
+        // SAFETY: as gemm512, 8 rows per quarter (the caller enables M's features).
         unsafe {
             let table = _mm_loadu_si128(w.lut.as_ptr() as *const __m128i);
             let lut = _mm256_set_m128i(table, table);
             let nib = _mm256_set1_epi32(0x0F0F_0F0F);
-            let ones = _mm256_set1_epi16(1);
             for o in 0..4 {
                 let mut total = [_mm256_setzero_ps(); R];
                 for c in i0 / chunk..(i0 + n) / chunk {
@@ -849,23 +953,12 @@ pub(crate) mod x86 {
                             we = _mm256_shuffle_epi8(lut, we);
                             wo = _mm256_shuffle_epi8(lut, wo);
                         }
-                        // Σ over 8 inputs of the bytes at `x` (even words, then odd).
-                        let dot = |x: *const i32| {
-                            let p = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(we, _mm256_set1_epi32(x.read_unaligned())),
-                                _mm256_maddubs_epi16(
-                                    wo,
-                                    _mm256_set1_epi32(x.add(1).read_unaligned()),
-                                ),
-                            );
-                            _mm256_madd_epi16(p, ones)
-                        };
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
-                            a[r] = _mm256_add_epi32(a[r], dot(x));
+                            a[r] = M::acc(a[r], we, wo, word(x), word(x.add(1)));
                             if FINE {
                                 let rr = rows[r].add(k + 8 * blk) as *const i32;
-                                b[r] = _mm256_add_epi32(b[r], dot(rr));
+                                b[r] = M::acc(b[r], we, wo, word(rr), word(rr.add(1)));
                             }
                         }
                     }
@@ -894,6 +987,62 @@ pub(crate) mod x86 {
                     _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), total[r]));
                 }
             }
+        }
+    }
+
+    /// The activation word (4 bytes) at `p` in every lane.
+    ///
+    /// # Safety
+    /// 4 readable bytes at `p`; AVX available (inlined into the kernels).
+    #[inline(always)]
+    unsafe fn word(p: *const i32) -> __m256i {
+        // SAFETY: the contract.
+        unsafe { _mm256_set1_epi32(p.read_unaligned()) }
+    }
+
+    /// `gemm256` with `vpmaddubsw` (any AVX2 CPU).
+    ///
+    /// # Safety
+    /// As [`int_gemm_avx2`] with exactly R rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm256_avx2<const R: usize, const LUT: bool, const FINE: bool>(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded; AVX2 enabled here.
+        unsafe {
+            gemm256::<R, LUT, FINE, Maddubs>(rows, k, range, chunk, group, codes, scales, w, out)
+        }
+    }
+
+    /// `gemm256` with AVX-VNNI.
+    ///
+    /// # Safety
+    /// As [`int_gemm_avxvnni`] with exactly R rows.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm256_vnni<const R: usize, const LUT: bool, const FINE: bool>(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded; AVX2 and AVX-VNNI enabled here.
+        unsafe {
+            gemm256::<R, LUT, FINE, Vnni256>(rows, k, range, chunk, group, codes, scales, w, out)
         }
     }
 
@@ -964,7 +1113,14 @@ pub(crate) mod x86 {
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
-        int_gemm_avx2, gemm256, false, "the kgroup avx2 gemm kernel", 1 2 3 4
+        int_gemm_avx2, gemm256_avx2, false, "the kgroup avx2 gemm kernel", 1 2 3 4
+    );
+    gemm_entry!(
+        /// AVX-VNNI many-row kernel, 1 to [`GEMM_ROWS_256`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA, F16C and AVX-VNNI available.
+        int_gemm_avxvnni, gemm256_vnni, false, "the kgroup avx-vnni gemm kernel", 1 2 3 4
     );
     gemm_entry!(
         /// AVX-512 VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_512`] rows.
@@ -979,7 +1135,14 @@ pub(crate) mod x86 {
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
-        int_fine_gemm_avx2, gemm256, true, "the kgroup avx2 fine gemm kernel", 1 2 3
+        int_fine_gemm_avx2, gemm256_avx2, true, "the kgroup avx2 fine gemm kernel", 1 2 3
+    );
+    gemm_entry!(
+        /// AVX-VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA, F16C and AVX-VNNI available.
+        int_fine_gemm_avxvnni, gemm256_vnni, true, "the kgroup avx-vnni fine gemm kernel", 1 2 3
     );
 
     type Args<'a> = (
@@ -1003,9 +1166,18 @@ pub(crate) mod x86 {
 
     /// # Safety
     /// As [`int_fused_avx2`] with exactly R rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn call256<const R: usize, const LUT: bool>(a: Args) {
-        // SAFETY: forwarded.
-        unsafe { rows256::<R, LUT>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+        // SAFETY: forwarded; AVX2 enabled here.
+        unsafe { rows256::<R, LUT, Maddubs>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+    }
+
+    /// # Safety
+    /// As [`int_fused_avxvnni`] with exactly R rows.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn call256_vnni<const R: usize, const LUT: bool>(a: Args) {
+        // SAFETY: forwarded; AVX2 and AVX-VNNI enabled here.
+        unsafe { rows256::<R, LUT, Vnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
     }
 }
 
@@ -1076,19 +1248,44 @@ mod tests {
         out
     }
 
-    type KernelFor = fn(Level) -> Option<(IntFusedFn, usize)>;
+    type KernelWith = fn(Level, bool) -> Option<(IntFusedFn, usize)>;
 
-    /// The SIMD levels with integer kernels that this CPU (and the variant cap) allows.
-    fn allowed_levels() -> Vec<Level> {
-        [Level::Avx2, Level::Avx512Vnni]
-            .into_iter()
-            .filter(|&l| crate::isa::allows(l))
-            .collect()
+    /// The integer kernels' variants that this CPU (and the variant cap) allows, as (level,
+    /// AVX-VNNI): the AVX2 level with both multiplies where the CPU has AVX-VNNI.
+    fn allowed_variants() -> Vec<(Level, bool)> {
+        [
+            (Level::Avx2, false),
+            (Level::Avx2, true),
+            (Level::Avx512Vnni, false),
+        ]
+        .into_iter()
+        .filter(|&(l, vnni)| crate::isa::allows(l) && (!vnni || avx_vnni()))
+        .collect()
     }
 
     #[test]
     fn int_kernels_equal_their_scalar_twin() {
-        check_kernels_against_twin(int_fused_for, int_fused_scalar);
+        check_kernels_against_twin(int_fused_with, int_fused_scalar);
+    }
+
+    #[test]
+    fn the_avx2_level_takes_avx_vnni_where_the_cpu_has_it() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx2) && !crate::isa::allows(Level::Avx512Vnni) {
+            let want = if avx_vnni() {
+                x86::int_fused_avxvnni as IntFusedFn
+            } else {
+                x86::int_fused_avx2 as IntFusedFn
+            };
+            assert_eq!(
+                int_fused_for(Level::Avx2).unwrap().0 as usize,
+                want as usize
+            );
+        }
+        assert_eq!(
+            allowed_variants().contains(&(Level::Avx2, true)),
+            crate::isa::allows(Level::Avx2) && avx_vnni()
+        );
     }
 
     /// The largest integer sums the kernels can meet: every code at the largest byte (int4
@@ -1104,13 +1301,13 @@ mod tests {
         }
         let mut row = vec![0u8; row_bytes(k, 32)];
         prepare_row(&x, 32, &mut row);
-        let levels = allowed_levels();
+        let variants = allowed_variants();
         for (kind, byte) in [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)] {
             let w = WeightBytes::of(kind, ScaleType::Bf16);
             let codes = vec![byte; 16 * k];
             let scales: Vec<u8> = (0..(k / 32) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
-            for level in &levels {
-                let (kernel, max_rows) = int_fused_for(*level).unwrap();
+            for &(level, vnni) in &variants {
+                let (kernel, max_rows) = int_fused_with(level, vnni).unwrap();
                 let ptrs = vec![row.as_ptr(); max_rows];
                 let (mut want, mut got) = (vec![0f32; 32 * max_rows], vec![0f32; 32 * max_rows]);
                 for (f, out) in [
@@ -1122,7 +1319,7 @@ mod tests {
                     // of k/32 groups, 32 outputs per row; the level is allowed.
                     unsafe { f(&ptrs, k, (0, k), 32, 32, c, sc, &w, out.as_mut_ptr()) };
                 }
-                assert_eq!(got, want, "{kind:?} at {level:?}");
+                assert_eq!(got, want, "{kind:?} at {level:?}, avx-vnni {vnni}");
                 assert!(want.iter().all(|v| v.abs() > 1e3), "{want:?}");
             }
         }
@@ -1130,23 +1327,22 @@ mod tests {
 
     #[test]
     fn int_gemm_kernels_equal_their_scalar_twin() {
-        check_kernels_against_twin(int_gemm_for, int_gemm_scalar);
-        check_kernels_against_twin(int_fine_gemm_for, int_fused_scalar);
+        check_kernels_against_twin(int_gemm_with, int_gemm_scalar);
+        check_kernels_against_twin(int_fine_gemm_with, int_fused_scalar);
     }
 
-    fn check_kernels_against_twin(kernel_for: KernelFor, twin: IntFusedFn) {
+    fn check_kernels_against_twin(kernel_with: KernelWith, twin: IntFusedFn) {
+        let variants = allowed_variants();
         #[cfg(target_arch = "x86_64")]
-        if crate::isa::allows(Level::Avx2) {
-            assert!(kernel_for(Level::Avx2).is_some());
-        }
-        #[cfg(target_arch = "x86_64")]
-        if crate::isa::allows(Level::Avx512Vnni) {
-            assert!(kernel_for(Level::Avx512Vnni).is_some());
+        for level in [Level::Avx2, Level::Avx512Vnni] {
+            if crate::isa::allows(level) {
+                assert!(variants.iter().any(|&(l, _)| l == level));
+                assert!(kernel_with(level, false).is_some() && kernel_with(level, true).is_some());
+            }
         }
         let mut rng = crate::rng::Rng::new(31);
         let k = 512;
         let codes: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
-        let levels = allowed_levels();
         for (kind, st) in [
             (CodeKind::Int4, ScaleType::Bf16),
             (CodeKind::Int4, ScaleType::F16),
@@ -1160,8 +1356,8 @@ mod tests {
                 (32, 128, (128, 384)),
             ] {
                 let scales = native_scales(st, (range.1 / group + 1) * 32, &mut rng);
-                for level in &levels {
-                    let (kernel, max_rows) = kernel_for(*level).unwrap();
+                for &(level, vnni) in &variants {
+                    let (kernel, max_rows) = kernel_with(level, vnni).unwrap();
                     for rows in 1..=max_rows {
                         let data: Vec<Vec<u8>> = (0..rows)
                             .map(|_| {
@@ -1200,7 +1396,7 @@ mod tests {
                         }
                         assert_eq!(
                             got, want,
-                            "{kind:?} {st:?} {level:?} rows={rows} chunk={chunk}"
+                            "{kind:?} {st:?} {level:?} avx-vnni {vnni} rows={rows} chunk={chunk}"
                         );
                     }
                 }

@@ -176,7 +176,11 @@ pub fn decode_kernel_name(spec: &Spec, level: Level) -> &'static str {
                 return "int-avx512-vnni";
             }
             if level >= Level::Avx2 {
-                return "int-avx2";
+                return if int_dot::avx_vnni() {
+                    "int-avx-vnni"
+                } else {
+                    "int-avx2"
+                };
             }
         }
     } else if kernels::kernels_for(spec.kind, level).fused.is_some() {
@@ -198,11 +202,14 @@ pub fn prefill_kernel_name(spec: &Spec, level: Level) -> &'static str {
         {
             let vnni = level >= Level::Avx512Vnni;
             if level >= Level::Avx2 {
-                return match (spec.coarse_prefill, vnni) {
-                    (true, true) => "int8-gemm-avx512-vnni",
-                    (true, false) => "int8-gemm-avx2",
-                    (false, true) => "int15-gemm-avx512-vnni",
-                    (false, false) => "int15-gemm-avx2",
+                let avx_vnni = int_dot::avx_vnni();
+                return match (spec.coarse_prefill, vnni, avx_vnni) {
+                    (true, true, _) => "int8-gemm-avx512-vnni",
+                    (true, false, true) => "int8-gemm-avx-vnni",
+                    (true, false, false) => "int8-gemm-avx2",
+                    (false, true, _) => "int15-gemm-avx512-vnni",
+                    (false, false, true) => "int15-gemm-avx-vnni",
+                    (false, false, false) => "int15-gemm-avx2",
                 };
             }
         }

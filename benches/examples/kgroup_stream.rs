@@ -1,0 +1,95 @@
+//! Diagnostic: how fast does the group-scaled 4-bit decode kernel (MXFP4, one row) stream
+//! panels from DRAM, against the read probe in the same minute? Large buffers (no layer
+//! structure: one long run of panels per thread). `cargo run --release -p kt-benches --example
+//! kgroup_stream`
+use kt_core::codes::{CodeKind, ScaleType};
+use kt_core::formats::kgroup::int_dot::{int_fused_for, prepare_row, row_bytes, WeightBytes};
+use kt_core::kernels::KernelSet;
+use kt_core::pack::AlignedBuf;
+use std::time::Instant;
+
+fn main() {
+    let pool = kt_benches::pool(2);
+    let (k, chunk, group) = (2048usize, 32usize, 32usize);
+    let panel = 16 * k; // 4-bit codes of a 32-row panel
+    let panel_scales = 32 * (k / group);
+    let panels = (1usize << 30) / panel;
+    let codes = AlignedBuf::<u8>::zeroed(panels * panel).unwrap();
+    let scales = AlignedBuf::<u8>::zeroed(panels * panel_scales).unwrap();
+    let (cb, sb) = (codes.as_ptr() as usize, scales.as_ptr() as usize);
+    pool.parallel_for_all(panels, &|p| unsafe {
+        let c = std::slice::from_raw_parts_mut((cb as *mut u8).add(p * panel), panel);
+        for (i, v) in c.iter_mut().enumerate() {
+            *v = (i * 37 + p) as u8;
+        }
+        let s = std::slice::from_raw_parts_mut((sb as *mut u8).add(p * panel_scales), panel_scales);
+        s.fill(127);
+    })
+    .unwrap();
+    // PF=<bytes>[+1]: the prefetch setting (bytes ahead, +1 for lines into L2); 0 = off.
+    let pf: usize = kt_benches::env_or("PF", 4096 | 1);
+    kt_core::kernels::prefetch::set_of(kt_core::kernels::prefetch::Family::CodeGroups, pf);
+    let level = KernelSet::best().unwrap().level();
+    let (kernel, _) = int_fused_for(level).expect("an integer kernel");
+    let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
+    let mut row = vec![0u8; row_bytes(k, chunk)];
+    prepare_row(&x, chunk, &mut row);
+    let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
+    let rp = row.as_ptr() as usize;
+    let run = |shared_scales: bool| {
+        let t = Instant::now();
+        let cached: usize = kt_benches::env_or("CACHED", 0);
+        let threads = pool.total_threads();
+        let per = panels / threads;
+        pool.parallel_for_all(threads, &|t| {
+            for p in t * per..(t + 1) * per {
+                let p = if cached > 0 { p % cached } else { p };
+                let mut out = [0f32; 32];
+                let s = if shared_scales { 0 } else { p * panel_scales };
+                // SAFETY: panel p and its scales lie inside the buffers; one prepared row of k
+                // inputs; 32 outputs.
+                unsafe {
+                    kernel(
+                        &[rp as *const u8],
+                        k,
+                        (0, k),
+                        chunk,
+                        group,
+                        (cb as *const u8).add(p * panel),
+                        (sb as *const u8).add(s),
+                        &w,
+                        out.as_mut_ptr(),
+                    )
+                };
+                std::hint::black_box(out);
+            }
+        })
+        .unwrap();
+        let panels = per * threads;
+        let bytes = panels * (panel + if shared_scales { 0 } else { panel_scales });
+        bytes as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let (mut probe, mut real, mut shared) = (vec![], vec![], vec![]);
+    for _ in 0..kt_benches::env_or("ROUNDS", 8) {
+        probe.push(kt_core::probe::dram_read_gbps(&pool, 1 << 30, 1).unwrap());
+        real.push(run(false));
+        shared.push(run(true));
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    let (pm, pb) = med(&mut probe);
+    for (name, v) in [
+        ("codes + scales", &mut real),
+        ("codes, one panel's scales", &mut shared),
+    ] {
+        let (m, b) = med(v);
+        println!(
+            "MXFP4 R=1 {name}: median {m:.1} GB/s ({:.0}% of probe median), best {b:.1} ({:.0}% of probe best)",
+            100.0 * m / pm,
+            100.0 * b / pb
+        );
+    }
+    println!("probe median {pm:.1} GB/s, best {pb:.1}");
+}
