@@ -134,6 +134,25 @@ def test_cpu_variant_cap_can_only_lower():
         assert high.returncode != 0 and "missing" in high.stderr and "amx" in high.stderr
 
 
+def test_cpu_features_can_be_disabled_by_name():
+    """KT_KERNEL_CPU_DISABLE marks features unusable (the kernels another CPU would pick) and
+    refuses names it does not know."""
+    show = (
+        "import kt_kernel; i = kt_kernel.cpu_info(); "
+        "print(i['flags']['avx_vnni'], i['kernels']['MXFP4'])"
+    )
+    off = _run(show, KT_KERNEL_CPU_VARIANT="avx2", KT_KERNEL_CPU_DISABLE="avx_vnni")
+    assert off.returncode == 0 and off.stdout.split() == ["False", "int-avx2"], off.stderr
+    import kt_kernel
+
+    if kt_kernel.cpu_info()["flags"]["avx_vnni"]:
+        on = _run(show, KT_KERNEL_CPU_VARIANT="avx2")
+        assert on.returncode == 0 and on.stdout.split() == ["True", "int-avx-vnni"], on.stderr
+    bad = _run("import kt_kernel", KT_KERNEL_CPU_DISABLE="avx_vnn")
+    assert bad.returncode != 0 and "KT_KERNEL_CPU_DISABLE" in bad.stderr, bad.stderr
+    assert "avx_vnni" in bad.stderr
+
+
 LOWER_LEVEL_CHECK = """
 import torch, sys
 sys.path.insert(0, {tests!r})

@@ -138,6 +138,24 @@ impl Features {
     pub fn detect() -> Features {
         detect_x86()
     }
+
+    /// These features with the comma-separated `names` (the [`Features::flags`] spelling)
+    /// marked unusable: `KT_KERNEL_CPU_DISABLE`, to run on one CPU the kernels another CPU
+    /// would pick (say `avx_vnni`: the AVX2 kernels of a CPU without it). An unknown name is
+    /// an error naming the known ones.
+    pub fn without(mut self, names: &str) -> Result<Features> {
+        for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let Some(flag) = self.flags.iter_mut().find(|(n, _)| *n == name) else {
+                let known: Vec<_> = self.flags.iter().map(|(n, _)| *n).collect();
+                return Err(Error::Invalid(format!(
+                    "KT_KERNEL_CPU_DISABLE names {name:?}, not a feature kt-kernel looks at; \
+                     known: {known:?}"
+                )));
+            };
+            flag.1 = false;
+        }
+        Ok(self)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -322,7 +340,10 @@ pub fn global() -> Result<&'static Selection> {
     SELECTION
         .get_or_init(|| {
             let requested = std::env::var("KT_KERNEL_CPU_VARIANT").ok();
-            let sel = select(Features::detect(), requested.as_deref());
+            let disabled = std::env::var("KT_KERNEL_CPU_DISABLE").unwrap_or_default();
+            let sel = Features::detect()
+                .without(&disabled)
+                .and_then(|f| select(f, requested.as_deref()));
             if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
                 match &sel {
                     Ok(s) => eprintln!(
@@ -357,6 +378,24 @@ mod tests {
             flags: all.iter().map(|n| (*n, names.contains(n))).collect(),
             ..Features::default()
         }
+    }
+
+    #[test]
+    fn disabled_features_are_unusable_and_unknown_ones_refused() {
+        let mut all = fake(&["avx2", "fma", "f16c"]);
+        all.flags.push(("avx_vnni", true));
+        let f = all.clone().without(" avx_vnni ,").unwrap();
+        assert!(!f.has("avx_vnni") && f.has("avx2"));
+        assert_eq!(f.best_level(), Level::Avx2);
+        assert_eq!(
+            all.clone().without("fma").unwrap().best_level(),
+            Level::Generic
+        );
+        let err = all.without("avx_vnn").unwrap_err().to_string();
+        assert!(
+            err.contains("KT_KERNEL_CPU_DISABLE") && err.contains("avx_vnni"),
+            "{err}"
+        );
     }
 
     #[test]
