@@ -675,7 +675,7 @@ impl DotKernel {
                     kernel.raw = raw;
                     // Prefill: the AVX2 multi-row kernels (AVX-512 CPUs have AVX2).
                     kernel.rows = x86_avx2_rows::rows_fn(ty);
-                    kernel.x8 = x86_avx2_x8::x8_fn(ty);
+                    kernel.x8 = x86_avx2_x8::x8_fn(ty, x86_avx2_x8::X8Mul::best(level));
                     return Ok(kernel);
                 }
             }
@@ -685,7 +685,7 @@ impl DotKernel {
                     kernel.raw = raw;
                 }
                 kernel.rows = x86_avx2_rows::rows_fn(ty);
-                kernel.x8 = x86_avx2_x8::x8_fn(ty);
+                kernel.x8 = x86_avx2_x8::x8_fn(ty, x86_avx2_x8::X8Mul::best(level));
             }
         }
         Ok(kernel)

@@ -586,15 +586,24 @@ fn x8_layouts_give_the_single_row_results() {
                     );
                 }
             }
-            // The SIMD kernels.
+            // The SIMD kernels: each level's pick, and Q8_0's every multiply this CPU has.
+            let mut kernels: Vec<(String, DotKernel)> = Vec::new();
             for level in [Level::Avx2, Level::Avx512Vnni] {
                 if level > sel.detected {
                     continue;
                 }
                 let kernel = DotKernel::for_level(ty, level).unwrap();
-                if !kernel.has_x8() {
-                    continue;
+                if kernel.has_x8() {
+                    kernels.push((kernel.name().to_string(), kernel));
                 }
+            }
+            #[cfg(target_arch = "x86_64")]
+            for mul in x86_avx2_x8::X8Mul::ALL.into_iter().filter(|m| m.usable()) {
+                let mut kernel = DotKernel::for_level(ty, Level::Avx2).unwrap();
+                kernel.x8 = x86_avx2_x8::x8_fn(ty, mul);
+                kernels.push((format!("x8 {mul:?}"), kernel));
+            }
+            for (name, kernel) in &kernels {
                 let mut out = vec![f32::NAN; count * stride];
                 kernel.dot_x8(k, &groups, &refs, &mut out, stride);
                 for i in 0..count {
@@ -602,8 +611,7 @@ fn x8_layouts_give_the_single_row_results() {
                         assert_eq!(
                             out[i * stride + r].to_bits(),
                             want(i, r).to_bits(),
-                            "{ty} {} x8 rows={count} act {i} row {r}",
-                            kernel.name()
+                            "{ty} {name} x8 rows={count} act {i} row {r}"
                         );
                     }
                 }

@@ -5,12 +5,56 @@ use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use std::arch::x86_64::*;
 
-/// The x8 kernel for `ty`, if it has one.
-pub(super) fn x8_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
-    match ty {
-        super::GgmlType::Q4_K => Some(q4_k),
-        super::GgmlType::Q6_K => Some(q6_k),
-        super::GgmlType::Q8_0 => Some(q8_0),
+/// The signed-byte multiply of Q8_0's x8 kernel: the only one of the three whose sums are
+/// plain byte products (Q4_K's and Q6_K's weigh 16-bit sums by sub-block scales in
+/// `vpmaddwd`, which `vpdpbusd` cannot do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum X8Mul {
+    /// `vpmaddubsw` + `vpmaddwd` (every AVX2 CPU).
+    Avx2,
+    /// AVX-VNNI's VEX `vpdpbusd`.
+    AvxVnni,
+    /// AVX512-VNNI's EVEX `vpdpbusd` on 256-bit vectors (AVX512-VL).
+    Avx512Vnni,
+}
+
+impl X8Mul {
+    /// The multiply this CPU runs best at `level` (AVX-512 VNNI, else AVX-VNNI, else AVX2).
+    pub(super) fn best(level: crate::isa::Level) -> X8Mul {
+        if level >= crate::isa::Level::Avx512Vnni {
+            X8Mul::Avx512Vnni
+        } else if crate::isa::has_feature("avx_vnni") {
+            X8Mul::AvxVnni
+        } else {
+            X8Mul::Avx2
+        }
+    }
+
+    /// Whether this process may run it.
+    #[cfg(test)]
+    pub(super) fn usable(self) -> bool {
+        match self {
+            X8Mul::Avx2 => crate::isa::allows(crate::isa::Level::Avx2),
+            X8Mul::AvxVnni => {
+                crate::isa::allows(crate::isa::Level::Avx2) && crate::isa::has_feature("avx_vnni")
+            }
+            X8Mul::Avx512Vnni => crate::isa::allows(crate::isa::Level::Avx512Vnni),
+        }
+    }
+
+    /// Every multiply, for the twin tests.
+    #[cfg(test)]
+    pub(super) const ALL: [X8Mul; 3] = [X8Mul::Avx2, X8Mul::AvxVnni, X8Mul::Avx512Vnni];
+}
+
+/// The x8 kernel for `ty` with Q8_0's multiply `mul`, if `ty` has one.
+pub(super) fn x8_fn(ty: super::GgmlType, mul: X8Mul) -> Option<super::RawX8Fn> {
+    match (ty, mul) {
+        (super::GgmlType::Q4_K, _) => Some(q4_k),
+        (super::GgmlType::Q6_K, _) => Some(q6_k),
+        (super::GgmlType::Q8_0, X8Mul::Avx2) => Some(q8_0),
+        (super::GgmlType::Q8_0, X8Mul::AvxVnni) => Some(q8_0_avxvnni),
+        (super::GgmlType::Q8_0, X8Mul::Avx512Vnni) => Some(q8_0_avx512vnni),
         _ => None,
     }
 }
@@ -56,7 +100,90 @@ x8_entry!(
     ///
     /// # Safety
     /// As [`q4_k`].
-    q8_0 => q8_0_rows
+    q8_0 => q8_0_rows_avx2
+);
+x8_entry!(
+    /// [`q8_0`] with AVX-VNNI.
+    ///
+    /// # Safety
+    /// As [`q4_k`], and the CPU has AVX-VNNI.
+    q8_0_avxvnni => q8_0_rows_avxvnni
+);
+x8_entry!(
+    /// [`q8_0`] with AVX512-VNNI on 256-bit vectors.
+    ///
+    /// # Safety
+    /// As [`q4_k`], and the CPU has AVX512-VNNI and AVX512-VL.
+    q8_0_avx512vnni => q8_0_rows_avx512vnni
+);
+
+/// `Σ |w|·(x·sign w)` over groups of four bytes added to the i32 lanes of `isum`: `aw` the
+/// weights' magnitudes (unsigned), `sx` the activations with the weights' signs. Every
+/// implementation gives the same exact sums.
+trait SignedDot {
+    /// # Safety
+    /// AVX2 and the implementation's feature in the caller.
+    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i;
+}
+
+/// `vpmaddubsw` pairs (≤ 2·128·127, exact in i16) widened by `vpmaddwd`.
+struct Maddubs;
+impl SignedDot for Maddubs {
+    #[inline(always)]
+    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+        // SAFETY: only inlined into functions with avx2 enabled.
+        unsafe {
+            let pairs = _mm256_maddubs_epi16(aw, sx);
+            _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+/// AVX-VNNI (VEX).
+struct VexVnni;
+impl SignedDot for VexVnni {
+    #[inline(always)]
+    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+        // SAFETY: only inlined into functions with avxvnni enabled.
+        unsafe { _mm256_dpbusd_avx_epi32(isum, aw, sx) }
+    }
+}
+
+/// AVX512-VNNI (EVEX, 256-bit).
+struct EvexVnni;
+impl SignedDot for EvexVnni {
+    #[inline(always)]
+    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+        // SAFETY: only inlined into functions with avx512vnni and avx512vl enabled.
+        unsafe { _mm256_dpbusd_epi32(isum, aw, sx) }
+    }
+}
+
+/// [`q8_0_rows`] per multiply, each enabling its features.
+macro_rules! q8_0_wrapper {
+    ($name:ident, $mul:ty, $features:literal) => {
+        /// # Safety
+        /// The CPU has the features named here; the [`q8_0`] contract with `R` rows.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize>(
+            k: usize,
+            group: &[u8],
+            acts: &[&[u8]],
+            sums32: &[&[[i32; 4]]],
+            out: &mut [f32],
+            stride: usize,
+        ) {
+            // SAFETY: forwarded; the features are enabled here.
+            unsafe { q8_0_rows::<R, $mul>(k, group, acts, sums32, out, stride) }
+        }
+    };
+}
+q8_0_wrapper!(q8_0_rows_avx2, Maddubs, "avx2,fma,f16c");
+q8_0_wrapper!(q8_0_rows_avxvnni, VexVnni, "avx2,fma,f16c,avxvnni");
+q8_0_wrapper!(
+    q8_0_rows_avx512vnni,
+    EvexVnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 );
 
 /// Eight unsigned bytes at `p` as (v, v) 16-bit pairs, one per 32-bit lane (the rows' scales
@@ -126,13 +253,14 @@ fn starts<const R: usize>(
     a
 }
 
-/// Q8_0 x8 for exactly `R` activation rows.
+/// Q8_0 x8 for exactly `R` activation rows; inlined into a wrapper that enables the
+/// features of `D`.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; the [`q8_0`] contract with `R` rows.
-#[target_feature(enable = "avx2,fma,f16c")]
+/// The CPU has AVX2, FMA, F16C and `D`'s feature; the [`q8_0`] contract with `R` rows.
+#[inline(always)]
 #[allow(clippy::needless_range_loop)]
-unsafe fn q8_0_rows<const R: usize>(
+unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
@@ -143,11 +271,11 @@ unsafe fn q8_0_rows<const R: usize>(
     let blocks = k / 32;
     assert!(group.len() >= blocks * Q8_0_X8_BYTES);
     let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
-    // SAFETY: every load is at an offset inside the checked group and activation blocks.
+    // SAFETY: every load is at an offset inside the checked group and activation blocks; the
+    // caller enables the features.
     unsafe {
+        let mut acc = [_mm256_setzero_ps(); R];
         for blk in 0..blocks {
             let g = group.as_ptr().add(blk * Q8_0_X8_BYTES);
             let mut isum = [_mm256_setzero_si256(); R];
@@ -161,9 +289,7 @@ unsafe fn q8_0_rows<const R: usize>(
                 for r in 0..R {
                     let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
                     let x = _mm256_set1_epi32((q as *const i32).read_unaligned());
-                    // |w| · (x · sign w): pairs ≤ 2·128·127, exact in i16.
-                    let pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+                    isum[r] = D::acc(isum[r], aw, _mm256_sign_epi8(x, w));
                 }
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
