@@ -5,9 +5,8 @@ use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use std::arch::x86_64::*;
 
-/// The signed-byte multiply of Q8_0's x8 kernel: the only one of the three whose sums are
-/// plain byte products (Q4_K's and Q6_K's weigh 16-bit sums by sub-block scales in
-/// `vpmaddwd`, which `vpdpbusd` cannot do).
+/// The byte multiply of the Q8_0 and Q4_K x8 kernels (Q6_K's sub-blocks of 16 values change
+/// scale every other step, so it keeps `vpmaddubsw` pairs weighed by `vpmaddwd`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum X8Mul {
     /// `vpmaddubsw` + `vpmaddwd` (every AVX2 CPU).
@@ -50,7 +49,9 @@ impl X8Mul {
 /// The x8 kernel for `ty` with Q8_0's multiply `mul`, if `ty` has one.
 pub(super) fn x8_fn(ty: super::GgmlType, mul: X8Mul) -> Option<super::RawX8Fn> {
     match (ty, mul) {
-        (super::GgmlType::Q4_K, _) => Some(q4_k),
+        (super::GgmlType::Q4_K, X8Mul::Avx2) => Some(q4_k),
+        (super::GgmlType::Q4_K, X8Mul::AvxVnni) => Some(q4_k_avxvnni),
+        (super::GgmlType::Q4_K, X8Mul::Avx512Vnni) => Some(q4_k_avx512vnni),
         (super::GgmlType::Q6_K, _) => Some(q6_k),
         (super::GgmlType::Q8_0, X8Mul::Avx2) => Some(q8_0),
         (super::GgmlType::Q8_0, X8Mul::AvxVnni) => Some(q8_0_avxvnni),
@@ -86,7 +87,21 @@ x8_entry!(
     /// # Safety
     /// AVX2, FMA and F16C available; `group` holds `k/256` x8 super-blocks, each `acts[i]` a
     /// Q8_K row of `k` values, `1 ≤ acts.len() ≤ ROWS`, `out` holds `(acts.len() − 1) · stride + 8`.
-    q4_k => q4_k_rows
+    q4_k => q4_k_rows_avx2
+);
+x8_entry!(
+    /// [`q4_k`] with AVX-VNNI.
+    ///
+    /// # Safety
+    /// As [`q4_k`], and the CPU has AVX-VNNI.
+    q4_k_avxvnni => q4_k_rows_avxvnni
+);
+x8_entry!(
+    /// [`q4_k`] with AVX512-VNNI on 256-bit vectors.
+    ///
+    /// # Safety
+    /// As [`q4_k`], and the CPU has AVX512-VNNI and AVX512-VL.
+    q4_k_avx512vnni => q4_k_rows_avx512vnni
 );
 x8_entry!(
     /// Q6_K x8 against up to [`super::X8_ROWS`] Q8_K rows (contract of [`q4_k`]; no sums).
@@ -124,6 +139,32 @@ trait SignedDot {
     /// # Safety
     /// AVX2 and the implementation's feature in the caller.
     unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i;
+
+    /// Q4_K: `partial` gathers one sub-block's products of nibbles `lo`, `hi` (unsigned) with
+    /// activation words `a0`, `a1` (signed) per lane, in the implementation's own form.
+    ///
+    /// # Safety
+    /// As [`SignedDot::acc`].
+    unsafe fn nibbles(
+        partial: __m256i,
+        lo: __m256i,
+        a0: __m256i,
+        hi: __m256i,
+        a1: __m256i,
+    ) -> __m256i;
+
+    /// Q4_K: the rows' scales (eight unsigned bytes at `p`, one per lane) in the form
+    /// [`SignedDot::weigh`] takes.
+    ///
+    /// # Safety
+    /// As [`SignedDot::acc`]; 8 readable bytes at `p`.
+    unsafe fn scales(p: *const u8) -> __m256i;
+
+    /// Q4_K: `sumi` plus a finished sub-block's `partial` times the rows' `scales`.
+    ///
+    /// # Safety
+    /// As [`SignedDot::acc`].
+    unsafe fn weigh(sumi: __m256i, partial: __m256i, scales: __m256i) -> __m256i;
 }
 
 /// `vpmaddubsw` pairs (≤ 2·128·127, exact in i16) widened by `vpmaddwd`.
@@ -137,6 +178,53 @@ impl SignedDot for Maddubs {
             _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
     }
+    /// 16-bit sums: `|pair| ≤ 2·15·127`, eight of them still fit an i16 lane.
+    #[inline(always)]
+    unsafe fn nibbles(p: __m256i, lo: __m256i, a0: __m256i, hi: __m256i, a1: __m256i) -> __m256i {
+        // SAFETY: as above.
+        unsafe {
+            let p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo, a0));
+            _mm256_add_epi16(p, _mm256_maddubs_epi16(hi, a1))
+        }
+    }
+    /// The scales as (s, s) 16-bit pairs for `vpmaddwd`.
+    #[inline(always)]
+    unsafe fn scales(p: *const u8) -> __m256i {
+        // SAFETY: as above; 8 bytes at p.
+        unsafe { u8_pairs(p) }
+    }
+    #[inline(always)]
+    unsafe fn weigh(sumi: __m256i, partial: __m256i, scales: __m256i) -> __m256i {
+        // SAFETY: as above.
+        unsafe { _mm256_add_epi32(sumi, _mm256_madd_epi16(partial, scales)) }
+    }
+}
+
+/// Q4_K's sub-block with `vpdpbusd` (i32 sums; `vpmulld` by the scales), for both encodings.
+macro_rules! vnni_nibbles {
+    ($dpbusd:ident) => {
+        #[inline(always)]
+        unsafe fn nibbles(
+            p: __m256i,
+            lo: __m256i,
+            a0: __m256i,
+            hi: __m256i,
+            a1: __m256i,
+        ) -> __m256i {
+            // SAFETY: only inlined into functions with the implementation's feature enabled.
+            unsafe { $dpbusd($dpbusd(p, lo, a0), hi, a1) }
+        }
+        #[inline(always)]
+        unsafe fn scales(p: *const u8) -> __m256i {
+            // SAFETY: as above; 8 bytes at p.
+            unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)) }
+        }
+        #[inline(always)]
+        unsafe fn weigh(sumi: __m256i, partial: __m256i, scales: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_add_epi32(sumi, _mm256_mullo_epi32(partial, scales)) }
+        }
+    };
 }
 
 /// AVX-VNNI (VEX).
@@ -147,6 +235,7 @@ impl SignedDot for VexVnni {
         // SAFETY: only inlined into functions with avxvnni enabled.
         unsafe { _mm256_dpbusd_avx_epi32(isum, aw, sx) }
     }
+    vnni_nibbles!(_mm256_dpbusd_avx_epi32);
 }
 
 /// AVX512-VNNI (EVEX, 256-bit).
@@ -157,13 +246,14 @@ impl SignedDot for EvexVnni {
         // SAFETY: only inlined into functions with avx512vnni and avx512vl enabled.
         unsafe { _mm256_dpbusd_epi32(isum, aw, sx) }
     }
+    vnni_nibbles!(_mm256_dpbusd_epi32);
 }
 
-/// [`q8_0_rows`] per multiply, each enabling its features.
-macro_rules! q8_0_wrapper {
-    ($name:ident, $mul:ty, $features:literal) => {
+/// A kernel body per multiply, each wrapper enabling its features.
+macro_rules! x8_wrapper {
+    ($name:ident, $body:ident, $mul:ty, $features:literal) => {
         /// # Safety
-        /// The CPU has the features named here; the [`q8_0`] contract with `R` rows.
+        /// The CPU has the features named here; the kernel's contract with `R` rows.
         #[target_feature(enable = $features)]
         unsafe fn $name<const R: usize>(
             k: usize,
@@ -174,14 +264,33 @@ macro_rules! q8_0_wrapper {
             stride: usize,
         ) {
             // SAFETY: forwarded; the features are enabled here.
-            unsafe { q8_0_rows::<R, $mul>(k, group, acts, sums32, out, stride) }
+            unsafe { $body::<R, $mul>(k, group, acts, sums32, out, stride) }
         }
     };
 }
-q8_0_wrapper!(q8_0_rows_avx2, Maddubs, "avx2,fma,f16c");
-q8_0_wrapper!(q8_0_rows_avxvnni, VexVnni, "avx2,fma,f16c,avxvnni");
-q8_0_wrapper!(
+x8_wrapper!(q8_0_rows_avx2, q8_0_rows, Maddubs, "avx2,fma,f16c");
+x8_wrapper!(
+    q8_0_rows_avxvnni,
+    q8_0_rows,
+    VexVnni,
+    "avx2,fma,f16c,avxvnni"
+);
+x8_wrapper!(
     q8_0_rows_avx512vnni,
+    q8_0_rows,
+    EvexVnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+);
+x8_wrapper!(q4_k_rows_avx2, q4_k_rows, Maddubs, "avx2,fma,f16c");
+x8_wrapper!(
+    q4_k_rows_avxvnni,
+    q4_k_rows,
+    VexVnni,
+    "avx2,fma,f16c,avxvnni"
+);
+x8_wrapper!(
+    q4_k_rows_avx512vnni,
+    q4_k_rows,
     EvexVnni,
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 );
@@ -404,13 +513,14 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
-/// Q4_K x8 for exactly `R` activation rows.
+/// Q4_K x8 for exactly `R` activation rows; inlined into a wrapper that enables the features
+/// of `D`.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; the [`q4_k`] contract with `R` rows.
-#[target_feature(enable = "avx2,fma,f16c")]
+/// The CPU has AVX2, FMA, F16C and `D`'s feature; the [`q4_k`] contract with `R` rows.
+#[inline(always)]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-unsafe fn q4_k_rows<const R: usize>(
+unsafe fn q4_k_rows<const R: usize, D: SignedDot>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
@@ -429,20 +539,20 @@ unsafe fn q4_k_rows<const R: usize>(
     let mut sums: [&[[i32; 4]]; R] = [&[]; R];
     sums.copy_from_slice(&sums32[..R]);
     let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
-    let low4 = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
     let pf = crate::kernels::prefetch::distance();
-    // SAFETY: every load is at an offset inside the checked group and activation blocks.
+    // SAFETY: every load is at an offset inside the checked group and activation blocks; the
+    // caller enables the features.
     unsafe {
+        let low4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); R];
         for sb in 0..blocks {
             let g = group.as_ptr().add(sb * Q4_K_X8_BYTES);
             // The super-block's header lines, then one line per two steps.
             prefetch_headers(g, pf);
             let mut sumi = [_mm256_setzero_si256(); R];
             for j in 0..8 {
-                // The rows' scales as (s, s) 16-bit pairs, one pair per 32-bit lane.
-                let scales = u8_pairs(g.add(32 + 8 * j));
-                let mut acc16 = [_mm256_setzero_si256(); R];
+                let scales = D::scales(g.add(32 + 8 * j));
+                let mut partial = [_mm256_setzero_si256(); R];
                 // The sub-block's two lines (prefetched here, so the step loop has no branch).
                 let nibbles = g.add(160 + j * 128);
                 crate::kernels::prefetch::ahead(nibbles.add(32), pf);
@@ -456,13 +566,12 @@ unsafe fn q4_k_rows<const R: usize>(
                         let q = a[r].add(sb * Q8_K_BYTES + 4 + 32 * j + 8 * p);
                         let a0 = _mm256_set1_epi32((q as *const i32).read_unaligned());
                         let a1 = _mm256_set1_epi32((q.add(4) as *const i32).read_unaligned());
-                        // |pair| ≤ 2·15·127: eight of them still fit an i16 lane.
-                        acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(lo, a0));
-                        acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(hi, a1));
+                        partial[r] = D::nibbles(partial[r], lo, a0, hi, a1);
                     }
                 }
+                // Weighed by the rows' scales (one byte per row).
                 for r in 0..R {
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(acc16[r], scales));
+                    sumi[r] = D::weigh(sumi[r], partial[r], scales);
                 }
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
