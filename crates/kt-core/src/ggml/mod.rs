@@ -829,6 +829,8 @@ impl DotKernel {
     pub fn x8_sums_per_row(&self, k: usize) -> usize {
         match (self.weight_type, self.has_x8()) {
             (GgmlType::Q4_K, true) => k / 256,
+            // The block sums of the VNNI kernels (four blocks of 32 per entry).
+            (GgmlType::Q8_0, true) => k.div_ceil(128),
             _ => 0,
         }
     }
@@ -853,8 +855,11 @@ impl DotKernel {
                 "DotKernel::x8_sums: bad activation row"
             );
         }
-        for (sb, o) in out.iter_mut().enumerate() {
-            *o = x8::q8_k_pair_sums(activation, sb);
+        for (c, o) in out.iter_mut().enumerate() {
+            *o = match self.weight_type {
+                GgmlType::Q8_0 => x8::q8_0_block_sums(activation, c),
+                _ => x8::q8_k_pair_sums(activation, c),
+            };
         }
     }
 

@@ -92,6 +92,16 @@ pub fn q8_k_pair_sums(row: &[u8], sb: usize) -> [i32; 4] {
     std::array::from_fn(|q| (sum32(2 * q) | (sum32(2 * q + 1) << 16)) as i32)
 }
 
+/// Blocks `4c..4c + 4` of a Q8_0 activation row as Q8_0's biased x8 kernels use them: the
+/// sums of each block's 32 values (blocks past the row's end count 0).
+pub fn q8_0_block_sums(row: &[u8], c: usize) -> [i32; 4] {
+    std::array::from_fn(|i| {
+        let at = (4 * c + i) * Q8_0_BYTES;
+        row.get(at + 2..at + Q8_0_BYTES)
+            .map_or(0, |q| q.iter().map(|&v| v as i8 as i32).sum())
+    })
+}
+
 /// Q8_0 rows into x8 blocks.
 pub fn repack_q8_0(rows: &[u8], k: usize, out: &mut [u8]) {
     let blocks = k / 32;

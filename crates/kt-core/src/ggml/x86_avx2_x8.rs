@@ -132,13 +132,32 @@ x8_entry!(
     q8_0_avx512vnni => q8_0_rows_avx512vnni
 );
 
-/// `Σ |w|·(x·sign w)` over groups of four bytes added to the i32 lanes of `isum`: `aw` the
-/// weights' magnitudes (unsigned), `sx` the activations with the weights' signs. Every
+/// Q8_0: `Σ w·x` of signed weight and activation bytes over groups of four, added to the
+/// i32 lanes of `isum`, by way of an unsigned form of the weights made once per weight vector
+/// ([`SignedDot::unsigned`]) and a per-block correction ([`SignedDot::correct`]). Every
 /// implementation gives the same exact sums.
 trait SignedDot {
+    /// Whether [`SignedDot::correct`] reads the activation blocks' sums.
+    const BIASED: bool;
+
+    /// The weights `w` as the unsigned operand.
+    ///
     /// # Safety
     /// AVX2 and the implementation's feature in the caller.
-    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i;
+    unsafe fn unsigned(w: __m256i) -> __m256i;
+
+    /// `isum` plus the products of weights `w` (and their unsigned form `u`) with the
+    /// broadcast activation word `x`.
+    ///
+    /// # Safety
+    /// As [`SignedDot::unsigned`].
+    unsafe fn acc(isum: __m256i, u: __m256i, w: __m256i, x: __m256i) -> __m256i;
+
+    /// A finished block's sums given the sum of its 32 activation bytes.
+    ///
+    /// # Safety
+    /// As [`SignedDot::unsigned`].
+    unsafe fn correct(isum: __m256i, block_sum: i32) -> __m256i;
 
     /// Q4_K: `partial` gathers one sub-block's products of nibbles `lo`, `hi` (unsigned) with
     /// activation words `a0`, `a1` (signed) per lane, in the implementation's own form.
@@ -167,16 +186,27 @@ trait SignedDot {
     unsafe fn weigh(sumi: __m256i, partial: __m256i, scales: __m256i) -> __m256i;
 }
 
-/// `vpmaddubsw` pairs (≤ 2·128·127, exact in i16) widened by `vpmaddwd`.
+/// `|w| · (x · sign w)`: `vpmaddubsw` pairs (≤ 2·128·127, exact in i16) widened by
+/// `vpmaddwd`; no correction.
 struct Maddubs;
 impl SignedDot for Maddubs {
+    const BIASED: bool = false;
     #[inline(always)]
-    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
+    unsafe fn unsigned(w: __m256i) -> __m256i {
         // SAFETY: only inlined into functions with avx2 enabled.
+        unsafe { _mm256_abs_epi8(w) }
+    }
+    #[inline(always)]
+    unsafe fn acc(isum: __m256i, u: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: as above.
         unsafe {
-            let pairs = _mm256_maddubs_epi16(aw, sx);
+            let pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w));
             _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
+    }
+    #[inline(always)]
+    unsafe fn correct(isum: __m256i, _block_sum: i32) -> __m256i {
+        isum
     }
     /// 16-bit sums: `|pair| ≤ 2·15·127`, eight of them still fit an i16 lane.
     #[inline(always)]
@@ -200,9 +230,28 @@ impl SignedDot for Maddubs {
     }
 }
 
-/// Q4_K's sub-block with `vpdpbusd` (i32 sums; `vpmulld` by the scales), for both encodings.
-macro_rules! vnni_nibbles {
+/// `vpdpbusd` for both encodings: Q8_0 as `(w + 128) · x` less `128 · Σx` per block (one
+/// instruction per activation row and weight vector, the sign trick's `vpsignb` gone); Q4_K's
+/// sub-blocks as i32 sums weighed by `vpmulld`.
+macro_rules! vnni_ops {
     ($dpbusd:ident) => {
+        const BIASED: bool = true;
+        #[inline(always)]
+        unsafe fn unsigned(w: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with the implementation's feature enabled.
+            unsafe { _mm256_xor_si256(w, _mm256_set1_epi8(-128)) }
+        }
+        #[inline(always)]
+        unsafe fn acc(isum: __m256i, u: __m256i, _w: __m256i, x: __m256i) -> __m256i {
+            // SAFETY: as above.
+            unsafe { $dpbusd(isum, u, x) }
+        }
+        /// `|Σx| ≤ 32·128`, so `128·Σx` fits easily.
+        #[inline(always)]
+        unsafe fn correct(isum: __m256i, block_sum: i32) -> __m256i {
+            // SAFETY: as above.
+            unsafe { _mm256_sub_epi32(isum, _mm256_set1_epi32(block_sum << 7)) }
+        }
         #[inline(always)]
         unsafe fn nibbles(
             p: __m256i,
@@ -230,23 +279,13 @@ macro_rules! vnni_nibbles {
 /// AVX-VNNI (VEX).
 struct VexVnni;
 impl SignedDot for VexVnni {
-    #[inline(always)]
-    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
-        // SAFETY: only inlined into functions with avxvnni enabled.
-        unsafe { _mm256_dpbusd_avx_epi32(isum, aw, sx) }
-    }
-    vnni_nibbles!(_mm256_dpbusd_avx_epi32);
+    vnni_ops!(_mm256_dpbusd_avx_epi32);
 }
 
 /// AVX512-VNNI (EVEX, 256-bit).
 struct EvexVnni;
 impl SignedDot for EvexVnni {
-    #[inline(always)]
-    unsafe fn acc(isum: __m256i, aw: __m256i, sx: __m256i) -> __m256i {
-        // SAFETY: only inlined into functions with avx512vnni and avx512vl enabled.
-        unsafe { _mm256_dpbusd_epi32(isum, aw, sx) }
-    }
-    vnni_nibbles!(_mm256_dpbusd_epi32);
+    vnni_ops!(_mm256_dpbusd_epi32);
 }
 
 /// A kernel body per multiply, each wrapper enabling its features.
@@ -373,12 +412,21 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
     k: usize,
     group: &[u8],
     acts: &[&[u8]],
-    _sums32: &[&[[i32; 4]]],
+    sums32: &[&[[i32; 4]]],
     out: &mut [f32],
     stride: usize,
 ) {
     let blocks = k / 32;
     assert!(group.len() >= blocks * Q8_0_X8_BYTES);
+    // The biased multiplies read each activation block's sum (four blocks per entry).
+    let mut sums: [&[[i32; 4]]; R] = [&[]; R];
+    if D::BIASED {
+        assert!(
+            sums32.len() >= R && sums32[..R].iter().all(|s| s.len() * 4 >= blocks),
+            "block sums missing"
+        );
+        sums.copy_from_slice(&sums32[..R]);
+    }
     let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride);
     let pf = crate::kernels::prefetch::distance();
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
@@ -394,11 +442,17 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
                     crate::kernels::prefetch::ahead(at, pf);
                 }
                 let w = _mm256_loadu_si256(at as *const __m256i);
-                let aw = _mm256_abs_epi8(w);
+                let u = D::unsigned(w);
                 for r in 0..R {
                     let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
                     let x = _mm256_set1_epi32((q as *const i32).read_unaligned());
-                    isum[r] = D::acc(isum[r], aw, _mm256_sign_epi8(x, w));
+                    isum[r] = D::acc(isum[r], u, w, x);
+                }
+            }
+            if D::BIASED {
+                for r in 0..R {
+                    let block_sum = sums[r].get_unchecked(blk / 4)[blk % 4];
+                    isum[r] = D::correct(isum[r], block_sum);
                 }
             }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));

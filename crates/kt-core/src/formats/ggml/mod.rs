@@ -139,18 +139,30 @@ impl GgmlPlan {
     }
 }
 
-/// Quantize `x` for `kernel` into `out`: `bytes` of activation blocks, then the row's x8 sums.
+/// Where a workspace row's x8 sums start after `bytes` activation bytes: the next multiple of
+/// 16, so they are aligned whatever the block size (Q8_0's 34-byte blocks).
+fn sums_offset(bytes: usize) -> usize {
+    bytes.next_multiple_of(16)
+}
+
+/// Quantize `x` for `kernel` into `out`: `bytes` of activation blocks, then (from
+/// [`sums_offset`]) the row's x8 sums.
 fn quantize_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
-    let (blocks, sums) = out.split_at_mut(bytes);
-    if let Err(e) = crate::ggml::quantize_activation_into(kernel.activation_format(), x, blocks) {
+    let (head, tail) = out.split_at_mut(bytes);
+    if let Err(e) = crate::ggml::quantize_activation_into(kernel.activation_format(), x, head) {
         panic!("activation scratch does not fit the plan: {e}");
     }
-    kernel.x8_sums(x.len(), blocks, as_sums_mut(sums));
+    let pad = (sums_offset(bytes) - bytes).min(tail.len());
+    let sums = &mut tail[pad..];
+    kernel.x8_sums(x.len(), head, as_sums_mut(sums));
 }
 
 /// Bytes of a workspace row of `bytes` activation bytes plus `kernel`'s x8 sums for `k` inputs.
 fn row_stride(kernel: &DotKernel, bytes: usize, k: usize) -> usize {
-    bytes + kernel.x8_sums_per_row(k) * std::mem::size_of::<[i32; 4]>()
+    match kernel.x8_sums_per_row(k) {
+        0 => bytes,
+        n => sums_offset(bytes) + n * std::mem::size_of::<[i32; 4]>(),
+    }
 }
 
 /// Workspace rows (see [`quantize_row`]) as their activation blocks (`bytes` each) and sums.
@@ -163,7 +175,7 @@ fn split_rows<'a>(
     for ((row, b), s) in rows.iter().zip(&mut blocks).zip(&mut sums) {
         let (head, tail) = row.split_at(bytes);
         *b = head;
-        *s = as_sums(tail);
+        *s = as_sums(&tail[(sums_offset(bytes) - bytes).min(tail.len())..]);
     }
     (blocks, sums)
 }
