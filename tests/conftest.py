@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import zlib
+
 import kt_kernel
 import pytest
 import torch
 
 THREADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch_per_test(request):
+    """Seed torch's global generator from the test's own id: a test's unseeded draws (its
+    random inputs) then do not depend on which tests ran before it in the process. They did:
+    adding an unrelated test once moved an AMXINT4 error draw past its bound."""
+    # The id from the file on: the same seed whichever folder pytest runs from.
+    torch.manual_seed(zlib.crc32(request.node.nodeid.split("/")[-1].encode()))
 
 
 def reference_moe(x, ids, weights, gate, up, down, mask=None, limit=0.0, alpha=0.0):
