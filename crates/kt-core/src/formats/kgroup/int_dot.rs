@@ -284,6 +284,25 @@ pub fn avx_vnni() -> bool {
     crate::isa::has_feature("avx_vnni")
 }
 
+/// `$name(level, vnni)`: [`pick`] among one family's AVX-512 VNNI, AVX2 and AVX-VNNI kernels
+/// (each with the rows it takes); none off x86.
+macro_rules! variants_with {
+    ($(#[$doc:meta])* $name:ident, $avx512:expr, $avx2:expr, $avx_vnni:expr $(,)?) => {
+        $(#[$doc])*
+        pub fn $name(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
+            #[cfg(target_arch = "x86_64")]
+            {
+                pick(level, vnni, $avx512, $avx2, $avx_vnni)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = (level, vnni);
+                None
+            }
+        }
+    };
+}
+
 /// The kernel of one of the three integer families at `level`: AVX-512 VNNI where the level
 /// allows it, else the AVX2-level one with the multiply `vnni` picks ([`avx_vnni`]).
 #[cfg(target_arch = "x86_64")]
@@ -310,24 +329,13 @@ pub fn int_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
     int_gemm_with(level, avx_vnni())
 }
 
-/// [`int_gemm_for`] with the AVX2-level multiply given (tests run both where they can).
-pub fn int_gemm_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        pick(
-            level,
-            vnni,
-            (x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512),
-            (x86::int_gemm_avx2, x86::GEMM_ROWS_256),
-            (x86::int_gemm_avxvnni, x86::GEMM_ROWS_256),
-        )
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (level, vnni);
-        None
-    }
-}
+variants_with!(
+    /// [`int_gemm_for`] with the AVX2-level multiply given (tests run both where they can).
+    int_gemm_with,
+    (x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512),
+    (x86::int_gemm_avx2, x86::GEMM_ROWS_256),
+    (x86::int_gemm_avxvnni, x86::GEMM_ROWS_256),
+);
 
 /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
 /// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
@@ -336,24 +344,13 @@ pub fn int_fine_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
     int_fine_gemm_with(level, avx_vnni())
 }
 
-/// [`int_fine_gemm_for`] with the AVX2-level multiply given.
-pub fn int_fine_gemm_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        pick(
-            level,
-            vnni,
-            (x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512),
-            (x86::int_fine_gemm_avx2, x86::FINE_ROWS_256),
-            (x86::int_fine_gemm_avxvnni, x86::FINE_ROWS_256),
-        )
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (level, vnni);
-        None
-    }
-}
+variants_with!(
+    /// [`int_fine_gemm_for`] with the AVX2-level multiply given.
+    int_fine_gemm_with,
+    (x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512),
+    (x86::int_fine_gemm_avx2, x86::FINE_ROWS_256),
+    (x86::int_fine_gemm_avxvnni, x86::FINE_ROWS_256),
+);
 
 /// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (4)
 /// or the AVX2 level (2; AVX-VNNI where the CPU has it).
@@ -361,24 +358,13 @@ pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
     int_fused_with(level, avx_vnni())
 }
 
-/// [`int_fused_for`] with the AVX2-level multiply given.
-pub fn int_fused_with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        pick(
-            level,
-            vnni,
-            (x86::int_fused_avx512vnni, 4),
-            (x86::int_fused_avx2, 2),
-            (x86::int_fused_avxvnni, 2),
-        )
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (level, vnni);
-        None
-    }
-}
+variants_with!(
+    /// [`int_fused_for`] with the AVX2-level multiply given.
+    int_fused_with,
+    (x86::int_fused_avx512vnni, 4),
+    (x86::int_fused_avx2, 2),
+    (x86::int_fused_avxvnni, 2),
+);
 
 /// The group-scaled family's prefetch calibration workload
 /// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row panels of 2048 E2M1 codes with
@@ -747,97 +733,60 @@ pub(crate) mod x86 {
         }
     }
 
-    /// AVX-512 VNNI integer kernel, 1 to 4 rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_fused_avx512vnni(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        let args = (rows, k, range, chunk, group, codes, scales, w, out);
-        // SAFETY: forwarded.
-        unsafe {
-            match (rows.len(), w.identity) {
-                (1, true) => call512::<1, false>(args),
-                (2, true) => call512::<2, false>(args),
-                (3, true) => call512::<3, false>(args),
-                (4, true) => call512::<4, false>(args),
-                (1, false) => call512::<1, true>(args),
-                (2, false) => call512::<2, true>(args),
-                (3, false) => call512::<3, true>(args),
-                (4, false) => call512::<4, true>(args),
-                (n, _) => panic!("kgroup int avx512 kernel takes at most 4 rows, got {n}"),
+    /// A few-row entry point with the [`super::IntFusedFn`] signature: `$call::<R, LUT>` for
+    /// each listed row count R.
+    macro_rules! fused_entry {
+        ($(#[$doc:meta])* $name:ident, $call:ident, $label:literal, $($r:literal)+) => {
+            $(#[$doc])*
+            #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+            pub unsafe fn $name(
+                rows: &[*const u8],
+                k: usize,
+                range: (usize, usize),
+                chunk: usize,
+                group: usize,
+                codes: *const u8,
+                scales: *const u8,
+                w: &WeightBytes,
+                out: *mut f32,
+            ) {
+                let args = (rows, k, range, chunk, group, codes, scales, w, out);
+                // SAFETY: forwarded.
+                unsafe {
+                    match (rows.len(), w.identity) {
+                        $(
+                            ($r, true) => $call::<$r, false>(args),
+                            ($r, false) => $call::<$r, true>(args),
+                        )+
+                        (n, _) => panic!("{} takes 1 to {} rows, got {n}", $label, [$($r),+].len()),
+                    }
+                }
             }
-        }
+        };
     }
 
-    /// AVX2 integer kernel, 1 or 2 rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_fused_avx2(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        let args = (rows, k, range, chunk, group, codes, scales, w, out);
-        // SAFETY: forwarded.
-        unsafe {
-            match (rows.len(), w.identity) {
-                (1, true) => call256::<1, false>(args),
-                (2, true) => call256::<2, false>(args),
-                (1, false) => call256::<1, true>(args),
-                (2, false) => call256::<2, true>(args),
-                (n, _) => panic!("kgroup int avx2 kernel takes at most 2 rows, got {n}"),
-            }
-        }
-    }
-
-    /// AVX-VNNI integer kernel, 1 or 2 rows.
-    ///
-    /// # Safety
-    /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA, F16C and AVX-VNNI
-    /// available.
-    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
-    pub unsafe fn int_fused_avxvnni(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        let args = (rows, k, range, chunk, group, codes, scales, w, out);
-        // SAFETY: forwarded.
-        unsafe {
-            match (rows.len(), w.identity) {
-                (1, true) => call256_vnni::<1, false>(args),
-                (2, true) => call256_vnni::<2, false>(args),
-                (1, false) => call256_vnni::<1, true>(args),
-                (2, false) => call256_vnni::<2, true>(args),
-                (n, _) => panic!("kgroup int avx-vnni kernel takes at most 2 rows, got {n}"),
-            }
-        }
-    }
+    fused_entry!(
+        /// AVX2 integer kernel, 1 or 2 rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
+        int_fused_avx2, call256, "the kgroup int avx2 kernel", 1 2
+    );
+    fused_entry!(
+        /// AVX-VNNI integer kernel, 1 or 2 rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA, F16C and AVX-VNNI
+        /// available.
+        int_fused_avxvnni, call256_vnni, "the kgroup int avx-vnni kernel", 1 2
+    );
+    fused_entry!(
+        /// AVX-512 VNNI integer kernel, 1 to 4 rows.
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
+        int_fused_avx512vnni, call512, "the kgroup int avx512 kernel", 1 2 3 4
+    );
 
     /// Rows per call of [`int_gemm_avx512vnni`]: 12 int32 and 12 fp32 accumulators, the two
     /// weight vectors and the constants fill the 32 registers.
@@ -1000,51 +949,36 @@ pub(crate) mod x86 {
         unsafe { _mm256_set1_epi32(p.read_unaligned()) }
     }
 
-    /// `gemm256` with `vpmaddubsw` (any AVX2 CPU).
-    ///
-    /// # Safety
-    /// As [`int_gemm_avx2`] with exactly R rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm256_avx2<const R: usize, const LUT: bool, const FINE: bool>(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded; AVX2 enabled here.
-        unsafe {
-            gemm256::<R, LUT, FINE, Maddubs>(rows, k, range, chunk, group, codes, scales, w, out)
-        }
+    /// `gemm256` with the multiply `$mul`, enabling its features.
+    macro_rules! gemm256_wrapper {
+        ($name:ident, $mul:ty, $features:literal) => {
+            /// # Safety
+            /// The many-row [`super::IntFusedFn`] contract with exactly R rows; the CPU has
+            /// the features named here.
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $name<const R: usize, const LUT: bool, const FINE: bool>(
+                rows: &[*const u8],
+                k: usize,
+                range: (usize, usize),
+                chunk: usize,
+                group: usize,
+                codes: *const u8,
+                scales: *const u8,
+                w: &WeightBytes,
+                out: *mut f32,
+            ) {
+                // SAFETY: forwarded; the features are enabled here.
+                unsafe {
+                    gemm256::<R, LUT, FINE, $mul>(
+                        rows, k, range, chunk, group, codes, scales, w, out,
+                    )
+                }
+            }
+        };
     }
-
-    /// `gemm256` with AVX-VNNI.
-    ///
-    /// # Safety
-    /// As [`int_gemm_avxvnni`] with exactly R rows.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm256_vnni<const R: usize, const LUT: bool, const FINE: bool>(
-        rows: &[*const u8],
-        k: usize,
-        range: (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: forwarded; AVX2 and AVX-VNNI enabled here.
-        unsafe {
-            gemm256::<R, LUT, FINE, Vnni256>(rows, k, range, chunk, group, codes, scales, w, out)
-        }
-    }
+    gemm256_wrapper!(gemm256_avx2, Maddubs, "avx2,fma,f16c");
+    gemm256_wrapper!(gemm256_vnni, Vnni256, "avx2,fma,f16c,avxvnni");
 
     /// Instantiate `$kernel::<R, LUT>` for every row count up to the kernel's block.
     macro_rules! dispatch_rows {
@@ -1164,21 +1098,21 @@ pub(crate) mod x86 {
         unsafe { rows512::<R, LUT>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
     }
 
-    /// # Safety
-    /// As [`int_fused_avx2`] with exactly R rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn call256<const R: usize, const LUT: bool>(a: Args) {
-        // SAFETY: forwarded; AVX2 enabled here.
-        unsafe { rows256::<R, LUT, Maddubs>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+    /// `rows256` with the multiply `$mul`, enabling its features.
+    macro_rules! rows256_wrapper {
+        ($name:ident, $mul:ty, $features:literal) => {
+            /// # Safety
+            /// The few-row [`super::IntFusedFn`] contract with exactly R rows; the CPU has the
+            /// features named here.
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize, const LUT: bool>(a: Args) {
+                // SAFETY: forwarded; the features are enabled here.
+                unsafe { rows256::<R, LUT, $mul>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+            }
+        };
     }
-
-    /// # Safety
-    /// As [`int_fused_avxvnni`] with exactly R rows.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn call256_vnni<const R: usize, const LUT: bool>(a: Args) {
-        // SAFETY: forwarded; AVX2 and AVX-VNNI enabled here.
-        unsafe { rows256::<R, LUT, Vnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
-    }
+    rows256_wrapper!(call256, Maddubs, "avx2,fma,f16c");
+    rows256_wrapper!(call256_vnni, Vnni256, "avx2,fma,f16c,avxvnni");
 }
 
 #[cfg(test)]
