@@ -145,6 +145,11 @@ fn sums_offset(bytes: usize) -> usize {
     bytes.next_multiple_of(16)
 }
 
+/// The sums part of `tail`, what follows a row's `bytes` activation bytes (empty without sums).
+fn sums_in(tail: &[u8], bytes: usize) -> std::ops::Range<usize> {
+    (sums_offset(bytes) - bytes).min(tail.len())..tail.len()
+}
+
 /// Quantize `x` for `kernel` into `out`: `bytes` of activation blocks, then (from
 /// [`sums_offset`]) the row's x8 sums.
 fn quantize_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
@@ -152,9 +157,8 @@ fn quantize_row(kernel: &DotKernel, bytes: usize, x: &[f32], out: &mut [u8]) {
     if let Err(e) = crate::ggml::quantize_activation_into(kernel.activation_format(), x, head) {
         panic!("activation scratch does not fit the plan: {e}");
     }
-    let pad = (sums_offset(bytes) - bytes).min(tail.len());
-    let sums = &mut tail[pad..];
-    kernel.x8_sums(x.len(), head, as_sums_mut(sums));
+    let sums = sums_in(tail, bytes);
+    kernel.x8_sums(x.len(), head, as_sums_mut(&mut tail[sums]));
 }
 
 /// Bytes of a workspace row of `bytes` activation bytes plus `kernel`'s x8 sums for `k` inputs.
@@ -175,7 +179,7 @@ fn split_rows<'a>(
     for ((row, b), s) in rows.iter().zip(&mut blocks).zip(&mut sums) {
         let (head, tail) = row.split_at(bytes);
         *b = head;
-        *s = as_sums(&tail[(sums_offset(bytes) - bytes).min(tail.len())..]);
+        *s = as_sums(&tail[sums_in(tail, bytes)]);
     }
     (blocks, sums)
 }

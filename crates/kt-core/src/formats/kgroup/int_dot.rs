@@ -284,12 +284,22 @@ pub fn avx_vnni() -> bool {
     crate::isa::has_feature("avx_vnni")
 }
 
-/// `$name(level, vnni)`: [`pick`] among one family's AVX-512 VNNI, AVX2 and AVX-VNNI kernels
-/// (each with the rows it takes); none off x86.
-macro_rules! variants_with {
-    ($(#[$doc:meta])* $name:ident, $avx512:expr, $avx2:expr, $avx_vnni:expr $(,)?) => {
-        $(#[$doc])*
-        pub fn $name(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
+/// A family's two pickers: `$with(level, vnni)` ([`pick`] among its AVX-512 VNNI, AVX2 and
+/// AVX-VNNI kernels, each with the rows it takes; none off x86) and `$for(level)`, the same
+/// with this CPU's AVX-VNNI ([`avx_vnni`]).
+macro_rules! family_pickers {
+    (
+        $(#[$for_doc:meta])* $for:ident,
+        $(#[$with_doc:meta])* $with:ident,
+        $avx512:expr, $avx2:expr, $avx_vnni:expr $(,)?
+    ) => {
+        $(#[$for_doc])*
+        pub fn $for(level: Level) -> Option<(IntFusedFn, usize)> {
+            $with(level, avx_vnni())
+        }
+
+        $(#[$with_doc])*
+        pub fn $with(level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
             #[cfg(target_arch = "x86_64")]
             {
                 pick(level, vnni, $avx512, $avx2, $avx_vnni)
@@ -322,14 +332,11 @@ fn pick(
     }
 }
 
-/// The many-row (prefill) integer kernel `level` allows and the rows it takes: AVX-512 VNNI
-/// (12 rows) or the AVX2 level (4 rows; AVX-VNNI where the CPU has it). A 32-row panel's codes
-/// are read once per call for all rows.
-pub fn int_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
-    int_gemm_with(level, avx_vnni())
-}
-
-variants_with!(
+family_pickers!(
+    /// The many-row (prefill) integer kernel `level` allows and the rows it takes: AVX-512 VNNI
+    /// (12 rows) or the AVX2 level (4 rows; AVX-VNNI where the CPU has it). A 32-row panel's codes
+    /// are read once per call for all rows.
+    int_gemm_for,
     /// [`int_gemm_for`] with the AVX2-level multiply given (tests run both where they can).
     int_gemm_with,
     (x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512),
@@ -337,14 +344,11 @@ variants_with!(
     (x86::int_gemm_avxvnni, x86::GEMM_ROWS_256),
 );
 
-/// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
-/// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
-/// VNNI (8 rows) or the AVX2 level (3 rows).
-pub fn int_fine_gemm_for(level: Level) -> Option<(IntFusedFn, usize)> {
-    int_fine_gemm_with(level, avx_vnni())
-}
-
-variants_with!(
+family_pickers!(
+    /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
+    /// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
+    /// VNNI (8 rows) or the AVX2 level (3 rows).
+    int_fine_gemm_for,
     /// [`int_fine_gemm_for`] with the AVX2-level multiply given.
     int_fine_gemm_with,
     (x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512),
@@ -352,13 +356,10 @@ variants_with!(
     (x86::int_fine_gemm_avxvnni, x86::FINE_ROWS_256),
 );
 
-/// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (4)
-/// or the AVX2 level (2; AVX-VNNI where the CPU has it).
-pub fn int_fused_for(level: Level) -> Option<(IntFusedFn, usize)> {
-    int_fused_with(level, avx_vnni())
-}
-
-variants_with!(
+family_pickers!(
+    /// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (4)
+    /// or the AVX2 level (2; AVX-VNNI where the CPU has it).
+    int_fused_for,
     /// [`int_fused_for`] with the AVX2-level multiply given.
     int_fused_with,
     (x86::int_fused_avx512vnni, 4),
