@@ -306,10 +306,13 @@ mod x86 {
         iters * (CHAINS * 8 * 2) as u64
     }
 
-    /// Operands of the int8 loops, passed through an empty `asm!` in a register each
-    /// iteration so the multiply-adds cannot be hoisted out of the loop. (`black_box` would
-    /// send them through memory: the store-to-load latency then paces the loop, and the probe
-    /// read 75% of the reference on Intel Sapphire/Emerald Rapids.)
+    /// Operands of the int8 loops, passed through an empty `asm!` in a register before every
+    /// chain's step, so the multiply-adds can neither be hoisted out of the loop nor shared
+    /// between chains: with one `asm!` per iteration the chains' `vpmaddubsw` + `vpmaddwd` of
+    /// the same operands were computed once and only the adds repeated (an AMD Zen 3 read 2.8×
+    /// the reference). (`black_box` would send the operands through memory: the store-to-load
+    /// latency then paces the loop, and the probe read 75% of the reference on Intel
+    /// Sapphire/Emerald Rapids.)
     macro_rules! int8_peak {
         ($(#[$doc:meta])* $name:ident, $features:literal, $zero:expr, $set8:ident, $lanes:expr,
          $reg:ident, |$acc:ident, $a:ident, $b:ident| $step:expr) => {
@@ -324,16 +327,16 @@ mod x86 {
                 let (mut $a, mut $b) = ($set8(3), $set8(-2));
                 for _ in 0..iters {
                     for $acc in acc.iter_mut() {
+                        // SAFETY: an empty template; the operands stay in their registers.
+                        unsafe {
+                            std::arch::asm!(
+                                "/* {a} {b} */",
+                                a = inout($reg) $a,
+                                b = inout($reg) $b,
+                                options(nomem, nostack, preserves_flags)
+                            );
+                        }
                         *$acc = $step;
-                    }
-                    // SAFETY: an empty template; the operands stay in their registers.
-                    unsafe {
-                        std::arch::asm!(
-                            "/* {a} {b} */",
-                            a = inout($reg) $a,
-                            b = inout($reg) $b,
-                            options(nomem, nostack, preserves_flags)
-                        );
                     }
                 }
                 std::hint::black_box(acc);
