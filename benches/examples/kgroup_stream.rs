@@ -36,6 +36,8 @@ fn main() {
     prepare_row(&x, chunk, &mut row);
     let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
     let rp = row.as_ptr() as usize;
+    // ROWS=1|2: activation rows per call (a 1- or 2-token decode's kernel).
+    let rows: usize = kt_benches::env_or("ROWS", 1);
     let run = |shared_scales: bool| {
         let t = Instant::now();
         let cached: usize = kt_benches::env_or("CACHED", 0);
@@ -44,13 +46,13 @@ fn main() {
         pool.parallel_for_all(threads, &|t| {
             for p in t * per..(t + 1) * per {
                 let p = if cached > 0 { p % cached } else { p };
-                let mut out = [0f32; 32];
+                let mut out = [0f32; 64];
                 let s = if shared_scales { 0 } else { p * panel_scales };
                 // SAFETY: panel p and its scales lie inside the buffers; one prepared row of k
                 // inputs; 32 outputs.
                 unsafe {
                     kernel(
-                        &[rp as *const u8],
+                        &[rp as *const u8; 2][..rows],
                         k,
                         (0, k),
                         chunk,
@@ -86,7 +88,7 @@ fn main() {
     ] {
         let (m, b) = med(v);
         println!(
-            "MXFP4 R=1 {name}: median {m:.1} GB/s ({:.0}% of probe median), best {b:.1} ({:.0}% of probe best)",
+            "MXFP4 R={rows} {name}: median {m:.1} GB/s ({:.0}% of probe median), best {b:.1} ({:.0}% of probe best)",
             100.0 * m / pm,
             100.0 * b / pb
         );

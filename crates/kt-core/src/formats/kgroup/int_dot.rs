@@ -29,8 +29,8 @@ use crate::isa::Level;
 /// # Safety
 /// `rows` holds 1..=the variant's rows activation rows of [`row_bytes`]`(k, chunk)` bytes made by
 /// [`prepare_row`]; `codes` `16·k` bytes; `scales` 32 stored scales (of `weights.scale_type`)
-/// per group of the range; `i0` and `n` multiples of `chunk`, `chunk` of 8 and dividing `group`; `out` 32
-/// writable f32 per row; the CPU has the variant's features.
+/// per group of the range; `i0` and `n` multiples of `chunk`, `chunk` a multiple of 8 up to 32
+/// dividing `group`; `out` 32 writable f32 per row; the CPU has the variant's features.
 pub type IntFusedFn = unsafe fn(
     rows: &[*const u8],
     k: usize,
@@ -83,6 +83,16 @@ impl WeightBytes {
                 scale_type,
             },
         }
+    }
+}
+
+impl WeightBytes {
+    /// Whether a chunk's sums of byte products fit i16 lanes as `vpmaddubsw` leaves them (4
+    /// products per lane and block of 8 inputs, `chunk/2` per chunk, activation bytes up to
+    /// 127 in magnitude): int4 codes with chunks up to 32, E2M1 ones with chunks up to 16.
+    pub fn narrow_sums_fit(&self, chunk: usize) -> bool {
+        let largest = *self.lut.iter().max().unwrap_or(&0) as usize;
+        chunk / 2 * largest * 127 <= i16::MAX as usize
     }
 }
 
@@ -185,6 +195,27 @@ unsafe fn chunk_sums(row: *const u8, k: usize, c: usize) -> (i32, i32, f32) {
             (p.add(8) as *const f32).read_unaligned(),
         )
     }
+}
+
+/// The chunks of `chunk` inputs in `i0..i0 + n` with the index of each one's group counted
+/// from `i0 / group`, `(c, g)`: counted, not divided (a 64-bit `div` per chunk cost the AVX2
+/// one-row kernel a third of its rate on AMD Zen 3). `chunk` divides `group`.
+fn chunks_with_groups(
+    (i0, n): (usize, usize),
+    chunk: usize,
+    group: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let per_group = group / chunk;
+    let first = i0 / chunk;
+    let skipped = first % per_group;
+    (first..(i0 + n) / chunk).scan((0usize, skipped), move |(g, in_group), c| {
+        let at = (c, *g);
+        *in_group += 1;
+        if *in_group == per_group {
+            (*g, *in_group) = (*g + 1, 0);
+        }
+        Some(at)
+    })
 }
 
 /// The scalar twin of the few-row kernels (and of the 15-bit many-row ones).
@@ -406,7 +437,9 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use super::{chunk_scale, chunk_sums, put_chunk_sums, WeightBytes, ROUNDER};
+    use super::{
+        chunk_scale, chunk_sums, chunks_with_groups, put_chunk_sums, WeightBytes, ROUNDER,
+    };
     use crate::codes::ScaleType;
     use std::arch::x86_64::*;
 
@@ -570,7 +603,7 @@ pub(crate) mod x86 {
             let dist =
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm512_setzero_ps(); 2]; R];
-            for c in i0 / chunk..(i0 + n) / chunk {
+            for (c, g) in chunks_with_groups((i0, n), chunk, group) {
                 let mut a = [[_mm512_setzero_si512(); 2]; R];
                 let mut b = [[_mm512_setzero_si512(); 2]; R];
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
@@ -596,7 +629,6 @@ pub(crate) mod x86 {
                         }
                     }
                 }
-                let g = (c * chunk) / group - i0 / group;
                 for r in 0..R {
                     let (xs, rs, s) = chunk_sums(rows[r], k, c);
                     let (bx, br) = (
@@ -630,6 +662,25 @@ pub(crate) mod x86 {
         /// # Safety
         /// AVX2 and the implementation's own feature available.
         unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i;
+        /// Whether [`Acc256::acc_narrow`] keeps i16 lanes (widened by [`Acc256::widen`] once per
+        /// chunk), saving the per-block widening where the sums fit in 16 bits.
+        const NARROW: bool;
+        /// `acc` into the running sums of [`Acc256::NARROW`]'s width.
+        ///
+        /// # Safety
+        /// As `acc`.
+        unsafe fn acc_narrow(
+            a: __m256i,
+            we: __m256i,
+            wo: __m256i,
+            xe: __m256i,
+            xo: __m256i,
+        ) -> __m256i;
+        /// Running sums of `acc_narrow` as i32 lanes, one per row.
+        ///
+        /// # Safety
+        /// As `acc`.
+        unsafe fn widen(a: __m256i) -> __m256i;
     }
 
     /// `vpmaddubsw` pairs widened by `vpmaddwd` (every AVX2 CPU). It cannot saturate: a byte
@@ -646,6 +697,30 @@ pub(crate) mod x86 {
                 _mm256_add_epi32(a, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
             }
         }
+        const NARROW: bool = true;
+        /// i16 lanes, where [`super::WeightBytes::narrow_sums_fit`] says they hold a chunk
+        /// (int4 codes up to 32 inputs: 16·15·127 = 30480; E2M1 up to 16): a quarter fewer
+        /// multiplies per block, which is what limits a one-row decode on AMD Zen 3.
+        #[inline(always)]
+        unsafe fn acc_narrow(
+            a: __m256i,
+            we: __m256i,
+            wo: __m256i,
+            xe: __m256i,
+            xo: __m256i,
+        ) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe {
+                let p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo));
+                _mm256_add_epi16(a, p)
+            }
+        }
+        #[inline(always)]
+        unsafe fn widen(a: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe { _mm256_madd_epi16(a, _mm256_set1_epi16(1)) }
+        }
     }
 
     /// AVX-VNNI's VEX `vpdpbusd` (AVX2 CPUs without AVX-512 from 2021 on: Alder Lake, Sierra
@@ -657,13 +732,69 @@ pub(crate) mod x86 {
             // SAFETY: only inlined into functions with avxvnni enabled.
             unsafe { _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(a, we, xe), wo, xo) }
         }
+        const NARROW: bool = false;
+        #[inline(always)]
+        unsafe fn acc_narrow(
+            a: __m256i,
+            we: __m256i,
+            wo: __m256i,
+            xe: __m256i,
+            xo: __m256i,
+        ) -> __m256i {
+            // SAFETY: as acc.
+            unsafe { Self::acc(a, we, wo, xe, xo) }
+        }
+        #[inline(always)]
+        unsafe fn widen(a: __m256i) -> __m256i {
+            a
+        }
+    }
+
+    /// One block into a chunk's running sums: i16 lanes where `narrow` (int4 codes on an
+    /// [`Acc256::NARROW`] multiply), else i32.
+    ///
+    /// # Safety
+    /// As [`Acc256::acc`].
+    #[inline(always)]
+    unsafe fn step<M: Acc256>(
+        narrow: bool,
+        a: __m256i,
+        we: __m256i,
+        wo: __m256i,
+        xe: __m256i,
+        xo: __m256i,
+    ) -> __m256i {
+        // SAFETY: forwarded.
+        unsafe {
+            if narrow {
+                M::acc_narrow(a, we, wo, xe, xo)
+            } else {
+                M::acc(a, we, wo, xe, xo)
+            }
+        }
+    }
+
+    /// A chunk's running sums of [`step`] as i32 lanes.
+    ///
+    /// # Safety
+    /// As [`Acc256::acc`].
+    #[inline(always)]
+    unsafe fn chunk_total<M: Acc256>(narrow: bool, a: __m256i) -> __m256i {
+        // SAFETY: forwarded.
+        unsafe {
+            if narrow {
+                M::widen(a)
+            } else {
+                a
+            }
+        }
     }
 
     /// The few-row kernel on 256-bit vectors; inlined into a wrapper that enables the
     /// features of `M` ([`call256`], [`call256_vnni`]).
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn rows256<const R: usize, const LUT: bool, M: Acc256>(
+    unsafe fn rows256<const R: usize, const LUT: bool, const NARROW: bool, M: Acc256>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -683,7 +814,10 @@ pub(crate) mod x86 {
             let dist =
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm256_setzero_ps(); 4]; R];
-            for c in i0 / chunk..(i0 + n) / chunk {
+            // i16 running sums where they fit (`WeightBytes::narrow_sums_fit`, checked by
+            // the wrapper).
+            let narrow = M::NARROW && NARROW;
+            for (c, g) in chunks_with_groups((i0, n), chunk, group) {
                 let mut a = [[_mm256_setzero_si256(); 4]; R];
                 let mut b = [[_mm256_setzero_si256(); 4]; R];
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
@@ -702,12 +836,13 @@ pub(crate) mod x86 {
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
                             let rr = rows[r].add(k + 8 * blk) as *const i32;
-                            a[r][o] = M::acc(a[r][o], we, wo, word(x), word(x.add(1)));
-                            b[r][o] = M::acc(b[r][o], we, wo, word(rr), word(rr.add(1)));
+                            let (xe, xo, re, ro) =
+                                (word(x), word(x.add(1)), word(rr), word(rr.add(1)));
+                            a[r][o] = step::<M>(narrow, a[r][o], we, wo, xe, xo);
+                            b[r][o] = step::<M>(narrow, b[r][o], we, wo, re, ro);
                         }
                     }
                 }
-                let g = (c * chunk) / group - i0 / group;
                 for r in 0..R {
                     let (xs, rs, s) = chunk_sums(rows[r], k, c);
                     let (bx, br) = (
@@ -716,8 +851,12 @@ pub(crate) mod x86 {
                     );
                     let sx = _mm256_set1_ps(s * w.inv_m);
                     for o in 0..4 {
-                        let fa = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][o], bx));
-                        let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(b[r][o], br));
+                        let (ai, bi) = (
+                            chunk_total::<M>(narrow, a[r][o]),
+                            chunk_total::<M>(narrow, b[r][o]),
+                        );
+                        let fa = _mm256_cvtepi32_ps(_mm256_sub_epi32(ai, bx));
+                        let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(bi, br));
                         let f = _mm256_fmadd_ps(fb, inv254, fa);
                         let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                         let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
@@ -818,7 +957,7 @@ pub(crate) mod x86 {
             let nib = _mm512_set1_epi32(0x0F0F_0F0F);
             for h in 0..2 {
                 let mut total = [_mm512_setzero_ps(); R];
-                for c in i0 / chunk..(i0 + n) / chunk {
+                for (c, g) in chunks_with_groups((i0, n), chunk, group) {
                     let mut a = [_mm512_setzero_si512(); R];
                     let mut b = [_mm512_setzero_si512(); R];
                     for blk in c * chunk / 8..(c + 1) * chunk / 8 {
@@ -842,7 +981,6 @@ pub(crate) mod x86 {
                             }
                         }
                     }
-                    let g = (c * chunk) / group - i0 / group;
                     let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
                     let sw = scales16(at, w.scale_type);
                     for r in 0..R {
@@ -874,7 +1012,13 @@ pub(crate) mod x86 {
     /// inlined into wrappers that enable the features of `M`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn gemm256<const R: usize, const LUT: bool, const FINE: bool, M: Acc256>(
+    unsafe fn gemm256<
+        const R: usize,
+        const LUT: bool,
+        const FINE: bool,
+        const NARROW: bool,
+        M: Acc256,
+    >(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -890,9 +1034,12 @@ pub(crate) mod x86 {
             let table = _mm_loadu_si128(w.lut.as_ptr() as *const __m128i);
             let lut = _mm256_set_m128i(table, table);
             let nib = _mm256_set1_epi32(0x0F0F_0F0F);
+            // i16 running sums where they fit (`WeightBytes::narrow_sums_fit`, checked by
+            // the wrapper).
+            let narrow = M::NARROW && NARROW;
             for o in 0..4 {
                 let mut total = [_mm256_setzero_ps(); R];
-                for c in i0 / chunk..(i0 + n) / chunk {
+                for (c, g) in chunks_with_groups((i0, n), chunk, group) {
                     let mut a = [_mm256_setzero_si256(); R];
                     let mut b = [_mm256_setzero_si256(); R];
                     for blk in c * chunk / 8..(c + 1) * chunk / 8 {
@@ -905,25 +1052,24 @@ pub(crate) mod x86 {
                         }
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
-                            a[r] = M::acc(a[r], we, wo, word(x), word(x.add(1)));
+                            a[r] = step::<M>(narrow, a[r], we, wo, word(x), word(x.add(1)));
                             if FINE {
                                 let rr = rows[r].add(k + 8 * blk) as *const i32;
-                                b[r] = M::acc(b[r], we, wo, word(rr), word(rr.add(1)));
+                                b[r] = step::<M>(narrow, b[r], we, wo, word(rr), word(rr.add(1)));
                             }
                         }
                     }
-                    let g = (c * chunk) / group - i0 / group;
                     let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                     let sw = scales8(at, w.scale_type);
                     for r in 0..R {
                         let (xs, rs, s) = chunk_sums(rows[r], k, c);
                         let mut f = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                            a[r],
+                            chunk_total::<M>(narrow, a[r]),
                             _mm256_set1_epi32(w.bias * xs),
                         ));
                         if FINE {
                             let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-                                b[r],
+                                chunk_total::<M>(narrow, b[r]),
                                 _mm256_set1_epi32(w.bias * rs),
                             ));
                             f = _mm256_fmadd_ps(fb, _mm256_set1_ps(1.0 / 254.0), f);
@@ -969,11 +1115,18 @@ pub(crate) mod x86 {
                 w: &WeightBytes,
                 out: *mut f32,
             ) {
-                // SAFETY: forwarded; the features are enabled here.
+                let args = (rows, k, range, chunk, group, codes, scales, w, out);
+                // SAFETY: forwarded; the features are enabled here; the narrow sums fit.
                 unsafe {
-                    gemm256::<R, LUT, FINE, $mul>(
-                        rows, k, range, chunk, group, codes, scales, w, out,
-                    )
+                    if <$mul as Acc256>::NARROW && w.narrow_sums_fit(chunk) {
+                        gemm256::<R, LUT, FINE, true, $mul>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+                        )
+                    } else {
+                        gemm256::<R, LUT, FINE, false, $mul>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8,
+                        )
+                    }
                 }
             }
         };
@@ -1107,8 +1260,14 @@ pub(crate) mod x86 {
             /// features named here.
             #[target_feature(enable = $features)]
             unsafe fn $name<const R: usize, const LUT: bool>(a: Args) {
-                // SAFETY: forwarded; the features are enabled here.
-                unsafe { rows256::<R, LUT, $mul>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+                // SAFETY: forwarded; the features are enabled here; the narrow sums fit.
+                unsafe {
+                    if <$mul as Acc256>::NARROW && a.7.narrow_sums_fit(a.3) {
+                        rows256::<R, LUT, true, $mul>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8)
+                    } else {
+                        rows256::<R, LUT, false, $mul>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8)
+                    }
+                }
             }
         };
     }
@@ -1227,34 +1386,56 @@ mod tests {
     /// nibble 15, E2M1 code 7 = byte 24) against activations that cut to ±126 with remainder
     /// ±127 (or ±127 exactly), in chunks of 32: no 16-bit `vpmaddubsw` sum may saturate.
     #[test]
+    fn narrow_sums_fit_where_the_bound_allows() {
+        let int4 = WeightBytes::of(CodeKind::Int4, ScaleType::Bf16);
+        let e2m1 = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
+        assert!(int4.narrow_sums_fit(32) && int4.narrow_sums_fit(16));
+        assert!(e2m1.narrow_sums_fit(16) && !e2m1.narrow_sums_fit(32));
+    }
+
+    #[test]
     fn extreme_sums_equal_the_scalar_twin() {
         let k = 256;
         let mut x = vec![0f32; k];
         for (i, v) in x.iter_mut().enumerate() {
             let sign = if (64..128).contains(&i) { -1.0 } else { 1.0 };
-            *v = sign * if i % 32 == 0 { 127.0 } else { 126.5 };
+            *v = sign * if i % 16 == 0 { 127.0 } else { 126.5 };
         }
-        let mut row = vec![0u8; row_bytes(k, 32)];
-        prepare_row(&x, 32, &mut row);
         let variants = allowed_variants();
-        for (kind, byte) in [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)] {
+        // The few-row kernels and both many-row ones (whose sums run in i16 lanes on AVX2
+        // without VNNI where `narrow_sums_fit`: these are the largest they meet, at both
+        // chunk sizes).
+        let families: [(KernelWith, IntFusedFn); 3] = [
+            (int_fused_with, int_fused_scalar),
+            (int_gemm_with, int_gemm_scalar),
+            (int_fine_gemm_with, int_fused_scalar),
+        ];
+        for (chunk, (kind, byte), (kernel_with, twin)) in [32, 16].into_iter().flat_map(|chunk| {
+            [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)]
+                .into_iter()
+                .flat_map(move |c| families.map(|f| (chunk, c, f)))
+        }) {
+            let mut row = vec![0u8; row_bytes(k, chunk)];
+            prepare_row(&x, chunk, &mut row);
             let w = WeightBytes::of(kind, ScaleType::Bf16);
             let codes = vec![byte; 16 * k];
-            let scales: Vec<u8> = (0..(k / 32) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
+            let scales: Vec<u8> = (0..(k / chunk) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
             for &(level, vnni) in &variants {
-                let (kernel, max_rows) = int_fused_with(level, vnni).unwrap();
+                let Some((kernel, max_rows)) = kernel_with(level, vnni) else {
+                    continue;
+                };
                 let ptrs = vec![row.as_ptr(); max_rows];
                 let (mut want, mut got) = (vec![0f32; 32 * max_rows], vec![0f32; 32 * max_rows]);
-                for (f, out) in [
-                    (int_fused_scalar as IntFusedFn, &mut want),
-                    (kernel, &mut got),
-                ] {
+                for (f, out) in [(twin, &mut want), (kernel, &mut got)] {
                     let (c, sc) = (codes.as_ptr(), scales.as_ptr());
                     // SAFETY: max_rows prepared rows of k inputs, 16·k code bytes, the scales
-                    // of k/32 groups, 32 outputs per row; the level is allowed.
-                    unsafe { f(&ptrs, k, (0, k), 32, 32, c, sc, &w, out.as_mut_ptr()) };
+                    // of k/chunk groups, 32 outputs per row; the level is allowed.
+                    unsafe { f(&ptrs, k, (0, k), chunk, chunk, c, sc, &w, out.as_mut_ptr()) };
                 }
-                assert_eq!(got, want, "{kind:?} at {level:?}, avx-vnni {vnni}");
+                assert_eq!(
+                    got, want,
+                    "{kind:?}, chunk {chunk} at {level:?}, avx-vnni {vnni}"
+                );
                 assert!(want.iter().all(|v| v.abs() > 1e3), "{want:?}");
             }
         }
