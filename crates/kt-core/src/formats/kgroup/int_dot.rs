@@ -664,38 +664,49 @@ pub(crate) mod x86 {
         unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i;
         /// Whether [`Acc256::acc_narrow`] keeps i16 lanes (widened by [`Acc256::widen`] once per
         /// chunk), saving the per-block widening where the sums fit in 16 bits.
-        const NARROW: bool;
-        /// `acc` into the running sums of [`Acc256::NARROW`]'s width.
+        const NARROW: bool = false;
+        /// `acc` into running sums of [`Acc256::NARROW`]'s width (by default `acc` itself).
         ///
         /// # Safety
         /// As `acc`.
+        #[inline(always)]
         unsafe fn acc_narrow(
             a: __m256i,
             we: __m256i,
             wo: __m256i,
             xe: __m256i,
             xo: __m256i,
-        ) -> __m256i;
-        /// Running sums of `acc_narrow` as i32 lanes, one per row.
+        ) -> __m256i {
+            // SAFETY: forwarded.
+            unsafe { Self::acc(a, we, wo, xe, xo) }
+        }
+        /// Running sums of `acc_narrow` as i32 lanes, one per row (by default as they are).
         ///
         /// # Safety
         /// As `acc`.
-        unsafe fn widen(a: __m256i) -> __m256i;
+        #[inline(always)]
+        unsafe fn widen(a: __m256i) -> __m256i {
+            a
+        }
     }
 
     /// `vpmaddubsw` pairs widened by `vpmaddwd` (every AVX2 CPU). It cannot saturate: a byte
     /// is at most 24, an activation byte at most 127 in magnitude, so two products and the sum
     /// of two such pairs stay below 2^15.
     pub(crate) struct Maddubs;
+    impl Maddubs {
+        /// A block's 8 inputs as i16 lanes of 4 products each.
+        #[inline(always)]
+        unsafe fn products(we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe { _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo)) }
+        }
+    }
     impl Acc256 for Maddubs {
         #[inline(always)]
         unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
             // SAFETY: only inlined into functions with avx2 enabled.
-            unsafe {
-                let p =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo));
-                _mm256_add_epi32(a, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
-            }
+            unsafe { _mm256_add_epi32(a, Self::widen(Self::products(we, wo, xe, xo))) }
         }
         const NARROW: bool = true;
         /// i16 lanes, where [`super::WeightBytes::narrow_sums_fit`] says they hold a chunk
@@ -710,11 +721,7 @@ pub(crate) mod x86 {
             xo: __m256i,
         ) -> __m256i {
             // SAFETY: only inlined into functions with avx2 enabled.
-            unsafe {
-                let p =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(we, xe), _mm256_maddubs_epi16(wo, xo));
-                _mm256_add_epi16(a, p)
-            }
+            unsafe { _mm256_add_epi16(a, Self::products(we, wo, xe, xo)) }
         }
         #[inline(always)]
         unsafe fn widen(a: __m256i) -> __m256i {
@@ -731,22 +738,6 @@ pub(crate) mod x86 {
         unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
             // SAFETY: only inlined into functions with avxvnni enabled.
             unsafe { _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(a, we, xe), wo, xo) }
-        }
-        const NARROW: bool = false;
-        #[inline(always)]
-        unsafe fn acc_narrow(
-            a: __m256i,
-            we: __m256i,
-            wo: __m256i,
-            xe: __m256i,
-            xo: __m256i,
-        ) -> __m256i {
-            // SAFETY: as acc.
-            unsafe { Self::acc(a, we, wo, xe, xo) }
-        }
-        #[inline(always)]
-        unsafe fn widen(a: __m256i) -> __m256i {
-            a
         }
     }
 
