@@ -198,8 +198,8 @@ unsafe fn chunk_sums(row: *const u8, k: usize, c: usize) -> (i32, i32, f32) {
 }
 
 /// The chunks of `chunk` inputs in `i0..i0 + n` with the index of each one's group counted
-/// from `i0 / group`, `(c, g)`: counted, not divided (a 64-bit `div` per chunk cost the AVX2
-/// one-row kernel a third of its rate on AMD Zen 3). `chunk` divides `group`.
+/// from `i0 / group`, `(c, g)`: counted, not divided (two 64-bit `div` per chunk sat in the
+/// AVX2 one-row kernel's loop; on AMD Zen 3 that kernel is op-bound). `chunk` divides `group`.
 fn chunks_with_groups(
     (i0, n): (usize, usize),
     chunk: usize,
@@ -741,8 +741,8 @@ pub(crate) mod x86 {
         }
     }
 
-    /// One block into a chunk's running sums: i16 lanes where `narrow` (int4 codes on an
-    /// [`Acc256::NARROW`] multiply), else i32.
+    /// One block into a chunk's running sums: i16 lanes where `narrow` (an [`Acc256::NARROW`]
+    /// multiply and codes for which [`super::WeightBytes::narrow_sums_fit`] holds), else i32.
     ///
     /// # Safety
     /// As [`Acc256::acc`].
