@@ -56,11 +56,23 @@ pub struct WeightBytes {
     pub inv_m: f32,
     /// How the group scales are stored (the kernels read them as stored).
     pub scale_type: ScaleType,
+    /// The largest chunk whose sums of byte products fit i16 lanes
+    /// ([`WeightBytes::narrow_sums_fit`]), worked out once here rather than per kernel call.
+    narrow_chunk: usize,
 }
 
 impl WeightBytes {
     /// The bytes of `kind` (a 4-bit kind) with scales of `scale_type`.
     pub fn of(kind: CodeKind, scale_type: ScaleType) -> WeightBytes {
+        let mut bytes = Self::bytes_of(kind, scale_type);
+        // `vpmaddubsw` leaves 4 products per i16 lane and block of 8 inputs (`chunk/2` per
+        // chunk), each at most the largest byte times 127.
+        let largest = *bytes.lut.iter().max().unwrap_or(&0) as usize;
+        bytes.narrow_chunk = 2 * (i16::MAX as usize / (127 * largest.max(1)));
+        bytes
+    }
+
+    fn bytes_of(kind: CodeKind, scale_type: ScaleType) -> WeightBytes {
         match kind {
             CodeKind::E2M1 => {
                 let mut lut = [0u8; 16];
@@ -73,6 +85,7 @@ impl WeightBytes {
                     bias: 12,
                     inv_m: 0.5,
                     scale_type,
+                    narrow_chunk: 0,
                 }
             }
             _ => WeightBytes {
@@ -81,18 +94,16 @@ impl WeightBytes {
                 bias: 8,
                 inv_m: 1.0,
                 scale_type,
+                narrow_chunk: 0,
             },
         }
     }
-}
 
-impl WeightBytes {
-    /// Whether a chunk's sums of byte products fit i16 lanes as `vpmaddubsw` leaves them (4
-    /// products per lane and block of 8 inputs, `chunk/2` per chunk, activation bytes up to
-    /// 127 in magnitude): int4 codes with chunks up to 32, E2M1 ones with chunks up to 16.
+    /// Whether a chunk's sums of byte products fit i16 lanes as `vpmaddubsw` leaves them
+    /// (activation bytes up to 127 in magnitude): int4 codes with chunks up to 32, E2M1 ones
+    /// with chunks up to 16.
     pub fn narrow_sums_fit(&self, chunk: usize) -> bool {
-        let largest = *self.lut.iter().max().unwrap_or(&0) as usize;
-        chunk / 2 * largest * 127 <= i16::MAX as usize
+        chunk <= self.narrow_chunk
     }
 }
 
