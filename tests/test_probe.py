@@ -100,14 +100,25 @@ def test_probes_agree_with_the_reference(engine, tmp_path):
     def agrees(name):
         return any(abs(r - 1) <= tolerance.get(name, 0.05) for r in ratios[name])
 
+    flags = kt_kernel.cpu_info()["flags"]
+    # Without VNNI the reference's int8 loop (vpmaddubsw + vpmaddwd + vpaddd, one asm barrier
+    # per iteration) compiles to one multiply shared by its 12 chains and spilled adds (gcc 12
+    # -O3, read off its assembly on an AMD Zen 3), so it times adds and stores, not the
+    # multiplies; ours times the multiplies (6db9f9e). There the int8 figures cannot agree by
+    # construction and are not compared.
+    int8_comparable = flags["avx512_vnni"] or flags["avx_vnni"]
     for _ in range(6):
         ours, ref = _ours(engine), _reference(binary)
+        if not int8_comparable:
+            ours.pop("peak_int8_madd")
         for name, value in ours.items():
             if name in ref:
                 ratios.setdefault(name, []).append(value / ref[name])
         if all(agrees(name) for name in ratios):
             break
-    assert {"dram_read", "peak_fp32_fma", "peak_int8_madd"} <= set(ratios)
+    assert {"dram_read", "peak_fp32_fma"} | (
+        {"peak_int8_madd"} if int8_comparable else set()
+    ) <= set(ratios)
     for name, rs in ratios.items():
         assert agrees(name), (name, [round(r, 3) for r in rs])
 
