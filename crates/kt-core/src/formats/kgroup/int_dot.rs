@@ -17,13 +17,19 @@
 //!
 //! An activation row for `k` inputs ([`row_bytes`]): `x8` (`k` bytes; within each 8 inputs the
 //! order `0 2 4 6 1 3 5 7`, so one 32-bit broadcast meets the even nibbles of a weight word and
-//! the next the odd ones), `r8` (the same), then per chunk `X: i32, R: i32, s: f32`.
+//! the next the odd ones), `r8` (the same), per chunk `X: i32, R: i32, s: f32`, then `x16`:
+//! each input once as the i16 `254·x8 + r8` (within each 8 inputs the order `0 4 2 6 1 5 3 7`,
+//! [`WIDE_SLOTS`]), for the AVX2 many-row kernel without VNNI ([`x86::int_fine_gemm_avx2`]).
+//!
+//! The many-row 15-bit kernels (`int_fine_gemm_*`) sum `S = Σ (m·v)·x16` per chunk, exactly
+//! (`|S| < 2²⁴`), and add `S · (scale_w · (s · inv_m/254))`: the byte-pair kernels form the
+//! same `S` as `254·(A − bias·X) + (B − bias·R)`. Their twin is [`int_fine_gemm_scalar`].
 use super::kernels::nibble_byte;
 use crate::codes::{CodeKind, ScaleType};
 use crate::isa::Level;
 
 /// `out[r·32 + j] += Σ_chunks ((B − bias·R)/254 + (A − bias·X)) · (scales[g·32 + j] · (s·inv_m))`
-/// over inputs `i0..i0 + n` of a 32-row panel of 4-bit codes (`codes`: the panel, all `k`
+/// (the few-row kernels; the many-row ones as their twins say) over inputs `i0..i0 + n` of a 32-row panel of 4-bit codes (`codes`: the panel, all `k`
 /// inputs), `g` counting groups from `i0 / group`.
 ///
 /// # Safety
@@ -59,6 +65,10 @@ pub struct WeightBytes {
     /// The largest chunk whose sums of byte products fit i16 lanes
     /// ([`WeightBytes::narrow_sums_fit`]), worked out once here rather than per kernel call.
     narrow_chunk: usize,
+    /// Each nibble's signed value `m·v` (`lut − bias`), for the i16 kernels.
+    pub signed: [i8; 16],
+    /// `inv_m / 254`: the factor of a 15-bit chunk sum `S` ([`int_fine_gemm_scalar`]).
+    pub inv_m254: f32,
 }
 
 impl WeightBytes {
@@ -69,6 +79,8 @@ impl WeightBytes {
         // chunk), each at most the largest byte times 127.
         let largest = *bytes.lut.iter().max().unwrap_or(&0) as usize;
         bytes.narrow_chunk = 2 * (i16::MAX as usize / (127 * largest.max(1)));
+        bytes.signed = std::array::from_fn(|i| (bytes.lut[i] as i32 - bytes.bias) as i8);
+        bytes.inv_m254 = bytes.inv_m / 254.0;
         bytes
     }
 
@@ -86,6 +98,8 @@ impl WeightBytes {
                     inv_m: 0.5,
                     scale_type,
                     narrow_chunk: 0,
+                    signed: [0; 16],
+                    inv_m254: 0.0,
                 }
             }
             _ => WeightBytes {
@@ -95,6 +109,8 @@ impl WeightBytes {
                 inv_m: 1.0,
                 scale_type,
                 narrow_chunk: 0,
+                signed: [0; 16],
+                inv_m254: 0.0,
             },
         }
     }
@@ -109,7 +125,24 @@ impl WeightBytes {
 
 /// Bytes of one activation row of `k` inputs cut in chunks of `chunk`.
 pub fn row_bytes(k: usize, chunk: usize) -> usize {
+    wide_at(k, chunk) + 2 * k
+}
+
+/// Where an activation row's `x16` inputs start.
+#[inline(always)]
+fn wide_at(k: usize, chunk: usize) -> usize {
     2 * k + 12 * (k / chunk)
+}
+
+/// Where each of 8 inputs goes within its 8 `x16` values: as i32 words `(0,4) (2,6) (1,5)
+/// (3,7)`, the pairs an i16 lane pair of a weight word meets (inputs `2j` and `2j+1` are the
+/// low and high nibbles of code byte `j`).
+pub const WIDE_SLOTS: [usize; 8] = [0, 4, 2, 6, 1, 5, 3, 7];
+
+/// Position of input `i` within the `x16` values.
+#[inline(always)]
+fn wide_slot(i: usize) -> usize {
+    (i & !7) + WIDE_SLOTS[i % 8]
 }
 
 /// Position of input `i` within the `x8` (or `r8`) bytes.
@@ -145,7 +178,8 @@ pub fn prepare_row_scalar(x: &[f32], chunk: usize, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     let (x8, rest) = out.split_at_mut(k);
-    let (r8, sums) = rest.split_at_mut(k);
+    let (r8, rest) = rest.split_at_mut(k);
+    let (sums, x16) = rest.split_at_mut(12 * (k / chunk));
     for (c, values) in x.chunks_exact(chunk).enumerate() {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
         let (s, inv) = chunk_scale(amax);
@@ -162,6 +196,8 @@ pub fn prepare_row_scalar(x: &[f32], chunk: usize, out: &mut [u8]) {
                 let (qi, ri) = (q[t] as i32, r[t] as i32);
                 x8[base + SLOTS[t]] = qi as i8 as u8;
                 r8[base + SLOTS[t]] = ri as i8 as u8;
+                let at = 2 * (base + WIDE_SLOTS[t]);
+                x16[at..at + 2].copy_from_slice(&((254 * qi + ri) as i16).to_le_bytes());
                 xs += qi;
                 rs += ri;
             }
@@ -229,7 +265,7 @@ fn chunks_with_groups(
     })
 }
 
-/// The scalar twin of the few-row kernels (and of the 15-bit many-row ones).
+/// The scalar twin of the few-row kernels.
 ///
 /// # Safety
 /// The [`IntFusedFn`] contract (any number of rows).
@@ -320,6 +356,49 @@ unsafe fn scalar_twin<const FINE: bool>(
     }
 }
 
+/// The scalar twin of the many-row kernels with 15-bit activations (`int_fine_gemm_*`):
+/// `out[r·32 + j] += Σ_chunks S · (scales[g·32 + j] · (s·inv_m254))` with
+/// `S = Σ (m·v)·x16` (module docs).
+///
+/// # Safety
+/// The [`IntFusedFn`] contract (any number of rows).
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+pub unsafe fn int_fine_gemm_scalar(
+    rows: &[*const u8],
+    k: usize,
+    (i0, n): (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    // SAFETY: the contract.
+    unsafe {
+        for (r, &row) in rows.iter().enumerate() {
+            let x16 = row.add(wide_at(k, chunk)) as *const i16;
+            for j in 0..32 {
+                let mut total = 0f32;
+                for c in i0 / chunk..(i0 + n) / chunk {
+                    let mut sum = 0i32;
+                    for i in c * chunk..(c + 1) * chunk {
+                        let byte = *codes.add(nibble_byte(i / 2, j));
+                        let v = w.signed[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
+                        sum += v * x16.add(wide_slot(i)).read_unaligned() as i32;
+                    }
+                    let (_, _, s) = chunk_sums(row, k, c);
+                    let g = (c * chunk) / group - i0 / group;
+                    let st = w.scale_type;
+                    let sw = st.value(st.read(scales, g * 32 + j));
+                    total = (sum as f32).mul_add(sw * (s * w.inv_m254), total);
+                }
+                *out.add(r * 32 + j) += total;
+            }
+        }
+    }
+}
+
 /// Whether the AVX2-level integer kernels use AVX-VNNI's `vpdpbusd` here: AVX2 CPUs from 2021 on
 /// without AVX-512 have it (Alder Lake, Sierra Forest); the others take `vpmaddubsw` pairs.
 pub fn avx_vnni() -> bool {
@@ -388,13 +467,13 @@ family_pickers!(
 
 family_pickers!(
     /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
-    /// [`int_fused_scalar`]) for methods whose error budget has no room for 8-bit ones: AVX-512
-    /// VNNI (8 rows) or the AVX2 level (3 rows).
+    /// [`int_fine_gemm_scalar`]) for methods whose error budget has no room for 8-bit ones:
+    /// AVX-512 VNNI (8 rows), AVX-VNNI (3 rows) or AVX2 (the i16 kernel, 4 rows).
     int_fine_gemm_for,
     /// [`int_fine_gemm_for`] with the AVX2-level multiply given.
     int_fine_gemm_with,
     (x86::int_fine_gemm_avx512vnni, x86::FINE_ROWS_512),
-    (x86::int_fine_gemm_avx2, x86::FINE_ROWS_256),
+    (x86::int_fine_gemm_avx2, x86::WIDE_ROWS_256),
     (x86::int_fine_gemm_avxvnni, x86::FINE_ROWS_256),
 );
 
@@ -463,8 +542,12 @@ pub(crate) mod x86 {
     pub(crate) unsafe fn prepare_row_avx2(x: &[f32], chunk: usize, out: &mut [u8]) {
         let k = x.len();
         let (x8, rest) = out.split_at_mut(k);
-        let (r8, sums) = rest.split_at_mut(k);
+        let (r8, rest) = rest.split_at_mut(k);
+        let (sums, x16) = rest.split_at_mut(12 * (k / chunk));
         let sign = _mm256_set1_ps(-0.0);
+        let times254i = _mm256_set1_epi32(254);
+        // Lanes in WIDE_SLOTS order (an involution: position p holds input WIDE_SLOTS[p]).
+        let wide_order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
         let rounder = _mm256_set1_ps(ROUNDER);
         let times254 = _mm256_set1_ps(254.0);
         // Evens first within each 8 (SLOTS), then byte 0 of each i32 lane gathered per half.
@@ -509,6 +592,19 @@ pub(crate) mod x86 {
                     _mm_storel_epi64(x8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(qi));
                     _mm_storel_epi64(r8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(ri));
                 }
+                // 254·q + r fits i16 (|q|, |r| ≤ 127): no saturation in the pack.
+                let wide = _mm256_permutevar8x32_epi32(
+                    _mm256_add_epi32(_mm256_mullo_epi32(qi, times254i), ri),
+                    wide_order,
+                );
+                let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packs_epi32(wide, wide));
+                // SAFETY: values base+b..base+b+8 of x16 (2k bytes).
+                unsafe {
+                    _mm_storeu_si128(
+                        x16.as_mut_ptr().add(2 * (base + b)) as *mut __m128i,
+                        _mm256_castsi256_si128(packed),
+                    )
+                };
             }
             put_chunk_sums(sums, c, sum_i32(xs), sum_i32(rs), s);
         }
@@ -991,14 +1087,18 @@ pub(crate) mod x86 {
                             a[r],
                             _mm512_set1_epi32(w.bias * xs),
                         ));
-                        if FINE {
+                        // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
+                        let sx = if FINE {
                             let fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(
                                 b[r],
                                 _mm512_set1_epi32(w.bias * rs),
                             ));
-                            f = _mm512_fmadd_ps(fb, _mm512_set1_ps(1.0 / 254.0), f);
-                        }
-                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(s * w.inv_m));
+                            f = _mm512_fmadd_ps(f, _mm512_set1_ps(254.0), fb);
+                            s * w.inv_m254
+                        } else {
+                            s * w.inv_m
+                        };
+                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
                         total[r] = _mm512_fmadd_ps(f, swx, total[r]);
                     }
                 }
@@ -1069,14 +1169,18 @@ pub(crate) mod x86 {
                             chunk_total::<M>(narrow, a[r]),
                             _mm256_set1_epi32(w.bias * xs),
                         ));
-                        if FINE {
+                        // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
+                        let sx = if FINE {
                             let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(
                                 chunk_total::<M>(narrow, b[r]),
                                 _mm256_set1_epi32(w.bias * rs),
                             ));
-                            f = _mm256_fmadd_ps(fb, _mm256_set1_ps(1.0 / 254.0), f);
-                        }
-                        let swx = _mm256_mul_ps(sw, _mm256_set1_ps(s * w.inv_m));
+                            f = _mm256_fmadd_ps(f, _mm256_set1_ps(254.0), fb);
+                            s * w.inv_m254
+                        } else {
+                            s * w.inv_m
+                        };
+                        let swx = _mm256_mul_ps(sw, _mm256_set1_ps(sx));
                         total[r] = _mm256_fmadd_ps(f, swx, total[r]);
                     }
                 }
@@ -1156,8 +1260,10 @@ pub(crate) mod x86 {
 
     /// Rows per call of [`int_fine_gemm_avx512vnni`] (two int32 accumulators per row).
     pub(crate) const FINE_ROWS_512: usize = 8;
-    /// Rows per call of [`int_fine_gemm_avx2`].
+    /// Rows per call of [`int_fine_gemm_avxvnni`].
     pub(crate) const FINE_ROWS_256: usize = 3;
+    /// Rows per call of [`int_fine_gemm_avx2`].
+    pub(crate) const WIDE_ROWS_256: usize = 4;
 
     /// A public entry point: `$kernel::<R, LUT, $fine>` for 1 to the listed rows, with the
     /// [`super::IntFusedFn`] signature.
@@ -1220,13 +1326,115 @@ pub(crate) mod x86 {
         int_fine_gemm_avx512vnni, gemm512, true, "the kgroup avx512 fine gemm kernel",
         1 2 3 4 5 6 7 8
     );
-    gemm_entry!(
-        /// AVX2 many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
-        ///
-        /// # Safety
-        /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
-        int_fine_gemm_avx2, gemm256_avx2, true, "the kgroup avx2 fine gemm kernel", 1 2 3
-    );
+    /// AVX2 many-row kernel with 15-bit activations (`x16`, [`super::WIDE_SLOTS`]), 1 to
+    /// [`WIDE_ROWS_256`] rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+    pub unsafe fn int_fine_gemm_avx2(
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        let args = (rows, k, range, chunk, group, codes, scales, w, out);
+        // SAFETY: forwarded with exactly R rows.
+        unsafe {
+            match rows.len() {
+                1 => wide_gemm256::<1>(args),
+                2 => wide_gemm256::<2>(args),
+                3 => wide_gemm256::<3>(args),
+                4 => wide_gemm256::<4>(args),
+                n => panic!(
+                    "the kgroup avx2 fine gemm kernel takes 1 to {WIDE_ROWS_256} rows, got {n}"
+                ),
+            }
+        }
+    }
+
+    /// The many-row kernel on 256-bit vectors with 15-bit activations as one i16 each: a
+    /// 32-byte quarter of a block (8 rows, 8 inputs) becomes four vectors of i16 pairs per
+    /// row lane (inputs `(0,4) (2,6) (1,5) (3,7)`: the low and high bytes of the looked-up
+    /// even and odd nibbles), each met by one broadcast `x16` word through `vpmaddwd`. Four
+    /// multiplies per row and 64 products, where the byte pairs of [`gemm256`] take six
+    /// (AMD Zen 3 runs two per cycle); the weights' sign-extension is shared by the rows.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract with exactly R rows; AVX2, FMA and F16C available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn wide_gemm256<const R: usize>(a: Args) {
+        let (rows, k, (i0, n), chunk, group, codes, scales, w, out) = a;
+        // SAFETY: the contract: every block, x16 word, chunk record and scale read below is
+        // inside the caller's buffers.
+        unsafe {
+            let table = _mm_loadu_si128(w.signed.as_ptr() as *const __m128i);
+            let lut = _mm256_set_m128i(table, table);
+            let nib = _mm256_set1_epi8(0x0F);
+            let mut x16 = [std::ptr::null::<i32>(); R];
+            for r in 0..R {
+                x16[r] = rows[r].add(super::wide_at(k, chunk)) as *const i32;
+            }
+            // Chunk by chunk, all four quarters (each block's two lines read once), the
+            // running totals in an L1 scratch: the same fp32 operations as totals in registers.
+            let mut total = [[0f32; 32]; R];
+            for (c, g) in chunks_with_groups((i0, n), chunk, group) {
+                let at = scales.add(g * 32 * w.scale_type.size());
+                let mut sx = [0f32; R];
+                for r in 0..R {
+                    sx[r] = chunk_sums(rows[r], k, c).2 * w.inv_m254;
+                }
+                for o in 0..4 {
+                    let mut acc = [_mm256_setzero_si256(); R];
+                    for blk in c * chunk / 8..(c + 1) * chunk / 8 {
+                        let d = _mm256_loadu_si256(codes.add(blk * 128 + 32 * o) as *const __m256i);
+                        let even = _mm256_shuffle_epi8(lut, _mm256_and_si256(d, nib));
+                        let odd = _mm256_shuffle_epi8(
+                            lut,
+                            _mm256_and_si256(_mm256_srli_epi16(d, 4), nib),
+                        );
+                        let w04 = _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8);
+                        let w26 = _mm256_srai_epi16(even, 8);
+                        let w15 = _mm256_srai_epi16(_mm256_slli_epi16(odd, 8), 8);
+                        let w37 = _mm256_srai_epi16(odd, 8);
+                        for r in 0..R {
+                            let x = x16[r].add(4 * blk);
+                            let s0 = _mm256_add_epi32(
+                                _mm256_madd_epi16(w04, word(x)),
+                                _mm256_madd_epi16(w26, word(x.add(1))),
+                            );
+                            let s1 = _mm256_add_epi32(
+                                _mm256_madd_epi16(w15, word(x.add(2))),
+                                _mm256_madd_epi16(w37, word(x.add(3))),
+                            );
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(s0, s1));
+                        }
+                    }
+                    let sw = scales8(at.add(8 * o * w.scale_type.size()), w.scale_type);
+                    for r in 0..R {
+                        let swx = _mm256_mul_ps(sw, _mm256_set1_ps(sx[r]));
+                        let t = total[r].as_mut_ptr().add(8 * o);
+                        let sum =
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), swx, _mm256_loadu_ps(t));
+                        _mm256_storeu_ps(t, sum);
+                    }
+                }
+            }
+            for r in 0..R {
+                for o in 0..4 {
+                    let p = out.add(r * 32 + 8 * o);
+                    let t = _mm256_loadu_ps(total[r].as_ptr().add(8 * o));
+                    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), t));
+                }
+            }
+        }
+    }
     gemm_entry!(
         /// AVX-VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_256`] rows.
         ///
@@ -1322,9 +1530,13 @@ mod tests {
             for (i, &v) in x.iter().enumerate() {
                 // SAFETY: chunk i/chunk of a 256-input row.
                 let (_, _, s) = unsafe { chunk_sums(row.as_ptr(), 256, i / chunk) };
-                let back =
-                    s * (row[slot(i)] as i8 as f32 + row[256 + slot(i)] as i8 as f32 / 254.0);
+                let (x8, r8) = (row[slot(i)] as i8 as i32, row[256 + slot(i)] as i8 as i32);
+                let back = s * (x8 as f32 + r8 as f32 / 254.0);
                 assert!((back - v).abs() <= s / 508.0 + 1e-7, "{i}: {v} vs {back}");
+                // The same input once as an i16.
+                let at = wide_at(256, chunk) + 2 * wide_slot(i);
+                let x16 = i16::from_le_bytes([row[at], row[at + 1]]) as i32;
+                assert_eq!(x16, 254 * x8 + r8, "{i}");
             }
         }
     }
@@ -1410,7 +1622,7 @@ mod tests {
         let families: [(KernelWith, IntFusedFn); 3] = [
             (int_fused_with, int_fused_scalar),
             (int_gemm_with, int_gemm_scalar),
-            (int_fine_gemm_with, int_fused_scalar),
+            (int_fine_gemm_with, int_fine_gemm_scalar),
         ];
         for (chunk, (kind, byte), (kernel_with, twin)) in [32, 16].into_iter().flat_map(|chunk| {
             [(CodeKind::Int4, 0xFFu8), (CodeKind::E2M1, 0x77)]
@@ -1446,7 +1658,7 @@ mod tests {
     #[test]
     fn int_gemm_kernels_equal_their_scalar_twin() {
         check_kernels_against_twin(int_gemm_with, int_gemm_scalar);
-        check_kernels_against_twin(int_fine_gemm_with, int_fused_scalar);
+        check_kernels_against_twin(int_fine_gemm_with, int_fine_gemm_scalar);
     }
 
     fn check_kernels_against_twin(kernel_with: KernelWith, twin: IntFusedFn) {
@@ -1530,6 +1742,7 @@ mod tests {
         // half its worst case (all 256 errors aligned).
         for (twin, tolerance) in [
             (int_fused_scalar as IntFusedFn, 1e-4),
+            (int_fine_gemm_scalar as IntFusedFn, 1e-4),
             (int_gemm_scalar as IntFusedFn, 8e-3),
         ] {
             check_twin_against_fp64(twin, tolerance);
