@@ -3,12 +3,13 @@
 //! noise (other tenants, clock changes) drops out. Reports GB/s of codes and scales and
 //! nanoseconds per 128-byte block (8 inputs of a 32-row panel) for 1 and 2 rows, every code
 //! kind. `KERNEL=gemm` (8-bit many-row) or `KERNEL=fine` (15-bit many-row) measures the prefill
-//! kernels instead, at every row count they take, in ns per block and row.
+//! kernels instead, at every row count they take, in ns per block and row; a list
+//! (`KERNEL=fused,fine`) measures them in alternation, trial by trial.
 //! `ONLY=MXFP4` and `ROWS=3` restrict the cases (for `perf record`).
 //! `cargo run --release -p kt-benches --example kgroup_cycles`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::kgroup::int_dot::{
-    int_fine_gemm_for, int_fused_for, int_gemm_for, prepare_row, row_bytes, WeightBytes,
+    int_fine_gemm_for, int_fused_for, int_gemm_for, prepare_row, row_bytes, IntFusedFn, WeightBytes,
 };
 use kt_core::kernels::KernelSet;
 use std::time::Instant;
@@ -16,13 +17,23 @@ use std::time::Instant;
 fn main() {
     let k = 2048usize;
     let level = KernelSet::best().unwrap().level();
-    let family = std::env::var("KERNEL").unwrap_or_default();
-    let (kernel, max_rows) = match family.as_str() {
-        "gemm" => int_gemm_for(level),
-        "fine" => int_fine_gemm_for(level),
-        _ => int_fused_for(level).map(|(f, r)| (f, r.min(2))),
-    }
-    .expect("an integer kernel");
+    // One or more families, measured in alternation trial by trial (this machine's speed
+    // drifts between runs; alternating keeps a comparison fair).
+    let families: Vec<(String, IntFusedFn, usize)> = std::env::var("KERNEL")
+        .unwrap_or_else(|_| "fused".into())
+        .split(',')
+        .map(|family| {
+            let (kernel, max_rows) = match family {
+                "gemm" => int_gemm_for(level),
+                "fine" => int_fine_gemm_for(level),
+                "fused" => int_fused_for(level).map(|(f, r)| (f, r.min(2))),
+                other => panic!("KERNEL takes fused, gemm or fine, not {other}"),
+            }
+            .expect("an integer kernel");
+            (family.to_string(), kernel, max_rows)
+        })
+        .collect();
+    let max_rows = families.iter().map(|f| f.2).max().unwrap_or(1);
     let codes: Vec<u8> = (0..16 * k).map(|i| (i * 37 + 11) as u8).collect();
     let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
     let cases = [
@@ -39,43 +50,56 @@ fn main() {
         }
         let chunk = group.min(32);
         let scales = vec![0x38u8; 32 * (k / group) * st.size()];
-        let mut row = vec![0u8; row_bytes(k, chunk)];
-        prepare_row(&x, chunk, &mut row);
+        // One prepared row per kernel row (as in a layer), each from shifted inputs.
+        let prepared: Vec<Vec<u8>> = (0..max_rows)
+            .map(|r| {
+                let shifted: Vec<f32> = (0..k).map(|i| x[(i + 7 * r) % k]).collect();
+                let mut row = vec![0u8; row_bytes(k, chunk)];
+                prepare_row(&shifted, chunk, &mut row);
+                row
+            })
+            .collect();
         let w = WeightBytes::of(kind, st);
         for rows in (1..=max_rows).filter(|r| only_rows.is_none_or(|o| o == *r)) {
-            let ptrs = vec![row.as_ptr(); rows];
+            let ptrs: Vec<*const u8> = prepared[..rows].iter().map(|r| r.as_ptr()).collect();
             let mut out = vec![0f32; 32 * rows];
             let reps = 200;
-            let mut best = f64::MAX;
+            let takers: Vec<_> = families.iter().filter(|f| f.2 >= rows).collect();
+            let mut best = vec![f64::MAX; takers.len()];
             for _ in 0..kt_benches::env_or("TRIALS", 60) {
-                let t = Instant::now();
-                for _ in 0..reps {
-                    // SAFETY: prepared rows of k inputs, 16·k code bytes, the panel's scales,
-                    // 32 outputs per row; the level allows the kernel.
-                    unsafe {
-                        kernel(
-                            &ptrs[..rows],
-                            k,
-                            (0, k),
-                            chunk,
-                            group,
-                            codes.as_ptr(),
-                            scales.as_ptr(),
-                            &w,
-                            out.as_mut_ptr(),
-                        )
-                    };
-                    std::hint::black_box(&mut out);
+                for (b, (_, kernel, _)) in best.iter_mut().zip(&takers) {
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        // SAFETY: prepared rows of k inputs, 16·k code bytes, the panel's
+                        // scales, 32 outputs per row; the level allows the kernel.
+                        unsafe {
+                            kernel(
+                                &ptrs[..rows],
+                                k,
+                                (0, k),
+                                chunk,
+                                group,
+                                codes.as_ptr(),
+                                scales.as_ptr(),
+                                &w,
+                                out.as_mut_ptr(),
+                            )
+                        };
+                        std::hint::black_box(&mut out);
+                    }
+                    *b = b.min(t.elapsed().as_secs_f64() / reps as f64);
                 }
-                best = best.min(t.elapsed().as_secs_f64() / reps as f64);
             }
             let bytes = (codes.len() + scales.len()) as f64;
-            println!(
-                "{name:10} rows {rows:2}: {:6.1} GB/s, {:5.2} ns per 128-byte block, {:5.2} per row",
-                bytes / best / 1e9,
-                best * 1e9 / (k / 8) as f64,
-                best * 1e9 / (k / 8) as f64 / rows as f64
-            );
+            for (best, (family, _, _)) in best.iter().zip(&takers) {
+                println!(
+                    "{name:10} {family:5} rows {rows:2}: {:6.1} GB/s, {:5.2} ns per 128-byte \
+                     block, {:5.2} per row",
+                    bytes / best / 1e9,
+                    best * 1e9 / (k / 8) as f64,
+                    best * 1e9 / (k / 8) as f64 / rows as f64
+                );
+            }
         }
     }
 }

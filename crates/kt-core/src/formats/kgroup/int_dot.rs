@@ -488,6 +488,21 @@ family_pickers!(
     (x86::int_fused_avxvnni, 2),
 );
 
+/// Rows per expert up to which the few-row kernel beats the 15-bit many-row one at `level`
+/// (with this CPU's AVX-VNNI): 2 where that is the i16 kernel (AVX2 without VNNI), 4 elsewhere.
+/// On an AMD Zen 3, alternating trial by trial from cache
+/// (`KERNEL=fused,fine cargo run --release -p kt-benches --example kgroup_cycles`), ns per block
+/// and row for MXFP4/NVFP4/GPTQ_INT4: one row 10.8/10.1/5.9 few against 13.1/11.8/8.7 many;
+/// two rows 7.8/10.5/6.7 against 7.4/7.6/6.7; three rows (few: 2 + 1) about 8.8 against 5.6.
+pub fn fine_few_rows(level: Level) -> usize {
+    let wide = level >= Level::Avx2 && level < Level::Avx512Vnni && !avx_vnni();
+    if wide && cfg!(target_arch = "x86_64") {
+        2
+    } else {
+        4
+    }
+}
+
 /// The group-scaled family's prefetch calibration workload
 /// ([`crate::kernels::calibrate::Workload`]): `buf` as 32-row panels of 2048 E2M1 codes with
 /// E8M0 scales per 32 (MXFP4, the table-lookup variant) through the one-row decode kernel.
@@ -1574,6 +1589,18 @@ mod tests {
     #[test]
     fn int_kernels_equal_their_scalar_twin() {
         check_kernels_against_twin(int_fused_with, int_fused_scalar);
+    }
+
+    #[test]
+    fn fewer_rows_stay_on_the_few_row_kernel_only_where_the_i16_kernel_runs() {
+        for level in crate::isa::LEVELS {
+            #[cfg(target_arch = "x86_64")]
+            let wide = int_fine_gemm_for(level)
+                .is_some_and(|(f, _)| f as usize == x86::int_fine_gemm_avx2 as IntFusedFn as usize);
+            #[cfg(not(target_arch = "x86_64"))]
+            let wide = false;
+            assert_eq!(fine_few_rows(level), if wide { 2 } else { 4 }, "{level:?}");
+        }
     }
 
     #[test]

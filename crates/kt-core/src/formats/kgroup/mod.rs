@@ -73,7 +73,8 @@ pub struct Spec {
     backend_var: Option<&'static str>,
 }
 
-/// Rows per expert that the few-row (decode) integer kernels take; more go to the many-row ones.
+/// Rows per expert that the few-row (decode) integer kernels take; more go to the many-row ones
+/// (unless [`int_dot::fine_few_rows`] says fewer for a 15-bit method).
 const FEW_ROWS: usize = 4;
 
 /// RAWINT4.
@@ -275,6 +276,8 @@ pub struct KGroupExperts {
     int: Option<(int_dot::IntFusedFn, usize)>,
     /// The integer many-row kernel (prefill; where `int` exists) and the rows it takes.
     int_gemm: Option<(int_dot::IntFusedFn, usize)>,
+    /// Rows per expert up to which `int` runs rather than `int_gemm`.
+    few_rows: usize,
     weight_bytes: int_dot::WeightBytes,
     /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
     groups: [usize; 2],
@@ -371,6 +374,11 @@ impl KGroupExperts {
                 (4, true) => int_dot::int_gemm_for(kernels.level()),
                 (4, false) => int_dot::int_fine_gemm_for(kernels.level()),
                 _ => None,
+            },
+            few_rows: if spec.coarse_prefill {
+                FEW_ROWS
+            } else {
+                int_dot::fine_few_rows(kernels.level()).min(FEW_ROWS)
             },
             weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
             spec,
@@ -705,10 +713,12 @@ impl KGroupExperts {
         let out = &mut out[..n * PANEL];
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         // The integer kernels: the few-row one (15-bit activations) for decode, the many-row
-        // one (8-bit) for larger blocks unless AMX tiles take the expert.
-        // Up to 4 rows count as few on every ISA (AVX2's kernel takes them 2 at a time), so
-        // results do not depend on the ISA.
-        let few = path.is_none() && n <= FEW_ROWS;
+        // one (8-bit for RAWINT4, else 15-bit) for larger blocks unless AMX tiles take the
+        // expert. Up to 4 rows count as few on every ISA (AVX2's kernel takes them 2 at a
+        // time), so their results do not depend on the ISA, except where the 15-bit many-row
+        // kernel is the faster from fewer rows (`int_dot::fine_few_rows`; the same 15-bit
+        // activations, only the fp32 steps per chunk differ).
+        let few = path.is_none() && n <= self.few_rows;
         let amx = self
             .kernels
             .amx()
