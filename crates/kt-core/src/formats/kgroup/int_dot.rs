@@ -29,8 +29,9 @@ use crate::codes::{CodeKind, ScaleType};
 use crate::isa::Level;
 
 /// `out[r·32 + j] += Σ_chunks ((B − bias·R)/254 + (A − bias·X)) · (scales[g·32 + j] · (s·inv_m))`
-/// (the few-row kernels; the many-row ones as their twins say) over inputs `i0..i0 + n` of a 32-row panel of 4-bit codes (`codes`: the panel, all `k`
-/// inputs), `g` counting groups from `i0 / group`.
+/// (the few-row kernels; the many-row ones as their twins say) over inputs `i0..i0 + n` of a
+/// 32-row panel of 4-bit codes (`codes`: the panel, all `k` inputs), `g` counting groups from
+/// `i0 / group`.
 ///
 /// # Safety
 /// `rows` holds 1..=the variant's rows activation rows of [`row_bytes`]`(k, chunk)` bytes made by
