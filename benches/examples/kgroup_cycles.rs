@@ -5,7 +5,8 @@
 //! kind. `KERNEL=gemm` (8-bit many-row) or `KERNEL=fine` (15-bit many-row) measures the prefill
 //! kernels instead, at every row count they take, in ns per block and row; a list
 //! (`KERNEL=fused,fine`) measures them in alternation, trial by trial.
-//! `ONLY=MXFP4` and `ROWS=3` restrict the cases (for `perf record`).
+//! `ONLY=MXFP4` and `ROWS=3` restrict the cases (for `perf record`); `K=512` shrinks the panel
+//! (L1-resident). Each line also gives the median trial, per row.
 //! `cargo run --release -p kt-benches --example kgroup_cycles`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::kgroup::int_dot::{
@@ -15,7 +16,7 @@ use kt_core::kernels::KernelSet;
 use std::time::Instant;
 
 fn main() {
-    let k = 2048usize;
+    let k: usize = kt_benches::env_or("K", 2048);
     let level = KernelSet::best().unwrap().level();
     // One or more families, measured in alternation trial by trial (this machine's speed
     // drifts between runs; alternating keeps a comparison fair).
@@ -66,8 +67,10 @@ fn main() {
             let reps = 200;
             let takers: Vec<_> = families.iter().filter(|f| f.2 >= rows).collect();
             let mut best = vec![f64::MAX; takers.len()];
+            // Every trial's time too: the median shows what a long run gets on this VM.
+            let mut all = vec![Vec::new(); takers.len()];
             for _ in 0..kt_benches::env_or("TRIALS", 60) {
-                for (b, (_, kernel, _)) in best.iter_mut().zip(&takers) {
+                for ((b, times), (_, kernel, _)) in best.iter_mut().zip(&mut all).zip(&takers) {
                     let t = Instant::now();
                     for _ in 0..reps {
                         // SAFETY: prepared rows of k inputs, 16·k code bytes, the panel's
@@ -87,17 +90,23 @@ fn main() {
                         };
                         std::hint::black_box(&mut out);
                     }
-                    *b = b.min(t.elapsed().as_secs_f64() / reps as f64);
+                    let per_call = t.elapsed().as_secs_f64() / reps as f64;
+                    *b = b.min(per_call);
+                    times.push(per_call);
                 }
             }
             let bytes = (codes.len() + scales.len()) as f64;
-            for (best, (family, _, _)) in best.iter().zip(&takers) {
+            for ((best, times), (family, _, _)) in best.iter().zip(&mut all).zip(&takers) {
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                let per_block = |t: f64| t * 1e9 / (k / 8) as f64;
                 println!(
                     "{name:10} {family:5} rows {rows:2}: {:6.1} GB/s, {:5.2} ns per 128-byte \
-                     block, {:5.2} per row",
+                     block, {:5.2} per row (median {:5.2})",
                     bytes / best / 1e9,
-                    best * 1e9 / (k / 8) as f64,
-                    best * 1e9 / (k / 8) as f64 / rows as f64
+                    per_block(*best),
+                    per_block(*best) / rows as f64,
+                    per_block(median) / rows as f64
                 );
             }
         }

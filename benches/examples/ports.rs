@@ -2,6 +2,9 @@
 //! sustain on this core (clock calibrated with a chain of dependent scalar adds), and the bound
 //! that puts on the AMXINT8 prefill of one Qwen3-30B-A3B layer. Without VNNI each 32 byte MACs
 //! of the int8 kernel cost `vpsignb`, `vpmaddubsw`, `vpmaddwd` and `vpaddd`.
+//! Then the row mixes of the AVX2 15-bit many-row kernel (i16 activations, `vpmaddwd`): where
+//! its cycles per quarter block go (broadcast activation words, weights in registers or
+//! memory, the nibble unpacking).
 //! `cargo run --release -p kt-benches --example ports`
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -29,6 +32,144 @@ mod x86 {
             }
             t.elapsed().as_secs_f64() / ITERS as f64
         }};
+    }
+
+    /// Seconds per iteration of `$body`, which may read 64 bytes at `{x}` and 256 at `{w}`.
+    macro_rules! per_iter_reading {
+        ($x:expr, $w:expr, $($body:literal),+) => {{
+            let t = Instant::now();
+            for _ in 0..ITERS {
+                // SAFETY: AVX2 arithmetic on clobbered registers and loads inside the two
+                // buffers; `run` checked AVX2 first.
+                unsafe {
+                    asm!(
+                        "/* reads {x} and {w} */",
+                        $($body),+,
+                        x = in(reg) $x,
+                        w = in(reg) $w,
+                        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                        out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                        out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                        out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                        options(nostack, readonly),
+                    )
+                }
+            }
+            t.elapsed().as_secs_f64() / ITERS as f64
+        }};
+    }
+
+    /// The i16 kernel's inner mixes: 4 rows (accumulators ymm8..ymm11) against one quarter
+    /// block (8 outputs x 8 inputs), 256 products per iteration.
+    fn i16_row_mixes(hz: f64) {
+        #[repr(align(64))]
+        struct Buf([u8; 256]);
+        let x = Buf([1; 256]);
+        let w = Buf([3; 256]);
+        let (x, w) = (x.0.as_ptr(), w.0.as_ptr());
+        let mixes = [
+            (
+                "4 broadcast words + 4 vpmaddwd + 4 vpaddd per row, weights in registers",
+                per_iter_reading!(
+                    x,
+                    w,
+                    ".irp r,8,9,10,11",
+                    "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]",
+                    "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]",
+                    "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]",
+                    "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]",
+                    "vpmaddwd ymm4, ymm4, ymm0",
+                    "vpmaddwd ymm5, ymm5, ymm1",
+                    "vpmaddwd ymm6, ymm6, ymm2",
+                    "vpmaddwd ymm7, ymm7, ymm3",
+                    "vpaddd ymm4, ymm4, ymm5",
+                    "vpaddd ymm6, ymm6, ymm7",
+                    "vpaddd ymm4, ymm4, ymm6",
+                    "vpaddd ymm\\r, ymm\\r, ymm4",
+                    ".endr"
+                ),
+            ),
+            (
+                "the same with the weights as memory operands (4 more loads per row)",
+                per_iter_reading!(
+                    x,
+                    w,
+                    ".irp r,8,9,10,11",
+                    "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]",
+                    "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]",
+                    "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]",
+                    "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]",
+                    "vpmaddwd ymm4, ymm4, [{w}]",
+                    "vpmaddwd ymm5, ymm5, [{w} + 32]",
+                    "vpmaddwd ymm6, ymm6, [{w} + 64]",
+                    "vpmaddwd ymm7, ymm7, [{w} + 96]",
+                    "vpaddd ymm4, ymm4, ymm5",
+                    "vpaddd ymm6, ymm6, ymm7",
+                    "vpaddd ymm4, ymm4, ymm6",
+                    "vpaddd ymm\\r, ymm\\r, ymm4",
+                    ".endr"
+                ),
+            ),
+            (
+                "no broadcasts (activation words in registers): 4 vpmaddwd + 4 vpaddd per row",
+                per_iter_reading!(
+                    x,
+                    w,
+                    ".irp r,8,9,10,11",
+                    "vpmaddwd ymm4, ymm12, ymm0",
+                    "vpmaddwd ymm5, ymm13, ymm1",
+                    "vpmaddwd ymm6, ymm14, ymm2",
+                    "vpmaddwd ymm7, ymm15, ymm3",
+                    "vpaddd ymm4, ymm4, ymm5",
+                    "vpaddd ymm6, ymm6, ymm7",
+                    "vpaddd ymm4, ymm4, ymm6",
+                    "vpaddd ymm\\r, ymm\\r, ymm4",
+                    ".endr"
+                ),
+            ),
+            (
+                "the kernel's block body: load + unpack (11 ops) once, then the first mix",
+                per_iter_reading!(
+                    x,
+                    w,
+                    "vmovdqu ymm0, [{w}]",
+                    "vpsrlw ymm2, ymm0, 4",
+                    "vpand ymm0, ymm0, ymm14",
+                    "vpand ymm2, ymm2, ymm14",
+                    "vpshufb ymm0, ymm15, ymm0",
+                    "vpshufb ymm2, ymm15, ymm2",
+                    "vpsllw ymm1, ymm0, 8",
+                    "vpsraw ymm1, ymm1, 8",
+                    "vpsraw ymm0, ymm0, 8",
+                    "vpsllw ymm3, ymm2, 8",
+                    "vpsraw ymm3, ymm3, 8",
+                    "vpsraw ymm2, ymm2, 8",
+                    ".irp r,8,9,10,11",
+                    "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]",
+                    "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]",
+                    "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]",
+                    "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]",
+                    "vpmaddwd ymm4, ymm4, ymm0",
+                    "vpmaddwd ymm5, ymm5, ymm1",
+                    "vpmaddwd ymm6, ymm6, ymm2",
+                    "vpmaddwd ymm7, ymm7, ymm3",
+                    "vpaddd ymm4, ymm4, ymm5",
+                    "vpaddd ymm6, ymm6, ymm7",
+                    "vpaddd ymm4, ymm4, ymm6",
+                    "vpaddd ymm\\r, ymm\\r, ymm4",
+                    ".endr"
+                ),
+            ),
+        ];
+        println!("the AVX2 15-bit many-row kernel's inner mixes (4 rows, one quarter block):");
+        for (name, secs) in mixes {
+            let cycles = secs * hz;
+            println!(
+                "{:5.2} cycles per row ({:4.1} MAC/cycle)  {name}",
+                cycles / 4.0,
+                256.0 / cycles
+            );
+        }
     }
 
     pub fn run() {
@@ -105,6 +246,7 @@ mod x86 {
              and the best exact mix: {:.0} ms",
             macs / (cores * hz * best) * 1e3
         );
+        i16_row_mixes(hz);
     }
 }
 

@@ -1,7 +1,7 @@
 //! Diagnostic: prefill latency of one quantized layer, alternating two layers; prints a marker
 //! once set-up is done so `perf record -D` can skip it.
 //! `cargo run --release -p kt-benches --example prefill -- int8 512` (or any method name, e.g.
-//! FP8)
+//! FP8); env ITERS, EXPERTS, THREADS.
 use kt_core::kernels::KernelSet;
 use kt_core::method::Method;
 use kt_core::moe::Workspace;
@@ -9,7 +9,8 @@ use kt_core::rng::Rng;
 use std::time::Instant;
 
 fn main() {
-    let pool = kt_benches::pool(2);
+    // THREADS=1 shows how much of two threads' time is the second core's contention.
+    let pool = kt_benches::pool(kt_benches::env_or("THREADS", 2));
     let format = match std::env::args().nth(1).as_deref() {
         Some("int4") => Method::AmxInt4,
         Some("bf16") => Method::Bf16,
