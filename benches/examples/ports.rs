@@ -34,9 +34,32 @@ mod x86 {
         }};
     }
 
+    /// The i16 kernel's 4 rows against one quarter block's weights in ymm0..ymm3: per row, 4
+    /// activation words broadcast from `{x}`, 4 `vpmaddwd` and 4 `vpaddd` into ymm8..ymm11.
+    macro_rules! i16_rows {
+        () => {
+            concat!(
+                ".irp r,8,9,10,11\n",
+                "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]\n",
+                "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]\n",
+                "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]\n",
+                "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]\n",
+                "vpmaddwd ymm4, ymm4, ymm0\n",
+                "vpmaddwd ymm5, ymm5, ymm1\n",
+                "vpmaddwd ymm6, ymm6, ymm2\n",
+                "vpmaddwd ymm7, ymm7, ymm3\n",
+                "vpaddd ymm4, ymm4, ymm5\n",
+                "vpaddd ymm6, ymm6, ymm7\n",
+                "vpaddd ymm4, ymm4, ymm6\n",
+                "vpaddd ymm\\r, ymm\\r, ymm4\n",
+                ".endr",
+            )
+        };
+    }
+
     /// Seconds per iteration of `$body`, which may read 64 bytes at `{x}` and 256 at `{w}`.
     macro_rules! per_iter_reading {
-        ($x:expr, $w:expr, $($body:literal),+) => {{
+        ($x:expr, $w:expr, $($body:expr),+) => {{
             let t = Instant::now();
             for _ in 0..ITERS {
                 // SAFETY: AVX2 arithmetic on clobbered registers and loads inside the two
@@ -70,24 +93,7 @@ mod x86 {
         let mixes = [
             (
                 "4 broadcast words + 4 vpmaddwd + 4 vpaddd per row, weights in registers",
-                per_iter_reading!(
-                    x,
-                    w,
-                    ".irp r,8,9,10,11",
-                    "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]",
-                    "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]",
-                    "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]",
-                    "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]",
-                    "vpmaddwd ymm4, ymm4, ymm0",
-                    "vpmaddwd ymm5, ymm5, ymm1",
-                    "vpmaddwd ymm6, ymm6, ymm2",
-                    "vpmaddwd ymm7, ymm7, ymm3",
-                    "vpaddd ymm4, ymm4, ymm5",
-                    "vpaddd ymm6, ymm6, ymm7",
-                    "vpaddd ymm4, ymm4, ymm6",
-                    "vpaddd ymm\\r, ymm\\r, ymm4",
-                    ".endr"
-                ),
+                per_iter_reading!(x, w, i16_rows!()),
             ),
             (
                 "the same with the weights as memory operands (4 more loads per row)",
@@ -144,20 +150,7 @@ mod x86 {
                     "vpsllw ymm3, ymm2, 8",
                     "vpsraw ymm3, ymm3, 8",
                     "vpsraw ymm2, ymm2, 8",
-                    ".irp r,8,9,10,11",
-                    "vpbroadcastd ymm4, dword ptr [{x} + 16*(\\r-8)]",
-                    "vpbroadcastd ymm5, dword ptr [{x} + 16*(\\r-8) + 4]",
-                    "vpbroadcastd ymm6, dword ptr [{x} + 16*(\\r-8) + 8]",
-                    "vpbroadcastd ymm7, dword ptr [{x} + 16*(\\r-8) + 12]",
-                    "vpmaddwd ymm4, ymm4, ymm0",
-                    "vpmaddwd ymm5, ymm5, ymm1",
-                    "vpmaddwd ymm6, ymm6, ymm2",
-                    "vpmaddwd ymm7, ymm7, ymm3",
-                    "vpaddd ymm4, ymm4, ymm5",
-                    "vpaddd ymm6, ymm6, ymm7",
-                    "vpaddd ymm4, ymm4, ymm6",
-                    "vpaddd ymm\\r, ymm\\r, ymm4",
-                    ".endr"
+                    i16_rows!()
                 ),
             ),
         ];
