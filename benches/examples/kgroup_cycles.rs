@@ -17,6 +17,11 @@ use std::time::Instant;
 
 fn main() {
     let k: usize = kt_benches::env_or("K", 2048);
+    // Every case's group (up to GPTQ's 128) must divide the panel's inputs.
+    assert!(
+        k > 0 && k.is_multiple_of(128),
+        "K must be a positive multiple of 128, got {k}"
+    );
     let level = KernelSet::best().unwrap().level();
     // One or more families, measured in alternation trial by trial (this machine's speed
     // drifts between runs; alternating keeps a comparison fair).
