@@ -1,43 +1,93 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, as one script for a lent GPU machine (no network, no Rust
-# there; its python3 holds torch with CUDA). Prepare here, in the repository root:
+# The checks that need a lent GPU machine (no network, no Rust there; its python3 holds torch
+# with CUDA; its host CPU has had AVX-512 and AMX), as one script. Prepare here, in the
+# repository root:
 #   bash scripts/wheel.sh                      # dist/kt_kernel-*.whl (abi3)
 #   mkdir -p .whl && cp dist/kt_kernel-*.whl .whl/ && python3 -m pip download --no-deps \
 #     --only-binary=:all: -d .whl gguf          # pure-Python test dependency missing there
 #   mkdir -p .gpu-shared && cp -r ../shared/fixtures ../shared/limits .gpu-shared/
+#   bash scripts/gpu_rust_bins.sh              # optional: kt-core's Rust tests, prebuilt
 #   mkdir -p .gpu-shared/bin && cc -O2 -pthread -o .gpu-shared/bin/cuda_signal_probe \
 #     benches/cuda_signal_probe.c -ldl           # optional: stream signalling costs
 # (.whl and .gpu-shared listed in .git/info/exclude), then run it there with both carried.
-# Prints the machine, runs the real-CUDA tests, times the stream path against the real driver,
-# then runs the whole Python suite and a short layer benchmark on that machine's CPU.
+# KT_GPU_STAGES picks what runs, in this order (default: info rust cuda isa bench):
+#   info   the machine and `kt info`
+#   rust   kt-core's Rust test binaries (twin tests on this CPU's real AVX-512/AMX)
+#   cuda   the real-CUDA tests
+#   isa    the Python tests that skip below AVX-512/AMX (hardware tiles against the emulator,
+#          every CPU variant, the bf16-dot panels, the probes)
+#   stream the stream path against the real driver (and the signalling probe, if built)
+#   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
+#   bench  `kt bench` at 2 threads, one method per process, while KT_GPU_BENCH_S lasts
 # Logs go to $OUT (the device tool brings them back) or /tmp/gpu-check.
 set -u
 OUT="${OUT:-/tmp/gpu-check}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-nvidia-smi -L
-lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)"
-grep -o -w -E "avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_int8|amx_bf16" /proc/cpuinfo |
-  sort | uniq -c
+STAGES=" ${KT_GPU_STAGES:-info rust cuda isa bench} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
+START=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 [ -e ../shared ] || ln -s "$PWD/.gpu-shared" ../shared
-python3 -m kt_kernel info 2>&1 | tee "$OUT/info.log" | head -30
-echo "== real-CUDA tests"
-(cd tests && timeout 180 python3 -m pytest -q -rs -p no:cacheprovider test_cuda_real.py \
-  test_cuda_stream.py 2>&1) | tee "$OUT/cuda-tests.log" | tail -15
-echo "== stream path against the real driver"
-timeout 120 python3 benches/stream_overhead.py --real-gpu --steps 200 2>&1 |
-  tee "$OUT/stream-real.log"
-if [ -x .gpu-shared/bin/cuda_signal_probe ]; then
-  echo "== signalling a CPU thread from a stream (benches/cuda_signal_probe.c)"
-  timeout 60 .gpu-shared/bin/cuda_signal_probe 200 200 8 2>&1 | tee "$OUT/signal-probe.log"
+if want info; then
+  nvidia-smi -L
+  lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)"
+  grep -o -w -E "avx2|avx512f|avx512_vnni|avx512_bf16|avx_vnni|amx_tile|amx_int8|amx_bf16" \
+    /proc/cpuinfo | sort | uniq -c
+  python3 -m kt_kernel info 2>&1 | tee "$OUT/info.log" | head -40
 fi
-echo "== stream path, stand-in driver, same machine"
-timeout 60 python3 benches/stream_overhead.py --steps 200 2>&1 | tee "$OUT/stream-fake.log"
-echo "== whole Python suite on this machine's CPU (${KT_GPU_SUITE_S:-200} s at most)"
-(cd tests && KT_SKIP_WHEEL_TEST=1 timeout "${KT_GPU_SUITE_S:-200}" python3 -m pytest -q -rs \
-  -p no:cacheprovider -x . 2>&1) | tee "$OUT/suite.log" | tail -25
-echo "== layer benchmark, all threads of this machine"
-timeout "${KT_GPU_BENCH_S:-90}" python3 -m kt_kernel bench --methods BF16 AMXINT4 FP8 \
-  --tokens 1 4 512 --layers 2 --markdown "$OUT/bench.md" 2>&1 | tail -20
+if want rust && [ -d .gpu-shared/rust ]; then
+  echo "== kt-core Rust tests on this CPU"
+  # The binaries look for their data at the path they were built in (the crate's tests/data,
+  # ../../../shared/fixtures from the crate): make that path this checkout.
+  built_in=$(cat .gpu-shared/rust/built_in)
+  [ -e "$built_in" ] || { mkdir -p "$(dirname "$built_in")" && ln -s "$PWD" "$built_in"; }
+  for t in .gpu-shared/rust/tests/*; do
+    (cd "$built_in/crates/kt-core" && LD_LIBRARY_PATH="$PWD/.gpu-shared/rust/lib" \
+      timeout 300 "$OLDPWD/$t" -q 2>&1) | tee -a "$OUT/rust-tests.log" | tail -4
+  done
+fi
+if want cuda; then
+  echo "== real-CUDA tests"
+  (cd tests && timeout 180 python3 -m pytest -q -rs -p no:cacheprovider test_cuda_real.py \
+    test_cuda_stream.py 2>&1) | tee "$OUT/cuda-tests.log" | tail -15
+fi
+if want isa; then
+  echo "== the tests that need AVX-512 or AMX"
+  (cd tests && timeout "${KT_GPU_ISA_S:-240}" python3 -m pytest -q -rs -p no:cacheprovider \
+    test_amx.py test_probe.py "test_bad_input.py::test_every_runnable_variant_and_two_subpools_end_to_end" \
+    "test_fp8.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
+    "test_kgroup.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
+    "test_kgroup.py::test_cpu_info_names_the_decode_and_prefill_kernels" \
+    "test_kgroup.py::test_backend_variables_select_the_avx2_kernels" 2>&1) |
+    tee "$OUT/isa-tests.log" | tail -25
+fi
+if want stream; then
+  echo "== stream path against the real driver"
+  timeout 120 python3 benches/stream_overhead.py --real-gpu --steps 200 2>&1 |
+    tee "$OUT/stream-real.log"
+  if [ -x .gpu-shared/bin/cuda_signal_probe ]; then
+    echo "== signalling a CPU thread from a stream (benches/cuda_signal_probe.c)"
+    timeout 60 .gpu-shared/bin/cuda_signal_probe 200 200 8 2>&1 | tee "$OUT/signal-probe.log"
+  fi
+  echo "== stream path, stand-in driver, same machine"
+  timeout 60 python3 benches/stream_overhead.py --steps 200 2>&1 | tee "$OUT/stream-fake.log"
+fi
+if want suite; then
+  echo "== whole Python suite on this machine's CPU (${KT_GPU_SUITE_S:-200} s at most)"
+  (cd tests && KT_SKIP_WHEEL_TEST=1 timeout "${KT_GPU_SUITE_S:-200}" python3 -m pytest -q -rs \
+    -p no:cacheprovider -x . 2>&1) | tee "$OUT/suite.log" | tail -25
+fi
+if want bench; then
+  # One method per process: the yardstick's 2 threads, the probes measured in each run.
+  budget_end=$((SECONDS + ${KT_GPU_BENCH_S:-150}))
+  for m in ${KT_GPU_BENCH_METHODS:-AMXINT4 MXFP4 BF16 FP8 GPTQ_INT4 NVFP4 MXFP8 AMXINT8}; do
+    [ $((budget_end - SECONDS)) -gt 40 ] || break
+    echo "== kt bench $m, 2 threads"
+    timeout $((budget_end - SECONDS)) python3 -m kt_kernel bench --threads 2 --methods "$m" \
+      --tokens 1 512 --layers 2 --no-torch --markdown "$OUT/bench-$m.md" 2>&1 |
+      grep -E "^machine|^\| $m" | tee -a "$OUT/bench.log"
+  done
+fi
+echo "== done in $((SECONDS - START)) s"
