@@ -495,8 +495,9 @@ family_pickers!(
 /// (with this CPU's AVX-VNNI): 2 where that is the i16 kernel (AVX2 without VNNI), 4 elsewhere.
 /// On an AMD Zen 3, alternating trial by trial from cache
 /// (`KERNEL=fused,fine cargo run --release -p kt-benches --example kgroup_cycles`), ns per block
-/// and row for MXFP4/NVFP4/GPTQ_INT4: one row 10.8/10.1/5.9 few against 13.1/11.8/8.7 many;
-/// two rows 7.8/10.5/6.7 against 7.4/7.6/6.7; three rows (few: 2 + 1) about 8.8 against 5.6.
+/// and row for MXFP4/NVFP4/GPTQ_INT4 (best trials, after the few-row kernel's folding): one row
+/// 6.8/9.4/5.8 few against 8.7/10.7/8.7 many; two rows 6.4/11.3/7.5 against 6.5/9.8/8.1;
+/// three rows (few: 2 + 1) about 8.8 against 5.6 before the folding.
 pub fn fine_few_rows(level: Level) -> usize {
     let wide = level >= Level::Avx2 && level < Level::Avx512Vnni && !avx_vnni();
     if wide && cfg!(target_arch = "x86_64") {
