@@ -19,7 +19,7 @@
 #   stream the stream path against the real driver (and the signalling probe, if built)
 #   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
 #   bench  `kt bench` at 2 threads, one method per process, while KT_GPU_BENCH_S lasts
-# Logs go to $OUT (the device tool brings them back) or /tmp/gpu-check.
+# Logs go to $OUT (the device tool brings back at most 8 files) or /tmp/gpu-check.
 set -u
 OUT="${OUT:-/tmp/gpu-check}"
 mkdir -p "$OUT"
@@ -54,14 +54,20 @@ if want cuda; then
     test_cuda_stream.py 2>&1) | tee "$OUT/cuda-tests.log" | tail -15
 fi
 if want isa; then
+  # In parallel (8 workers; serially these took over 200 s there, one of them 134 s), then the
+  # probe test alone: it times the machine's peaks, which parallel workers disturb.
+  # pytest-benchmark (installed there) refuses xdist under warnings-as-errors: off.
   echo "== the tests that need AVX-512 or AMX"
   (cd tests && timeout "${KT_GPU_ISA_S:-240}" python3 -m pytest -q -rs -p no:cacheprovider \
-    test_amx.py test_probe.py "test_bad_input.py::test_every_runnable_variant_and_two_subpools_end_to_end" \
+    -p no:benchmark -n 8 --durations=8 test_amx.py \
+    "test_bad_input.py::test_every_runnable_variant_and_two_subpools_end_to_end" \
     "test_fp8.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
     "test_kgroup.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
     "test_kgroup.py::test_cpu_info_names_the_decode_and_prefill_kernels" \
     "test_kgroup.py::test_backend_variables_select_the_avx2_kernels" 2>&1) |
     tee "$OUT/isa-tests.log" | tail -25
+  (cd tests && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider test_probe.py 2>&1) |
+    tee "$OUT/probe-tests.log" | tail -8
 fi
 if want stream; then
   echo "== stream path against the real driver"
@@ -86,7 +92,7 @@ if want bench; then
     [ $((budget_end - SECONDS)) -gt 40 ] || break
     echo "== kt bench $m, 2 threads"
     timeout $((budget_end - SECONDS)) python3 -m kt_kernel bench --threads 2 --methods "$m" \
-      --tokens 1 512 --layers 2 --no-torch --markdown "$OUT/bench-$m.md" 2>&1 |
+      --tokens 1 512 --layers 2 --no-torch 2>&1 |
       grep -E "^machine|^\| $m" | tee -a "$OUT/bench.log"
   done
 fi
