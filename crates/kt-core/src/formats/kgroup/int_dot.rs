@@ -891,6 +891,41 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Quarter `o` of block `blk` of a panel (8 rows × 8 inputs, 32 bytes) as the bytes of its
+    /// even and odd nibbles, each row's four in one i32 lane (looked up in `lut` where `LUT`);
+    /// on even quarters, a prefetch `dist` bytes ahead ([`crate::kernels::prefetch::ahead`];
+    /// 0: none).
+    ///
+    /// # Safety
+    /// AVX2; the block lies inside `codes`.
+    #[inline(always)]
+    unsafe fn quarter_bytes<const LUT: bool>(
+        codes: *const u8,
+        blk: usize,
+        o: usize,
+        dist: usize,
+        lut: __m256i,
+        nib: __m256i,
+    ) -> (__m256i, __m256i) {
+        // SAFETY: the contract; only inlined into functions with avx2 enabled.
+        unsafe {
+            let at = codes.add(blk * 128 + 32 * o);
+            if o.is_multiple_of(2) {
+                crate::kernels::prefetch::ahead(at, dist);
+            }
+            let d = _mm256_loadu_si256(at as *const __m256i);
+            let (we, wo) = (
+                _mm256_and_si256(d, nib),
+                _mm256_and_si256(_mm256_srli_epi32(d, 4), nib),
+            );
+            if LUT {
+                (_mm256_shuffle_epi8(lut, we), _mm256_shuffle_epi8(lut, wo))
+            } else {
+                (we, wo)
+            }
+        }
+    }
+
     /// A chunk's running sums of [`step`] as i32 lanes.
     ///
     /// # Safety
@@ -938,17 +973,7 @@ pub(crate) mod x86 {
                 let mut b = [[_mm256_setzero_si256(); 4]; R];
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                     for o in 0..4 {
-                        let at = codes.add(blk * 128 + 32 * o);
-                        if o % 2 == 0 {
-                            crate::kernels::prefetch::ahead(at, dist);
-                        }
-                        let d = _mm256_loadu_si256(at as *const __m256i);
-                        let mut we = _mm256_and_si256(d, nib);
-                        let mut wo = _mm256_and_si256(_mm256_srli_epi32(d, 4), nib);
-                        if LUT {
-                            we = _mm256_shuffle_epi8(lut, we);
-                            wo = _mm256_shuffle_epi8(lut, wo);
-                        }
+                        let (we, wo) = quarter_bytes::<LUT>(codes, blk, o, dist, lut, nib);
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
                             let rr = rows[r].add(k + 8 * blk) as *const i32;
@@ -1152,13 +1177,8 @@ pub(crate) mod x86 {
                     let mut a = [_mm256_setzero_si256(); R];
                     let mut b = [_mm256_setzero_si256(); R];
                     for blk in c * chunk / 8..(c + 1) * chunk / 8 {
-                        let d = _mm256_loadu_si256(codes.add(blk * 128 + 32 * o) as *const __m256i);
-                        let mut we = _mm256_and_si256(d, nib);
-                        let mut wo = _mm256_and_si256(_mm256_srli_epi32(d, 4), nib);
-                        if LUT {
-                            we = _mm256_shuffle_epi8(lut, we);
-                            wo = _mm256_shuffle_epi8(lut, wo);
-                        }
+                        // No prefetch: a panel is read once per call for all rows.
+                        let (we, wo) = quarter_bytes::<LUT>(codes, blk, o, 0, lut, nib);
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
                             a[r] = step::<M>(narrow, a[r], we, wo, word(x), word(x.add(1)));
@@ -1550,17 +1570,7 @@ pub(crate) mod x86 {
                 let mut pairs = [[[_mm256_setzero_si256(); 2]; 4]; R];
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                     for o in 0..4 {
-                        let at = codes.add(blk * 128 + 32 * o);
-                        if o % 2 == 0 {
-                            crate::kernels::prefetch::ahead(at, dist);
-                        }
-                        let d = _mm256_loadu_si256(at as *const __m256i);
-                        let mut we = _mm256_and_si256(d, nib);
-                        let mut wo = _mm256_and_si256(_mm256_srli_epi32(d, 4), nib);
-                        if LUT {
-                            we = _mm256_shuffle_epi8(lut, we);
-                            wo = _mm256_shuffle_epi8(lut, wo);
-                        }
+                        let (we, wo) = quarter_bytes::<LUT>(codes, blk, o, dist, lut, nib);
                         for r in 0..R {
                             let x = rows[r].add(8 * blk) as *const i32;
                             let rr = rows[r].add(k + 8 * blk) as *const i32;
