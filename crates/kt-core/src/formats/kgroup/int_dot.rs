@@ -837,7 +837,8 @@ pub(crate) mod x86 {
         const NARROW: bool = true;
         /// i16 lanes, where [`super::WeightBytes::narrow_sums_fit`] says they hold a chunk
         /// (int4 codes up to 32 inputs: 16·15·127 = 30480; E2M1 up to 16): a quarter fewer
-        /// multiplies per block, which is what limits a one-row decode on AMD Zen 3.
+        /// multiplies per block in the many-row 8-bit kernel (`gemm256`; the few-row kernel,
+        /// [`folded256`], keeps its own i16 pair sums).
         #[inline(always)]
         unsafe fn acc_narrow(
             a: __m256i,
