@@ -17,8 +17,11 @@
 #   isa    the Python tests that skip below AVX-512/AMX (hardware tiles against the emulator,
 #          every CPU variant, the bf16-dot panels, the probes)
 #   stream the stream path against the real driver (and the signalling probe, if built)
+#   probe  the yardstick against shared/limits/limits.c: the CPU topology, the reference under
+#          several OpenMP placements and run lengths, our probes at 1 and 2 threads
 #   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
 #   bench  `kt bench` at 2 threads, one method per process, while KT_GPU_BENCH_S lasts
+#          (KT_GPU_BENCH_METHODS, KT_GPU_BENCH_TOKENS: default "1 512")
 # Logs go to $OUT (the device tool brings back at most 8 files) or /tmp/gpu-check.
 set -u
 OUT="${OUT:-/tmp/gpu-check}"
@@ -69,6 +72,42 @@ if want isa; then
   (cd tests && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider test_probe.py 2>&1) |
     tee "$OUT/probe-tests.log" | tail -8
 fi
+if want probe && command -v gcc >/dev/null; then
+  echo "== probe: topology, then limits.c and our probes (int8 and fp32 FMA, 2 threads)"
+  {
+    gcc --version | head -1
+    lscpu -e=CPU,CORE,SOCKET,NODE,MAXMHZ | head -18
+    for c in 0 1 8; do
+      echo "cpu$c siblings: $(cat /sys/devices/system/cpu/cpu$c/topology/thread_siblings_list)"
+    done
+    gcc -O3 -march=native -fopenmp -o /tmp/kt_limits .gpu-shared/limits/limits.c
+    echo "vpdpbusd in the reference binary: $(objdump -d /tmp/kt_limits | grep -c vpdpbusd)"
+    for placement in "spread cores" "close cores" "unbound"; do
+      for mode in --quick --quick ""; do
+        read -r bind places <<<"$placement"
+        if [ "$bind" = unbound ]; then
+          line=$(/tmp/kt_limits $mode | grep -E "peak_(int8|fp32)" | grep -P "\t2\t" | tr '\n' ' ')
+        else
+          line=$(OMP_PROC_BIND=$bind OMP_PLACES=$places /tmp/kt_limits $mode |
+            grep -E "peak_(int8|fp32)" | grep -P "\t2\t" | tr '\n' ' ')
+        fi
+        echo "reference [$placement ${mode:-full}]: $line"
+      done
+    done
+    python3 - <<'PY'
+from kt_kernel import _kt_core
+for threads in (1, 2):
+    engine = _kt_core.Engine([threads], [0], False)
+    for _ in range(3):
+        int8 = engine.measure_peak_gflops("int8", 300)
+        fma = engine.measure_peak_gflops("fma", 300)
+        print(f"ours [{threads} threads]: int8 {int8:.0f} GOP/s, fma {fma:.0f} GFLOP/s")
+PY
+  } 2>&1 | tee "$OUT/probe-diag.log"
+  (cd tests && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider \
+    "test_probe.py::test_probes_agree_with_the_reference" 2>&1) | tee -a "$OUT/probe-diag.log" |
+    tail -6
+fi
 if want stream; then
   echo "== stream path against the real driver"
   timeout 120 python3 benches/stream_overhead.py --real-gpu --steps 200 2>&1 |
@@ -92,7 +131,7 @@ if want bench; then
     [ $((budget_end - SECONDS)) -gt 40 ] || break
     echo "== kt bench $m, 2 threads"
     timeout $((budget_end - SECONDS)) python3 -m kt_kernel bench --threads 2 --methods "$m" \
-      --tokens 1 512 --layers 2 --no-torch 2>&1 |
+      --tokens ${KT_GPU_BENCH_TOKENS:-1 512} --layers 2 --no-torch 2>&1 |
       grep -E "^machine|^\| $m" | tee -a "$OUT/bench.log"
   done
 fi

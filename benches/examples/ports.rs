@@ -4,7 +4,8 @@
 //! of the int8 kernel cost `vpsignb`, `vpmaddubsw`, `vpmaddwd` and `vpaddd`.
 //! Then the row mixes of the AVX2 15-bit many-row kernel (i16 activations, `vpmaddwd`): where
 //! its cycles per quarter block go (broadcast activation words, weights in registers or
-//! memory, the nibble unpacking).
+//! memory, the nibble unpacking), and the same products with tokens in the lanes (decoded
+//! weight pairs broadcast, two vectors of 8 tokens' activation pairs per input pair).
 //! `cargo run --release -p kt-benches --example ports`
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -130,6 +131,37 @@ mod x86 {
                     "vpaddd ymm6, ymm6, ymm7",
                     "vpaddd ymm4, ymm4, ymm6",
                     "vpaddd ymm\\r, ymm\\r, ymm4",
+                    ".endr"
+                ),
+            ),
+            (
+                "token lanes: per input pair 4 broadcast weight words x 2 vectors of 8 tokens",
+                per_iter_reading!(
+                    x,
+                    w,
+                    ".irp p,0,1",
+                    "vmovdqu ymm0, [{w} + 64*\\p]",
+                    "vmovdqu ymm1, [{w} + 64*\\p + 32]",
+                    "vpbroadcastd ymm2, dword ptr [{x} + 16*\\p + 0]",
+                    "vpmaddwd ymm6, ymm2, ymm0",
+                    "vpmaddwd ymm7, ymm2, ymm1",
+                    "vpaddd ymm8, ymm8, ymm6",
+                    "vpaddd ymm9, ymm9, ymm7",
+                    "vpbroadcastd ymm2, dword ptr [{x} + 16*\\p + 4]",
+                    "vpmaddwd ymm6, ymm2, ymm0",
+                    "vpmaddwd ymm7, ymm2, ymm1",
+                    "vpaddd ymm10, ymm10, ymm6",
+                    "vpaddd ymm11, ymm11, ymm7",
+                    "vpbroadcastd ymm2, dword ptr [{x} + 16*\\p + 8]",
+                    "vpmaddwd ymm6, ymm2, ymm0",
+                    "vpmaddwd ymm7, ymm2, ymm1",
+                    "vpaddd ymm12, ymm12, ymm6",
+                    "vpaddd ymm13, ymm13, ymm7",
+                    "vpbroadcastd ymm2, dword ptr [{x} + 16*\\p + 12]",
+                    "vpmaddwd ymm6, ymm2, ymm0",
+                    "vpmaddwd ymm7, ymm2, ymm1",
+                    "vpaddd ymm14, ymm14, ymm6",
+                    "vpaddd ymm15, ymm15, ymm7",
                     ".endr"
                 ),
             ),
