@@ -1,7 +1,7 @@
 //! Diagnostic: how fast does the group-scaled 4-bit decode kernel (MXFP4, one row) stream
 //! panels from DRAM, against the read probe in the same minute? Large buffers (no layer
-//! structure: one long run of panels per thread). `cargo run --release -p kt-benches --example
-//! kgroup_stream`
+//! structure: one long run of panels per thread; `THREADS`, default 2). `cargo run --release -p
+//! kt-benches --example kgroup_stream`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::kgroup::int_dot::{int_fused_for, prepare_row, row_bytes, WeightBytes};
 use kt_core::kernels::KernelSet;
@@ -9,7 +9,7 @@ use kt_core::pack::AlignedBuf;
 use std::time::Instant;
 
 fn main() {
-    let pool = kt_benches::pool(2);
+    let pool = kt_benches::pool(kt_benches::env_or("THREADS", 2));
     let (k, chunk, group) = (2048usize, 32usize, 32usize);
     let panel = 16 * k; // 4-bit codes of a 32-row panel
     let panel_scales = 32 * (k / group);
