@@ -1428,6 +1428,33 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Quarter `o` of block `blk` as the i16 weight pairs of its 8 rows, one vector per pair
+    /// of inputs `(0,4) (2,6) (1,5) (3,7)` ([`super::WIDE_SLOTS`]): the looked-up bytes of the
+    /// even and odd nibbles ([`quarter_bytes`], `lut` the signed values), each byte
+    /// sign-extended in its 16-bit lane.
+    ///
+    /// # Safety
+    /// AVX2; the block lies inside `codes`.
+    #[inline(always)]
+    unsafe fn signed_pairs(
+        codes: *const u8,
+        blk: usize,
+        o: usize,
+        lut: __m256i,
+        nib: __m256i,
+    ) -> [__m256i; 4] {
+        // SAFETY: the contract; only inlined into functions with avx2 enabled.
+        unsafe {
+            let (even, odd) = quarter_bytes::<true>(codes, blk, o, 0, lut, nib);
+            [
+                _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8),
+                _mm256_srai_epi16(even, 8),
+                _mm256_srai_epi16(_mm256_slli_epi16(odd, 8), 8),
+                _mm256_srai_epi16(odd, 8),
+            ]
+        }
+    }
+
     /// Per-call scratch, all in L1: the chunk's unpacked weights `[quarter][block][pair
     /// slot]` (8 outputs per vector; a quarter's (block, slot) steps contiguous), the transposed activation words `[token group][block]
     /// [word]`, the running totals `[output][token group]`, the chunk's weight scales and
@@ -1472,19 +1499,7 @@ pub(crate) mod x86 {
                 let blk0 = c * chunk / 8;
                 for b in 0..blocks {
                     for o in 0..4 {
-                        let at = codes.add((blk0 + b) * 128 + 32 * o);
-                        let d = _mm256_loadu_si256(at as *const __m256i);
-                        let even = _mm256_shuffle_epi8(lut, _mm256_and_si256(d, nib));
-                        let odd = _mm256_shuffle_epi8(
-                            lut,
-                            _mm256_and_si256(_mm256_srli_epi16(d, 4), nib),
-                        );
-                        sc.weights[o][b] = [
-                            _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8),
-                            _mm256_srai_epi16(even, 8),
-                            _mm256_srai_epi16(_mm256_slli_epi16(odd, 8), 8),
-                            _mm256_srai_epi16(odd, 8),
-                        ];
+                        sc.weights[o][b] = signed_pairs(codes, blk0 + b, o, lut, nib);
                     }
                 }
                 for tg in 0..groups {
@@ -1624,16 +1639,7 @@ pub(crate) mod x86 {
                 for o in 0..4 {
                     let mut acc = [_mm256_setzero_si256(); R];
                     for blk in c * chunk / 8..(c + 1) * chunk / 8 {
-                        let d = _mm256_loadu_si256(codes.add(blk * 128 + 32 * o) as *const __m256i);
-                        let even = _mm256_shuffle_epi8(lut, _mm256_and_si256(d, nib));
-                        let odd = _mm256_shuffle_epi8(
-                            lut,
-                            _mm256_and_si256(_mm256_srli_epi16(d, 4), nib),
-                        );
-                        let w04 = _mm256_srai_epi16(_mm256_slli_epi16(even, 8), 8);
-                        let w26 = _mm256_srai_epi16(even, 8);
-                        let w15 = _mm256_srai_epi16(_mm256_slli_epi16(odd, 8), 8);
-                        let w37 = _mm256_srai_epi16(odd, 8);
+                        let [w04, w26, w15, w37] = signed_pairs(codes, blk, o, lut, nib);
                         for r in 0..R {
                             let x = x16[r].add(4 * blk);
                             let s0 = _mm256_add_epi32(
