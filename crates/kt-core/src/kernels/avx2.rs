@@ -1,20 +1,29 @@
 //! AVX2 + FMA kernels: bf16 weights widened to fp32 in registers, fp32 FMA.
 use std::arch::x86_64::*;
 
-/// Token rows per call (16 ymm registers: 8 accumulators, 4 weight vectors, a broadcast).
-pub const ROWS: usize = 4;
+/// Token rows per call: any number up to the largest block, which the kernel runs as
+/// five-row (or fewer) register blocks over each k chunk of the panel.
+pub const ROWS: usize = super::MAX_ROWS;
+
+/// Rows per register block of the many-row kernel ([`five_row_pairs`]: all sixteen ymm
+/// registers).
+const BLOCK: usize = 5;
 
 /// fp32-FMA panel dot product (see [`super::PanelDotFn`]).
 ///
 /// # Safety
 /// AVX2 and FMA available; the [`super::PanelDotFn`] contract.
 pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
-    // SAFETY: forwarded; each arm passes exactly R pointers.
+    assert!(
+        a_rows.len() <= ROWS,
+        "avx2 panel_dot_fma takes at most {ROWS} rows"
+    );
+    // SAFETY: forwarded.
     unsafe {
         if a_rows.len() == 1 {
             return dot_one_row(a_rows[0], k, panel, out);
         }
-        super::dispatch_rows!(dot_rows, "avx2 panel_dot_fma", a_rows, (a_rows, k, panel, out); 2 3 4)
+        many_rows(a_rows, k, panel, out)
     }
 }
 
@@ -54,52 +63,287 @@ unsafe fn dot_one_row(a: *const f32, k: usize, panel: *const u16, out: *mut f32)
     }
 }
 
-/// One half (16 outputs) of the panel per pass keeps the accumulators in registers.
+/// Input pairs per k chunk: 8 KiB of panel (both halves) and 512 bytes of each row, so a
+/// chunk's panel lines and all 32 rows' inputs stay in L1 while every register block of rows
+/// reads them.
+const CHUNK_PAIRS: usize = 64;
+
+/// Many rows, k chunk by k chunk: every register block of rows ([`super::even_block`] of at
+/// most five) takes the chunk before the next chunk is read. The panel then streams from
+/// memory once per call at the pace of all the rows' FMAs, where a call per row block would
+/// stream it at one block's pace the first time (memory-bound) and find it in L2 after. A
+/// chunk after the first reloads each block's sums from `out`, so every lane still adds its
+/// products in the twin's order: `x0·even`, then `x1·odd`, per pair.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `a_rows` holds exactly `R` pointers; the rest is the
-/// [`super::PanelDotFn`] contract.
+/// The CPU has AVX2 and FMA; 2 to [`ROWS`] rows; the rest is the [`super::PanelDotFn`]
+/// contract.
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-unsafe fn dot_rows<const R: usize>(
-    a_rows: &[*const f32],
-    k: usize,
-    panel: *const u16,
-    out: *mut f32,
-) {
-    let mut a = [std::ptr::null::<f32>(); R];
-    a.copy_from_slice(&a_rows[..R]);
-    let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    // The first pass prefetches both lines of each input pair; the second finds them cached.
-    let pf = super::prefetch::distance();
-    for h in 0..2 {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        let pf = if h == 0 { pf } else { 0 };
-        for q in 0..k / 2 {
-            // SAFETY: within the panel and rows by the contract.
-            unsafe {
-                let p = panel.add(q * 64 + h * 32);
-                super::prefetch::ahead(p as *const u8, pf);
-                super::prefetch::ahead(p.add(32) as *const u8, pf);
-                for g in 0..2 {
-                    let w = _mm256_loadu_si256(p.add(g * 16) as *const __m256i);
-                    let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                    let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-                    for r in 0..R {
-                        let x0 = _mm256_broadcast_ss(&*a[r].add(2 * q));
-                        let x1 = _mm256_broadcast_ss(&*a[r].add(2 * q + 1));
-                        acc[r][g] = _mm256_fmadd_ps(x0, w_even, acc[r][g]);
-                        acc[r][g] = _mm256_fmadd_ps(x1, w_odd, acc[r][g]);
+unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
+    static HI_MASK: [u32; 8] = [0xFFFF_0000; 8];
+    let (distance, into_l2) = super::prefetch::describe(super::prefetch::distance());
+    let pairs = k / 2;
+    let mut c0 = 0;
+    while c0 < pairs {
+        let n = CHUNK_PAIRS.min(pairs - c0);
+        // The next chunk's panel lines (or, after the last chunk, as many lines past the
+        // panel: the next panel a task reads usually lies there), a share before each block,
+        // so memory fetches them while all the blocks compute on this chunk.
+        let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
+        let next_lines = CHUNK_PAIRS * 128 / 64;
+        let blocks = a_rows.len().div_ceil(BLOCK);
+        let mut r0 = 0;
+        let mut b = 0;
+        while r0 < a_rows.len() {
+            let nr = super::even_block(a_rows.len() - r0, BLOCK);
+            for line in b * next_lines / blocks..(b + 1) * next_lines / blocks {
+                super::prefetch::line_into_l2(next.wrapping_add(line * 64));
+            }
+            b += 1;
+            let mut rows = [std::ptr::null::<f32>(); BLOCK];
+            for (dst, &src) in rows.iter_mut().zip(&a_rows[r0..r0 + nr]) {
+                // SAFETY: pair c0 lies within every row (the contract).
+                *dst = unsafe { src.add(2 * c0) };
+            }
+            for h in 0..2 {
+                // The first chunk's lines: the first block's first half prefetches both lines
+                // of each input pair as it goes. Later chunks were fetched during the chunk
+                // before.
+                let fetch = if c0 == 0 && r0 == 0 && h == 0 && distance > 0 {
+                    if into_l2 {
+                        Fetch::IntoL2
+                    } else {
+                        Fetch::IntoL1
+                    }
+                } else {
+                    Fetch::Off
+                };
+                // The first of this half's 8-lane groups of block row 0 in `out`.
+                let sums = out.wrapping_add(r0 * 32 + h * 16);
+                // SAFETY: pairs c0..c0+n lie within every row and the panel (the contract);
+                // `sums` leads nr rows of 32 outputs; the five-row mask is 8 u32.
+                unsafe {
+                    let p = panel.add(c0 * 64 + h * 32);
+                    match nr {
+                        5 => {
+                            let mut acc = load_sums::<10>(sums, c0 > 0);
+                            five_row_pairs(fetch, rows, p, n, distance, HI_MASK.as_ptr(), &mut acc);
+                            store_sums(sums, &acc);
+                        }
+                        4 => few_rows::<4, 8>(fetch, &rows, p, n, distance, sums, c0 > 0),
+                        3 => few_rows::<3, 6>(fetch, &rows, p, n, distance, sums, c0 > 0),
+                        2 => few_rows::<2, 4>(fetch, &rows, p, n, distance, sums, c0 > 0),
+                        _ => few_rows::<1, 2>(fetch, &rows, p, n, distance, sums, c0 > 0),
                     }
                 }
             }
+            r0 += nr;
         }
-        for (r, row) in acc.iter().enumerate() {
-            // SAFETY: out holds 32 floats per row.
-            unsafe {
-                _mm256_storeu_ps(out.add(r * 32 + h * 16), row[0]);
-                _mm256_storeu_ps(out.add(r * 32 + h * 16 + 8), row[1]);
+        c0 += n;
+    }
+}
+
+/// The `S = 2·rows` 8-lane sums of a register block (`acc[2r + g]` at `sums + 32r + 8g`), or
+/// zeros for the first chunk.
+///
+/// # Safety
+/// AVX2; with `reload`, `sums` leads `S / 2` rows of 32 readable floats.
+#[target_feature(enable = "avx2")]
+unsafe fn load_sums<const S: usize>(sums: *const f32, reload: bool) -> [__m256; S] {
+    let mut acc = [_mm256_setzero_ps(); S];
+    if reload {
+        for (i, v) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller's contract.
+            *v = unsafe { _mm256_loadu_ps(sums.add((i / 2) * 32 + (i % 2) * 8)) };
+        }
+    }
+    acc
+}
+
+/// Store what [`load_sums`] loads.
+///
+/// # Safety
+/// AVX2; `sums` leads `S / 2` rows of 32 writable floats.
+#[target_feature(enable = "avx2")]
+unsafe fn store_sums<const S: usize>(sums: *mut f32, acc: &[__m256; S]) {
+    for (i, v) in acc.iter().enumerate() {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_storeu_ps(sums.add((i / 2) * 32 + (i % 2) * 8), *v) };
+    }
+}
+
+/// Up to four rows (`S = 2R` accumulators, 8 + 4 weight vectors + a broadcast at four: LLVM
+/// keeps them in registers) over `n` input pairs of one half at `p`, adding into (or, for
+/// the first chunk, writing) the sums at `sums`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `rows[..R]` each have `2n` readable f32 and the panel
+/// 128·n − 64 readable bytes after `p`; `sums` leads R rows of 32 floats.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
+unsafe fn few_rows<const R: usize, const S: usize>(
+    fetch: Fetch,
+    rows: &[*const f32; BLOCK],
+    p: *const u16,
+    n: usize,
+    distance: usize,
+    sums: *mut f32,
+    reload: bool,
+) {
+    let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    // SAFETY: the caller's contract.
+    let mut acc = unsafe { load_sums::<S>(sums, reload) };
+    for q in 0..n {
+        // SAFETY: within the panel and rows by the contract; prefetches do not fault.
+        unsafe {
+            let w_at = p.add(q * 64);
+            match fetch {
+                Fetch::Off => {}
+                Fetch::IntoL1 | Fetch::IntoL2 => {
+                    let into = distance | usize::from(matches!(fetch, Fetch::IntoL2));
+                    super::prefetch::ahead(w_at as *const u8, into);
+                    super::prefetch::ahead(w_at.add(32) as *const u8, into);
+                }
             }
+            for g in 0..2 {
+                let w = _mm256_loadu_si256(w_at.add(g * 16) as *const __m256i);
+                let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+                for r in 0..R {
+                    let x0 = _mm256_broadcast_ss(&*rows[r].add(2 * q));
+                    let x1 = _mm256_broadcast_ss(&*rows[r].add(2 * q + 1));
+                    acc[2 * r + g] = _mm256_fmadd_ps(x0, w_even, acc[2 * r + g]);
+                    acc[2 * r + g] = _mm256_fmadd_ps(x1, w_odd, acc[2 * r + g]);
+                }
+            }
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { store_sums(sums, &acc) };
+}
+
+/// Software prefetch of the five-row loop.
+#[derive(Clone, Copy)]
+enum Fetch {
+    Off,
+    IntoL1,
+    IntoL2,
+}
+
+/// The five-row loop body over `n ≥ 1` input pairs, with the prefetch lines given.
+macro_rules! five_row_loop {
+    ($rows:expr, $p:expr, $n:expr, $distance:expr, $mask:expr, $acc:expr; $($prefetch:literal),*) => {
+        std::arch::asm!(
+            "2:",
+            $($prefetch,)*
+            "vmovdqu ymm10, ymmword ptr [{p}]",
+            "vmovdqu ymm12, ymmword ptr [{p} + 32]",
+            "vpand ymm11, ymm10, ymmword ptr [{mask}]",
+            "vpslld ymm10, ymm10, 16",
+            "vpand ymm13, ymm12, ymmword ptr [{mask}]",
+            "vpslld ymm12, ymm12, 16",
+            "vbroadcastss ymm14, dword ptr [{a0} + {off}]",
+            "vbroadcastss ymm15, dword ptr [{a0} + {off} + 4]",
+            "vfmadd231ps ymm0, ymm14, ymm10",
+            "vfmadd231ps ymm1, ymm14, ymm12",
+            "vfmadd231ps ymm0, ymm15, ymm11",
+            "vfmadd231ps ymm1, ymm15, ymm13",
+            "vbroadcastss ymm14, dword ptr [{a1} + {off}]",
+            "vbroadcastss ymm15, dword ptr [{a1} + {off} + 4]",
+            "vfmadd231ps ymm2, ymm14, ymm10",
+            "vfmadd231ps ymm3, ymm14, ymm12",
+            "vfmadd231ps ymm2, ymm15, ymm11",
+            "vfmadd231ps ymm3, ymm15, ymm13",
+            "vbroadcastss ymm14, dword ptr [{a2} + {off}]",
+            "vbroadcastss ymm15, dword ptr [{a2} + {off} + 4]",
+            "vfmadd231ps ymm4, ymm14, ymm10",
+            "vfmadd231ps ymm5, ymm14, ymm12",
+            "vfmadd231ps ymm4, ymm15, ymm11",
+            "vfmadd231ps ymm5, ymm15, ymm13",
+            "vbroadcastss ymm14, dword ptr [{a3} + {off}]",
+            "vbroadcastss ymm15, dword ptr [{a3} + {off} + 4]",
+            "vfmadd231ps ymm6, ymm14, ymm10",
+            "vfmadd231ps ymm7, ymm14, ymm12",
+            "vfmadd231ps ymm6, ymm15, ymm11",
+            "vfmadd231ps ymm7, ymm15, ymm13",
+            "vbroadcastss ymm14, dword ptr [{a4} + {off}]",
+            "vbroadcastss ymm15, dword ptr [{a4} + {off} + 4]",
+            "vfmadd231ps ymm8, ymm14, ymm10",
+            "vfmadd231ps ymm9, ymm14, ymm12",
+            "vfmadd231ps ymm8, ymm15, ymm11",
+            "vfmadd231ps ymm9, ymm15, ymm13",
+            "add {p}, 128",
+            "add {off}, 8",
+            "dec {n}",
+            "jnz 2b",
+            p = inout(reg) $p => _,
+            n = inout(reg) $n => _,
+            off = inout(reg) 0usize => _,
+            distance = in(reg) $distance,
+            mask = in(reg) $mask,
+            a0 = in(reg) $rows[0],
+            a1 = in(reg) $rows[1],
+            a2 = in(reg) $rows[2],
+            a3 = in(reg) $rows[3],
+            a4 = in(reg) $rows[4],
+            inout("ymm0") $acc[0],
+            inout("ymm1") $acc[1],
+            inout("ymm2") $acc[2],
+            inout("ymm3") $acc[3],
+            inout("ymm4") $acc[4],
+            inout("ymm5") $acc[5],
+            inout("ymm6") $acc[6],
+            inout("ymm7") $acc[7],
+            inout("ymm8") $acc[8],
+            inout("ymm9") $acc[9],
+            out("ymm10") _,
+            out("ymm11") _,
+            out("ymm12") _,
+            out("ymm13") _,
+            out("ymm14") _,
+            out("ymm15") _,
+            options(nostack, readonly),
+        )
+    };
+}
+
+/// `acc[2r + g]` += row r's products with the 8 lanes of group g of the half at `p`, over `n`
+/// input pairs (pair i: `rows[r][2i]`, `rows[r][2i + 1]`; panel bytes `p + 128·i ..+ 64`).
+///
+/// Per input pair the two weight vectors of the half, even and odd, are widened once and each
+/// row's two broadcasts serve both (ten accumulators, four weight vectors, two broadcasts: all
+/// sixteen registers). Each accumulator takes two dependent FMAs per pair, so ten chains cover
+/// the FMA latency where the eight of four rows did not, and the loads per pair fall from
+/// 2R + 2 to R + 2. The loop is assembly because LLVM hoists every row's broadcasts ahead of
+/// the FMAs and spills the accumulators (measured: 1.5× slower than four rows).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `n ≥ 1`; each row has `2n` readable f32 and the panel 128·n − 64
+/// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)] // the loop's registers
+unsafe fn five_row_pairs(
+    fetch: Fetch,
+    rows: [*const f32; 5],
+    p: *const u16,
+    n: usize,
+    distance: usize,
+    mask: *const u32,
+    acc: &mut [__m256; 10],
+) {
+    debug_assert!(n >= 1);
+    // SAFETY: the caller's contract; the assembly reads only what it states and writes only
+    // the registers it names.
+    unsafe {
+        match fetch {
+            // The comment names the operand the other arms use.
+            Fetch::Off => five_row_loop!(rows, p, n, distance, mask, acc; "/* {distance} */"),
+            Fetch::IntoL1 => five_row_loop!(rows, p, n, distance, mask, acc;
+                "prefetcht0 byte ptr [{p} + {distance}]",
+                "prefetcht0 byte ptr [{p} + {distance} + 64]"),
+            Fetch::IntoL2 => five_row_loop!(rows, p, n, distance, mask, acc;
+                "prefetcht1 byte ptr [{p} + {distance}]",
+                "prefetcht1 byte ptr [{p} + {distance} + 64]"),
         }
     }
 }

@@ -26,6 +26,13 @@ macro_rules! dispatch_rows {
 }
 pub(crate) use dispatch_rows;
 
+/// The rows of the next register block with `left` rows to go, at most `block`: the rows left
+/// split into as few blocks as `block` allows, as evenly as they go (32 rows at 5:
+/// 5,5,5,5,4,4,4, not six 5s and a 2, which runs at about half the rate).
+pub(crate) fn even_block(left: usize, block: usize) -> usize {
+    left.div_ceil(left.div_ceil(block))
+}
+
 pub mod amx;
 pub mod calibrate;
 pub mod group_dot;

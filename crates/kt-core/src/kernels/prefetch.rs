@@ -279,6 +279,12 @@ pub(crate) fn ahead(p: *const u8, distance: usize) {
     }
 }
 
+/// Prefetch the line at `p` into L2 (the address may lie past the end of the buffer).
+#[inline(always)]
+pub(crate) fn line_into_l2(p: *const u8) {
+    prefetch_with::<INTO_L2_HINT>(p);
+}
+
 /// Prefetch every line of the `bytes` bytes at `p` (for data about to be read and written
 /// at scattered places, which the hardware prefetchers cannot predict).
 #[inline(always)]

@@ -1,8 +1,9 @@
 //! Scalar oracles. Plain loops, the same summation order as the SIMD kernels.
 use crate::dtype::{bf16_bits_to_f32, f32_to_bf16_bits};
 
-/// Row block of the scalar kernels.
-pub const ROWS: usize = 16;
+/// Row block of the scalar kernels: the largest any kernel takes, so every twin test can
+/// compare whole blocks.
+pub const ROWS: usize = super::MAX_ROWS;
 
 /// fp32-FMA panel dot: per output, one `mul_add` chain over k (input 2q, then 2q+1).
 ///

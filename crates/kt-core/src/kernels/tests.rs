@@ -195,3 +195,35 @@ fn formats_choose_the_amx_threshold_unless_it_was_asked_for() {
         AMX_MIN_ROWS
     );
 }
+
+#[test]
+fn even_blocks_cover_the_rows_in_as_few_blocks_as_full_ones() {
+    for block in 1..=8 {
+        for rows in 1..=70 {
+            let mut sizes = Vec::new();
+            let mut left = rows;
+            while left > 0 {
+                let nr = even_block(left, block);
+                assert!(
+                    (1..=block).contains(&nr),
+                    "{rows} rows at {block}: block {nr}"
+                );
+                sizes.push(nr);
+                left -= nr;
+            }
+            assert_eq!(sizes.len(), rows.div_ceil(block), "{rows} rows at {block}");
+            let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(hi - lo <= 1, "{rows} rows at {block}: {sizes:?}");
+        }
+    }
+    let mut left = 32;
+    let sizes: Vec<usize> = std::iter::from_fn(|| {
+        (left > 0).then(|| {
+            let nr = even_block(left, 5);
+            left -= nr;
+            nr
+        })
+    })
+    .collect();
+    assert_eq!(sizes, [5, 5, 5, 5, 4, 4, 4]);
+}

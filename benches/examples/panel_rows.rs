@@ -1,0 +1,47 @@
+//! Diagnostic: the fp32-FMA panel kernel's GFLOP/s on one thread, `ROWS` token rows per panel
+//! in calls of the kernel's row block, over `PANELS` distinct panels of `K` inputs (1: from
+//! cache; thousands: streamed from memory as a prefill streams experts).
+//! `ROWS=32 PANELS=2000 cargo run --release -p kt-benches --example panel_rows`
+use kt_core::kernels::KernelSet;
+use kt_core::rng::Rng;
+use std::time::Instant;
+
+fn main() {
+    let k: usize = kt_benches::env_or("K", 2048);
+    let rows: usize = kt_benches::env_or("ROWS", 32);
+    let panels: usize = kt_benches::env_or("PANELS", 1);
+    let set = KernelSet::best().unwrap();
+    let mut rng = Rng::new(3);
+    let one: Vec<u16> = (0..32 * k)
+        .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal()))
+        .collect();
+    let all: Vec<u16> = one.iter().copied().cycle().take(panels * 32 * k).collect();
+    let a: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
+    let refs: Vec<&[f32]> = a.iter().map(|r| r.as_slice()).collect();
+    let mut out = vec![0f32; rows * 32];
+    let block = set.rows_per_block();
+    let reps = (200_000_000 / (rows * k * panels)).max(1);
+    let mut times = Vec::new();
+    for _ in 0..9 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            for panel in all.chunks_exact(32 * k) {
+                let mut r0 = 0;
+                while r0 < rows {
+                    let nr = block.min(rows - r0);
+                    set.panel_dot(&refs[r0..r0 + nr], panel, &mut out[r0 * 32..]);
+                    r0 += nr;
+                }
+            }
+        }
+        times.push(t.elapsed().as_secs_f64() / (reps * panels) as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    let flops = 2.0 * (rows * 32 * k) as f64;
+    println!(
+        "{} rows={rows} (calls of {block}) k={k} panels={panels}: median {:.1} GFLOP/s, best {:.1}",
+        set.name(),
+        flops / times[4] / 1e9,
+        flops / times[0] / 1e9
+    );
+}
