@@ -83,6 +83,12 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
     static HI_MASK: [u32; 8] = [0xFFFF_0000; 8];
     let (distance, into_l2) = super::prefetch::describe(super::prefetch::distance());
     let pairs = k / 2;
+    if pairs == 0 {
+        // No inputs: every sum is zero (the chunk loop below would leave `out` as it was).
+        // SAFETY: out holds 32 floats per row.
+        unsafe { std::ptr::write_bytes(out, 0, a_rows.len() * 32) };
+        return;
+    }
     let mut c0 = 0;
     while c0 < pairs {
         let n = CHUNK_PAIRS.min(pairs - c0);

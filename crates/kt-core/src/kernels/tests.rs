@@ -63,6 +63,13 @@ fn fma_kernels_match_scalar_twin_bit_exactly() {
     for level in runnable_levels() {
         let set = KernelSet::for_level(level).unwrap();
         check_fma_against_twin(&set, &[2, 34, 256, 1030]);
+        // No inputs: zeros, whatever `out` held.
+        for rows in [1, 2, 5, set.rows_per_block()] {
+            let empty: Vec<&[f32]> = vec![&[]; rows];
+            let mut out = vec![f32::NAN; rows * 32];
+            set.panel_dot(&empty, &[], &mut out);
+            assert!(out.iter().all(|&v| v == 0.0), "{} rows={rows}", set.name());
+        }
     }
 }
 
