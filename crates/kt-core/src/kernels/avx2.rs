@@ -81,7 +81,7 @@ const CHUNK_PAIRS: usize = 64;
 #[target_feature(enable = "avx2,fma")]
 unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
     static HI_MASK: [u32; 8] = [0xFFFF_0000; 8];
-    let (distance, into_l2) = super::prefetch::describe(super::prefetch::distance());
+    let setting = super::prefetch::distance();
     let pairs = k / 2;
     if pairs == 0 {
         // No inputs: every sum is zero (the chunk loop below would leave `out` as it was).
@@ -115,14 +115,10 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
                 // The first chunk's lines: the first block's first half prefetches both lines
                 // of each input pair as it goes. Later chunks were fetched during the chunk
                 // before.
-                let fetch = if c0 == 0 && r0 == 0 && h == 0 && distance > 0 {
-                    if into_l2 {
-                        Fetch::IntoL2
-                    } else {
-                        Fetch::IntoL1
-                    }
+                let fetch = if c0 == 0 && r0 == 0 && h == 0 {
+                    setting
                 } else {
-                    Fetch::Off
+                    0
                 };
                 // The first of this half's 8-lane groups of block row 0 in `out`.
                 let sums = out.wrapping_add(r0 * 32 + h * 16);
@@ -133,13 +129,13 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
                     match nr {
                         5 => {
                             let mut acc = load_sums::<10>(sums, c0 > 0);
-                            five_row_pairs(fetch, rows, p, n, distance, HI_MASK.as_ptr(), &mut acc);
+                            five_row_pairs(fetch, rows, p, n, HI_MASK.as_ptr(), &mut acc);
                             store_sums(sums, &acc);
                         }
-                        4 => few_rows::<4, 8>(fetch, &rows, p, n, distance, sums, c0 > 0),
-                        3 => few_rows::<3, 6>(fetch, &rows, p, n, distance, sums, c0 > 0),
-                        2 => few_rows::<2, 4>(fetch, &rows, p, n, distance, sums, c0 > 0),
-                        _ => few_rows::<1, 2>(fetch, &rows, p, n, distance, sums, c0 > 0),
+                        4 => few_rows::<4, 8>(fetch, &rows, p, n, sums, c0 > 0),
+                        3 => few_rows::<3, 6>(fetch, &rows, p, n, sums, c0 > 0),
+                        2 => few_rows::<2, 4>(fetch, &rows, p, n, sums, c0 > 0),
+                        _ => few_rows::<1, 2>(fetch, &rows, p, n, sums, c0 > 0),
                     }
                 }
             }
@@ -180,7 +176,8 @@ unsafe fn store_sums<const S: usize>(sums: *mut f32, acc: &[__m256; S]) {
 
 /// Up to four rows (`S = 2R` accumulators, 8 + 4 weight vectors + a broadcast at four: LLVM
 /// keeps them in registers) over `n` input pairs of one half at `p`, adding into (or, for
-/// the first chunk, writing) the sums at `sums`.
+/// the first chunk, writing) the sums at `sums`; `fetch` is a prefetch setting
+/// ([`super::prefetch::set_of`], 0 = none).
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `rows[..R]` each have `2n` readable f32 and the panel
@@ -188,11 +185,10 @@ unsafe fn store_sums<const S: usize>(sums: *mut f32, acc: &[__m256; S]) {
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn few_rows<const R: usize, const S: usize>(
-    fetch: Fetch,
+    fetch: usize,
     rows: &[*const f32; BLOCK],
     p: *const u16,
     n: usize,
-    distance: usize,
     sums: *mut f32,
     reload: bool,
 ) {
@@ -203,14 +199,8 @@ unsafe fn few_rows<const R: usize, const S: usize>(
         // SAFETY: within the panel and rows by the contract; prefetches do not fault.
         unsafe {
             let w_at = p.add(q * 64);
-            match fetch {
-                Fetch::Off => {}
-                Fetch::IntoL1 | Fetch::IntoL2 => {
-                    let into = distance | usize::from(matches!(fetch, Fetch::IntoL2));
-                    super::prefetch::ahead(w_at as *const u8, into);
-                    super::prefetch::ahead(w_at.add(32) as *const u8, into);
-                }
-            }
+            super::prefetch::ahead(w_at as *const u8, fetch);
+            super::prefetch::ahead(w_at.add(32) as *const u8, fetch);
             for g in 0..2 {
                 let w = _mm256_loadu_si256(w_at.add(g * 16) as *const __m256i);
                 let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
@@ -226,14 +216,6 @@ unsafe fn few_rows<const R: usize, const S: usize>(
     }
     // SAFETY: the caller's contract.
     unsafe { store_sums(sums, &acc) };
-}
-
-/// Software prefetch of the five-row loop.
-#[derive(Clone, Copy)]
-enum Fetch {
-    Off,
-    IntoL1,
-    IntoL2,
 }
 
 /// The five-row loop body over `n ≥ 1` input pairs, with the prefetch lines given.
@@ -325,29 +307,29 @@ macro_rules! five_row_loop {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `n ≥ 1`; each row has `2n` readable f32 and the panel 128·n − 64
-/// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`.
+/// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`. `fetch` is a prefetch
+/// setting ([`super::prefetch::set_of`], 0 = none).
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)] // the loop's registers
 unsafe fn five_row_pairs(
-    fetch: Fetch,
+    fetch: usize,
     rows: [*const f32; 5],
     p: *const u16,
     n: usize,
-    distance: usize,
     mask: *const u32,
     acc: &mut [__m256; 10],
 ) {
     debug_assert!(n >= 1);
+    let (distance, into_l2) = super::prefetch::describe(fetch);
     // SAFETY: the caller's contract; the assembly reads only what it states and writes only
     // the registers it names.
     unsafe {
-        match fetch {
+        match (distance, into_l2) {
             // The comment names the operand the other arms use.
-            Fetch::Off => five_row_loop!(rows, p, n, distance, mask, acc; "/* {distance} */"),
-            Fetch::IntoL1 => five_row_loop!(rows, p, n, distance, mask, acc;
+            (0, _) => five_row_loop!(rows, p, n, distance, mask, acc; "/* {distance} */"),
+            (_, false) => five_row_loop!(rows, p, n, distance, mask, acc;
                 "prefetcht0 byte ptr [{p} + {distance}]",
                 "prefetcht0 byte ptr [{p} + {distance} + 64]"),
-            Fetch::IntoL2 => five_row_loop!(rows, p, n, distance, mask, acc;
+            (_, true) => five_row_loop!(rows, p, n, distance, mask, acc;
                 "prefetcht1 byte ptr [{p} + {distance}]",
                 "prefetcht1 byte ptr [{p} + {distance} + 64]"),
         }
