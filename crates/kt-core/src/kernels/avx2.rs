@@ -80,7 +80,6 @@ const CHUNK_PAIRS: usize = 64;
 /// contract.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
-    static HI_MASK: [u32; 8] = [0xFFFF_0000; 8];
     let setting = super::prefetch::distance();
     let pairs = k / 2;
     if pairs == 0 {
@@ -89,59 +88,94 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
         unsafe { std::ptr::write_bytes(out, 0, a_rows.len() * 32) };
         return;
     }
+    let mut rows = [std::ptr::null::<f32>(); ROWS];
     let mut c0 = 0;
     while c0 < pairs {
         let n = CHUNK_PAIRS.min(pairs - c0);
-        // The next chunk's panel lines (or, after the last chunk, as many lines past the
-        // panel: the next panel a task reads usually lies there), a share before each block,
-        // so memory fetches them while all the blocks compute on this chunk.
+        for (dst, &src) in rows.iter_mut().zip(a_rows) {
+            // Pair c0 of each row (inside it by the contract).
+            *dst = src.wrapping_add(2 * c0);
+        }
+        // The first chunk's lines: the first block's first half prefetches both lines of
+        // each input pair as it goes. Later chunks were fetched during the chunk before; the
+        // lines after the last chunk are the next panel's a task usually reads next.
+        let fetch = if c0 == 0 { setting } else { 0 };
         let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
-        let next_lines = CHUNK_PAIRS * 128 / 64;
-        let blocks = a_rows.len().div_ceil(BLOCK);
-        let mut r0 = 0;
-        let mut b = 0;
-        while r0 < a_rows.len() {
-            let nr = super::even_block(a_rows.len() - r0, BLOCK);
-            for line in b * next_lines / blocks..(b + 1) * next_lines / blocks {
-                super::prefetch::line_into_l2(next.wrapping_add(line * 64));
-            }
-            b += 1;
-            let mut rows = [std::ptr::null::<f32>(); BLOCK];
-            for (dst, &src) in rows.iter_mut().zip(&a_rows[r0..r0 + nr]) {
-                // SAFETY: pair c0 lies within every row (the contract).
-                *dst = unsafe { src.add(2 * c0) };
-            }
-            for h in 0..2 {
-                // The first chunk's lines: the first block's first half prefetches both lines
-                // of each input pair as it goes. Later chunks were fetched during the chunk
-                // before.
-                let fetch = if c0 == 0 && r0 == 0 && h == 0 {
-                    setting
-                } else {
-                    0
-                };
-                // The first of this half's 8-lane groups of block row 0 in `out`.
-                let sums = out.wrapping_add(r0 * 32 + h * 16);
-                // SAFETY: pairs c0..c0+n lie within every row and the panel (the contract);
-                // `sums` leads nr rows of 32 outputs; the five-row mask is 8 u32.
-                unsafe {
-                    let p = panel.add(c0 * 64 + h * 32);
-                    match nr {
-                        5 => {
-                            let mut acc = load_sums::<10>(sums, c0 > 0);
-                            five_row_pairs(fetch, rows, p, n, HI_MASK.as_ptr(), &mut acc);
-                            store_sums(sums, &acc);
-                        }
-                        4 => few_rows::<4, 8>(fetch, &rows, p, n, sums, c0 > 0),
-                        3 => few_rows::<3, 6>(fetch, &rows, p, n, sums, c0 > 0),
-                        2 => few_rows::<2, 4>(fetch, &rows, p, n, sums, c0 > 0),
-                        _ => few_rows::<1, 2>(fetch, &rows, p, n, sums, c0 > 0),
+        // SAFETY: the contract; pairs c0..c0+n lie within every row and the panel.
+        unsafe {
+            chunk_rows(
+                &rows[..a_rows.len()],
+                n,
+                panel.add(c0 * 64),
+                out,
+                c0 > 0,
+                fetch,
+                (next, CHUNK_PAIRS * 128 / 64),
+            )
+        };
+        c0 += n;
+    }
+}
+
+/// Every row over one k chunk of `n ≥ 1` input pairs, in register blocks of at most five
+/// rows ([`super::even_block`]): each block's 32 sums per row are written to `out` (or, with
+/// `reload`, added to what it holds there), a lane's products in pair order, `x0·even` then
+/// `x1·odd`. `rows[r]` points to the chunk's first input of row r, `chunk` to its first pair
+/// (128 bytes per pair, both halves). `fetch` is the prefetch setting of the first block's
+/// first half ([`super::prefetch::set_of`], 0 = none); the `next.1` lines from `next.0` are
+/// prefetched into L2, a share before each block, so memory fetches the next chunk while
+/// the blocks compute on this one.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; at most [`ROWS`] rows, each with `2n` readable f32; the panel
+/// 128·n − 64 readable bytes at `chunk`; `out` 32 floats per row, readable with `reload`,
+/// writable. Prefetched lines may lie anywhere (they never fault).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn chunk_rows(
+    rows: &[*const f32],
+    n: usize,
+    chunk: *const u16,
+    out: *mut f32,
+    reload: bool,
+    fetch: usize,
+    next: (*const u8, usize),
+) {
+    static HI_MASK: [u32; 8] = [0xFFFF_0000; 8];
+    debug_assert!(n >= 1 && rows.len() <= ROWS);
+    let (next, next_lines) = next;
+    let blocks = rows.len().div_ceil(BLOCK);
+    let mut r0 = 0;
+    let mut b = 0;
+    while r0 < rows.len() {
+        let nr = super::even_block(rows.len() - r0, BLOCK);
+        for line in b * next_lines / blocks..(b + 1) * next_lines / blocks {
+            super::prefetch::line_into_l2(next.wrapping_add(line * 64));
+        }
+        let mut block_rows = [std::ptr::null::<f32>(); BLOCK];
+        block_rows[..nr].copy_from_slice(&rows[r0..r0 + nr]);
+        for h in 0..2 {
+            let fetch = if b == 0 && h == 0 { fetch } else { 0 };
+            // The first of this half's 8-lane groups of block row 0 in `out`.
+            let sums = out.wrapping_add(r0 * 32 + h * 16);
+            // SAFETY: the contract: n pairs of every row and of the chunk; `sums` leads nr
+            // rows of 32 outputs; the five-row mask is 8 u32.
+            unsafe {
+                let p = chunk.add(h * 32);
+                match nr {
+                    5 => {
+                        let mut acc = load_sums::<10>(sums, reload);
+                        five_row_pairs(fetch, block_rows, p, n, HI_MASK.as_ptr(), &mut acc);
+                        store_sums(sums, &acc);
                     }
+                    4 => few_rows::<4, 8>(fetch, &block_rows, p, n, sums, reload),
+                    3 => few_rows::<3, 6>(fetch, &block_rows, p, n, sums, reload),
+                    2 => few_rows::<2, 4>(fetch, &block_rows, p, n, sums, reload),
+                    _ => few_rows::<1, 2>(fetch, &block_rows, p, n, sums, reload),
                 }
             }
-            r0 += nr;
         }
-        c0 += n;
+        r0 += nr;
+        b += 1;
     }
 }
 

@@ -55,13 +55,13 @@ pub const FUSED_ROWS: usize = 4;
 /// path: each code is used by at most [`FUSED_ROWS`] rows, so no decoded copy is made).
 ///
 /// # Safety
-/// `a` holds 1..=[`FUSED_ROWS`] rows of `k` readable f32; `codes` `32·k` bytes, `scales` `k/128`
+/// `a` holds 1..= the kernel's [`Fused::rows`] rows of `k` readable f32; `codes` `32·k` bytes, `scales` `k/128`
 /// f32, `out` `32·a.len()` writable f32; `k` a multiple of 128; no NaN codes; the CPU has the
 /// variant's features.
 pub type FusedFn =
     unsafe fn(a: &[*const f32], k: usize, codes: *const u8, scales: *const f32, out: *mut f32);
 
-/// A fused kernel and the rows it takes per call (at most [`FUSED_ROWS`]).
+/// A fused kernel and the rows it takes per call.
 #[derive(Debug, Clone, Copy)]
 pub struct Fused {
     /// The kernel ([`FusedFn`] contract; the level's ISA is guaranteed by who chose it).
@@ -84,7 +84,7 @@ pub fn fused_for(level: Level) -> Option<Fused> {
         if level >= Level::Avx2 {
             return Some(Fused {
                 run: x86::fused_avx2,
-                rows: 2,
+                rows: crate::kernels::MAX_ROWS,
             });
         }
     }
@@ -574,14 +574,118 @@ pub(crate) mod x86 {
         unsafe { fused256::<R>(a, k, c, s, o) }
     }
 
-    /// AVX2 fused decode kernel, 1 or 2 rows.
+    /// AVX2 fused decode kernel, 1 to [`crate::kernels::MAX_ROWS`] rows: one or two rows
+    /// decode in registers ([`fused256`]), more through a decoded block ([`fused_many256`]).
     ///
     /// # Safety
-    /// The [`super::FusedFn`] contract with at most 2 rows; AVX2 and FMA available.
+    /// The [`super::FusedFn`] contract with at most [`crate::kernels::MAX_ROWS`] rows; AVX2,
+    /// FMA and F16C available.
     pub unsafe fn fused_avx2(a: &[*const f32], k: usize, c: *const u8, s: *const f32, o: *mut f32) {
         // SAFETY: forwarded.
         unsafe {
+            if a.len() > 2 {
+                return fused_many256(a, k, c, s, o);
+            }
             crate::kernels::dispatch_rows!(fused_rows256, "fp8 avx2 fused panel", a, (a, k, c, s, o); 1 2)
+        }
+    }
+
+    /// 16 codes at `p` as the bf16 bits of their values times 2⁻¹²⁰, in order: sign-extended
+    /// to 16 bits and shifted left by 4, a code's `s eeee mmm` lands on bits 15 and 10..4 (a
+    /// bf16 with exponent field `eeee`, mantissa `mmm`, subnormal for `eeee = 0` as the code
+    /// is), the sign's copies on bits 14..11 masked off.
+    ///
+    /// # Safety
+    /// AVX2 available; 16 readable bytes at `p`.
+    #[inline(always)]
+    unsafe fn decode16_down120(p: *const u8) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()));
+            _mm256_and_si256(
+                _mm256_slli_epi16::<4>(v),
+                _mm256_set1_epi16(0x87F0u16 as i16),
+            )
+        }
+    }
+
+    /// Three rows and more: per 128-input block, the block's 32 × 128 codes decoded once into
+    /// an L1 buffer as bf16 of value · 2⁻¹²⁰ (3 instructions per 16 codes, where the exact
+    /// decode takes 13), the rows' inputs times `scale · 2⁶⁴` into another, and the bf16 FMA
+    /// kernel's five-row register blocks ([`crate::kernels::avx2::chunk_rows`]) over both,
+    /// their sums carried from block to block in `out`; the next block's codes are prefetched
+    /// while they run. Per lane this is [`fused256`]'s arithmetic in its order, so each row
+    /// equals the one-row kernel's result bit for bit.
+    ///
+    /// # Safety
+    /// The [`super::FusedFn`] contract with at most [`crate::kernels::MAX_ROWS`] rows; AVX2
+    /// and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fused_many256(
+        a: &[*const f32],
+        k: usize,
+        codes: *const u8,
+        scales: *const f32,
+        out: *mut f32,
+    ) {
+        use crate::kernels::MAX_ROWS;
+        const BLOCK: usize = super::BLOCK;
+        #[repr(align(64))]
+        struct Weights([u16; 32 * BLOCK]);
+        #[repr(align(64))]
+        struct Inputs([f32; MAX_ROWS * BLOCK]);
+        let n = a.len();
+        assert!(
+            n <= MAX_ROWS,
+            "fp8 avx2 fused kernel takes at most {MAX_ROWS} rows"
+        );
+        if k == 0 {
+            // SAFETY: out holds 32 floats per row.
+            unsafe { std::ptr::write_bytes(out, 0, n * 32) };
+            return;
+        }
+        // Neither buffer is read before this call writes it (a block's codes and inputs).
+        let mut weights = std::mem::MaybeUninit::<Weights>::uninit();
+        let mut inputs = std::mem::MaybeUninit::<Inputs>::uninit();
+        // SAFETY: field addresses of the buffers, nothing read.
+        let (w, x) = unsafe {
+            (
+                std::ptr::addr_of_mut!((*weights.as_mut_ptr()).0).cast::<u16>(),
+                std::ptr::addr_of_mut!((*inputs.as_mut_ptr()).0).cast::<f32>(),
+            )
+        };
+        let mut rows = [std::ptr::null::<f32>(); MAX_ROWS];
+        for (r, row) in rows.iter_mut().enumerate() {
+            *row = x.wrapping_add(r * BLOCK);
+        }
+        for b in 0..k / BLOCK {
+            // SAFETY: block b's 32·128 codes, k/128 scales and 128 inputs of every row lie
+            // inside the contract's buffers; the two buffers hold a block's codes and 32 rows
+            // of its inputs.
+            unsafe {
+                let block = codes.add(b * 32 * BLOCK);
+                for i in (0..32 * BLOCK).step_by(16) {
+                    _mm256_store_si256(w.add(i).cast(), decode16_down120(block.add(i)));
+                }
+                let scale = _mm256_set1_ps(*scales.add(b) * 2f32.powi(64));
+                for (r, &row) in a.iter().enumerate() {
+                    for j in (0..BLOCK).step_by(8) {
+                        let v = _mm256_mul_ps(_mm256_loadu_ps(row.add(b * BLOCK + j)), scale);
+                        _mm256_store_ps(x.add(r * BLOCK + j), v);
+                    }
+                }
+                // The next block's codes (after the last, the next panel's, which a task
+                // usually reads next).
+                let next = (block.wrapping_add(32 * BLOCK), 32 * BLOCK / 64);
+                crate::kernels::avx2::chunk_rows(&rows[..n], BLOCK / 2, w, out, b > 0, 0, next);
+            }
+        }
+        let down = _mm256_set1_ps(2f32.powi(56));
+        for i in (0..n * 32).step_by(8) {
+            // SAFETY: out holds 32 floats per row.
+            unsafe {
+                _mm256_storeu_ps(out.add(i), _mm256_mul_ps(_mm256_loadu_ps(out.add(i)), down))
+            };
         }
     }
 
@@ -603,16 +707,56 @@ pub(crate) mod x86 {
         }
     }
 
+    /// 16 codes at `p` as the bf16 bits of their exact values, in order.
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; 16 readable bytes at `p`.
+    #[inline(always)]
+    unsafe fn decode16_bf16(p: *const u8) -> __m256i {
+        // SAFETY: forwarded.
+        unsafe {
+            let up = _mm256_set1_ps(256.0);
+            decode16_bf16_times(p, up, up)
+        }
+    }
+
+    /// 16 codes at `p` as the bf16 bits of their values times `2⁻⁸ · m`, in order (codes
+    /// 0..8 times the lanes of `m_lo`, 8..16 of `m_hi`). Sign-extended to 16 bits and shifted
+    /// left by 7, a code's bits 15 and 13..7 are `s eeee mmm` placed as the half-precision
+    /// number `value · 2⁻⁸` (bit 14, a copy of the sign, masked off): every E4M3 value,
+    /// subnormals included, is then a half-precision number with at most 4 significant bits.
+    /// The float's upper 16 bits are the exact bf16 of the product when it is a normal number
+    /// (a power-of-two `m` keeps the 4 bits) or zero.
+    ///
+    /// # Safety
+    /// AVX2 and F16C available; 16 readable bytes at `p`.
+    #[inline(always)]
+    pub(crate) unsafe fn decode16_bf16_times(p: *const u8, m_lo: __m256, m_hi: __m256) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let halves = _mm256_and_si256(
+                _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()))),
+                _mm256_set1_epi16(0xBF80u16 as i16),
+            );
+            let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), m_lo);
+            let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves)), m_hi);
+            let lo = _mm256_srli_epi32::<16>(_mm256_castps_si256(lo));
+            let hi = _mm256_srli_epi32::<16>(_mm256_castps_si256(hi));
+            // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7].
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi))
+        }
+    }
+
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn decode256(codes: *const u8, n: usize, out: *mut u16) {
-        // SAFETY: as in decode512, 16-code steps.
+        // SAFETY: as in decode512: 16-code steps inside the n codes and n outputs; the
+        // prefetch (one per 64-byte line, two blocks ahead) never faults.
         unsafe {
             for i in (0..n).step_by(16) {
-                let lo = _mm256_srli_epi32(_mm256_castps_si256(decode8(codes.add(i))), 16);
-                let hi = _mm256_srli_epi32(_mm256_castps_si256(decode8(codes.add(i + 8))), 16);
-                // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7].
-                let packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0b11_01_10_00);
-                _mm256_storeu_si256(out.add(i) as *mut __m256i, packed);
+                if i % 64 == 0 {
+                    prefetch_ahead(codes, i, n);
+                }
+                _mm256_storeu_si256(out.add(i).cast(), decode16_bf16(codes.add(i)));
             }
         }
     }
@@ -683,6 +827,51 @@ mod tests {
         }
         for fused in variants {
             check_fused(fused);
+        }
+    }
+
+    #[test]
+    fn avx2_many_row_calls_equal_one_row_calls_bit_for_bit() {
+        // From three rows the AVX2 kernel takes the decoded-block path; per lane its
+        // arithmetic is the one-row kernel's.
+        if !crate::isa::allows(Level::Avx2) {
+            return;
+        }
+        let variants = [fused_for(Level::Avx2).expect("a fused kernel on AVX2")];
+        let mut rng = crate::rng::Rng::new(10);
+        let k = 512;
+        // Every finite code, cycled (zeros and subnormals included).
+        let codes: Vec<u8> = (0..=255u8)
+            .filter(|b| b & 0x7F != 0x7F)
+            .cycle()
+            .take(32 * k)
+            .collect();
+        let scales = [0.5f32, 3e-3, 17.0, 1.0];
+        for fused in variants {
+            for rows in [2, 3, 5, 7, 13, fused.rows] {
+                // Rows of very different magnitudes: small activations must not underflow.
+                let xs: Vec<Vec<f32>> = (0..rows)
+                    .map(|r| rng.normals(k, 10f32.powi(r as i32 % 7 - 4)))
+                    .collect();
+                let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
+                let mut all = vec![f32::NAN; rows * 32];
+                // SAFETY: buffers sized as the contract asks; the level allows the kernel.
+                unsafe { (fused.run)(&ptrs, k, codes.as_ptr(), scales.as_ptr(), all.as_mut_ptr()) };
+                for (r, &row) in ptrs.iter().enumerate() {
+                    let mut one = [f32::NAN; 32];
+                    // SAFETY: as above, one row.
+                    unsafe {
+                        (fused.run)(&[row], k, codes.as_ptr(), scales.as_ptr(), one.as_mut_ptr())
+                    };
+                    let got = &all[r * 32..(r + 1) * 32];
+                    assert!(
+                        got.iter()
+                            .zip(&one)
+                            .all(|(g, o)| g.to_bits() == o.to_bits()),
+                        "rows={rows} row {r}: {got:?} vs {one:?}"
+                    );
+                }
+            }
         }
     }
 
