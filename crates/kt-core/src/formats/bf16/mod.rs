@@ -404,9 +404,9 @@ pub(crate) unsafe fn add_decoded_block(
 }
 
 /// `dst = scale·src` (`assign`) or `dst += scale·src`, each element a multiply then an add
-/// rounded separately (no FMA), so every variant gives the scalar loop's bits. AVX-512 where
-/// the kernels may use it: the crate's plain loops compile for SSE2, and this runs once per
-/// decoded block and row block.
+/// rounded separately (no FMA), so every variant gives the scalar loop's bits. AVX-512 or AVX2
+/// where the kernels may use them: the crate's plain loops compile for SSE2, and this runs
+/// once per decoded block and row block.
 pub(crate) fn scaled_into(
     kernels: &KernelSet,
     dst: &mut [f32],

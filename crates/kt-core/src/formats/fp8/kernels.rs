@@ -47,17 +47,18 @@ pub struct Fp8Decoder {
     pub name: &'static str,
 }
 
-/// Rows per call of the fused decode kernels.
+/// Rows per call of the AVX-512 fused decode kernel.
 pub const FUSED_ROWS: usize = 4;
 
-/// Fused few-row kernel: `out[r·32 + j] = Σ_b scales[b] · Σ_{kk ∈ block b} W[j][kk] · a[r][kk]`
-/// for one panel of codes in panel order (`32·k` bytes), decoding as it streams (the decode
-/// path: each code is used by at most [`FUSED_ROWS`] rows, so no decoded copy is made).
+/// Fused kernel: `out[r·32 + j] = Σ_b scales[b] · Σ_{kk ∈ block b} W[j][kk] · a[r][kk]` for
+/// one panel of codes in panel order (`32·k` bytes), with no exact decoded copy of the panel
+/// (few rows decode in registers as they stream; the AVX2 kernel's many-row path decodes one
+/// 128-input block at a time into L1).
 ///
 /// # Safety
-/// `a` holds 1..= the kernel's [`Fused::rows`] rows of `k` readable f32; `codes` `32·k` bytes, `scales` `k/128`
-/// f32, `out` `32·a.len()` writable f32; `k` a multiple of 128; no NaN codes; the CPU has the
-/// variant's features.
+/// `a` holds 1..= the kernel's [`Fused::rows`] rows of `k` readable f32; `codes` `32·k`
+/// bytes, `scales` `k/128` f32, `out` `32·a.len()` writable f32; `k` a multiple of 128; no NaN
+/// codes; the CPU has the variant's features.
 pub type FusedFn =
     unsafe fn(a: &[*const f32], k: usize, codes: *const u8, scales: *const f32, out: *mut f32);
 
