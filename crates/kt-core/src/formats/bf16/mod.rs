@@ -431,7 +431,9 @@ pub(crate) fn scaled_into(
     scaled_into_scalar(dst, src, scale, assign);
 }
 
-/// The scalar twin of [`scaled_into`].
+/// The scalar twin of [`scaled_into`], and the loop its vector variants compile: Rust never
+/// fuses the multiply and the add, so the vectorised loops give these bits.
+#[inline(always)]
 pub(crate) fn scaled_into_scalar(dst: &mut [f32], src: &[f32], scale: f32, assign: bool) {
     if assign {
         dst.iter_mut().zip(src).for_each(|(o, v)| *o = scale * v);
@@ -440,56 +442,24 @@ pub(crate) fn scaled_into_scalar(dst: &mut [f32], src: &[f32], scale: f32, assig
     }
 }
 
+/// [`scaled_into_scalar`] vectorised for AVX-512.
+///
 /// # Safety
-/// AVX-512F available; `dst.len() == src.len()`.
+/// AVX-512F available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn scaled_into_avx512(dst: &mut [f32], src: &[f32], scale: f32, assign: bool) {
-    use std::arch::x86_64::*;
-    let n = dst.len();
-    let s = _mm512_set1_ps(scale);
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: i + 16 ≤ n elements of both slices.
-        unsafe {
-            let v = _mm512_mul_ps(s, _mm512_loadu_ps(src.as_ptr().add(i)));
-            let o = dst.as_mut_ptr().add(i);
-            let r = if assign {
-                v
-            } else {
-                _mm512_add_ps(_mm512_loadu_ps(o), v)
-            };
-            _mm512_storeu_ps(o, r);
-        }
-        i += 16;
-    }
-    scaled_into_scalar(&mut dst[i..], &src[i..], scale, assign);
+    scaled_into_scalar(dst, src, scale, assign);
 }
 
+/// [`scaled_into_scalar`] vectorised for AVX2.
+///
 /// # Safety
-/// AVX2 available; `dst.len() == src.len()`.
+/// AVX2 available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn scaled_into_avx2(dst: &mut [f32], src: &[f32], scale: f32, assign: bool) {
-    use std::arch::x86_64::*;
-    let n = dst.len();
-    let s = _mm256_set1_ps(scale);
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: i + 8 ≤ n elements of both slices.
-        unsafe {
-            let v = _mm256_mul_ps(s, _mm256_loadu_ps(src.as_ptr().add(i)));
-            let o = dst.as_mut_ptr().add(i);
-            let r = if assign {
-                v
-            } else {
-                _mm256_add_ps(_mm256_loadu_ps(o), v)
-            };
-            _mm256_storeu_ps(o, r);
-        }
-        i += 8;
-    }
-    scaled_into_scalar(&mut dst[i..], &src[i..], scale, assign);
+    scaled_into_scalar(dst, src, scale, assign);
 }
 
 /// `values` (bf16 bits) times `scale`, each rounded to the nearest bf16 (ties to even): folds a
