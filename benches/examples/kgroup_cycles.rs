@@ -3,17 +3,41 @@
 //! noise (other tenants, clock changes) drops out. Reports GB/s of codes and scales and
 //! nanoseconds per 128-byte block (8 inputs of a 32-row panel) for 1 and 2 rows, every code
 //! kind. `KERNEL=gemm` (8-bit many-row) or `KERNEL=fine` (15-bit many-row) measures the prefill
-//! kernels instead, at every row count they take, in ns per block and row; a list
+//! kernels instead (`KERNEL=reuse`: the 15-bit one as the forward calls it, keeping what it
+//! made of the rows across calls, where it has that form), at every row count they take, in ns per block and row; a list
 //! (`KERNEL=fused,fine`) measures them in alternation, trial by trial.
 //! `ONLY=MXFP4` and `ROWS=3` restrict the cases (for `perf record`); `K=512` shrinks the panel
 //! (L1-resident). Each line also gives the median trial, per row.
 //! `cargo run --release -p kt-benches --example kgroup_cycles`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::kgroup::int_dot::{
-    int_fine_gemm_for, int_fused_for, int_gemm_for, prepare_row, row_bytes, IntFusedFn, WeightBytes,
+    int_fine_gemm_for, int_fine_gemm_reusing_for, int_fused_for, int_gemm_for, prepare_row,
+    row_bytes, IntFusedFn, WeightBytes,
 };
 use kt_core::kernels::KernelSet;
 use std::time::Instant;
+
+/// The reusing 15-bit many-row kernel under one key for every call (the rows never change).
+///
+/// # Safety
+/// The [`IntFusedFn`] contract.
+#[allow(clippy::too_many_arguments)] // the IntFusedFn signature
+unsafe fn fine_reusing(
+    rows: &[*const u8],
+    k: usize,
+    range: (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    w: &WeightBytes,
+    out: *mut f32,
+) {
+    let level = KernelSet::best().unwrap().level();
+    let kernel = int_fine_gemm_reusing_for(level).expect("a reusing kernel");
+    // SAFETY: forwarded; the rows stay as they are for the whole run.
+    unsafe { kernel(1, rows, k, range, chunk, group, codes, scales, w, out) }
+}
 
 fn main() {
     let k: usize = kt_benches::env_or("K", 2048);
@@ -32,8 +56,12 @@ fn main() {
             let (kernel, max_rows) = match family {
                 "gemm" => int_gemm_for(level),
                 "fine" => int_fine_gemm_for(level),
+                // The forward's form: what the kernel makes of the rows kept across calls.
+                "reuse" => int_fine_gemm_for(level)
+                    .filter(|_| int_fine_gemm_reusing_for(level).is_some())
+                    .map(|(_, rows)| (fine_reusing as IntFusedFn, rows)),
                 "fused" => int_fused_for(level).map(|(f, r)| (f, r.min(2))),
-                other => panic!("KERNEL takes fused, gemm or fine, not {other}"),
+                other => panic!("KERNEL takes fused, gemm, fine or reuse, not {other}"),
             }
             .expect("an integer kernel");
             (family.to_string(), kernel, max_rows)

@@ -473,25 +473,9 @@ fn check_packed(step_bytes: usize, m: usize, k: usize, unit: usize) {
 
 /// Activation rows packed for the tile loads: for each 64-byte column block ("step") of the
 /// rows, the `m` rows' 64 bytes back to back, so a 16-row tile is 1 KiB of adjacent lines.
-/// Gathering scattered rows costs as much as the tiles' work on one panel, so the packing pays
-/// only when several panels reuse it: a thread keeps its last few packings (one per row block
-/// of an expert with up to [`PACKED_BLOCKS`] blocks), keyed by the caller's reuse key and the
-/// row addresses ([`with_packed_rows`]).
-struct PackedRows {
-    key: Option<(u64, usize, [usize; ROWS])>,
-    buf: crate::pack::AlignedBuf<u8>,
-    /// When it was last used (a per-thread counter).
-    used: u64,
-}
-
-/// Packings a thread keeps: the row blocks of an expert with up to 128 rows.
-pub const PACKED_BLOCKS: usize = 4;
-
-thread_local! {
-    static PACKED_ROWS: std::cell::RefCell<(u64, Vec<PackedRows>)> =
-        const { std::cell::RefCell::new((0, Vec::new())) };
-}
-
+/// Gathering scattered rows costs as much as the tiles' work on one panel, so a thread keeps
+/// its last few packings for the expert's next panels ([`with_packed_rows`],
+/// [`super::row_cache`]).
 /// Bytes per step of `m` packed rows: one 16-row tile, or two.
 pub fn packed_step_bytes(m: usize) -> usize {
     if m > 16 {
@@ -535,7 +519,7 @@ pub unsafe fn pack_rows(rows: &[*const u8], steps: usize, dst: &mut [u8]) -> usi
 
 /// Run `f(packed, step_bytes)` on `rows` (each `steps · 64` bytes) packed by this thread,
 /// reusing one of its last packings when `reuse` and the row addresses are the same as then
-/// (else the least recently used packing is replaced).
+/// ([`super::row_cache::with_packing`]).
 ///
 /// # Safety
 /// As [`pack_rows`]; and the caller promises that the bytes behind the same row addresses do
@@ -547,44 +531,19 @@ pub unsafe fn with_packed_rows<R>(
     f: impl FnOnce(*const u8, usize) -> R,
 ) -> R {
     check_rows(rows.len());
-    let mut addrs = [0usize; ROWS];
-    for (a, &r) in addrs.iter_mut().zip(rows) {
-        *a = r as usize;
-    }
-    let key = Some((reuse, steps, addrs));
-    PACKED_ROWS.with(|cell| {
-        let (clock, cache) = &mut *cell.borrow_mut();
-        *clock += 1;
-        let step = packed_step_bytes(rows.len());
-        let slot = match cache.iter().position(|p| p.key == key) {
-            Some(hit) => hit,
-            None => {
-                let slot = if cache.len() < PACKED_BLOCKS {
-                    cache.push(PackedRows {
-                        key: None,
-                        buf: crate::pack::AlignedBuf::zeroed(0).expect("an empty buffer"),
-                        used: 0,
-                    });
-                    cache.len() - 1
-                } else {
-                    (0..cache.len())
-                        .min_by_key(|&i| cache[i].used)
-                        .expect("a full cache")
-                };
-                let entry = &mut cache[slot];
-                let len = steps * step;
-                if entry.buf.len() < len {
-                    entry.buf = crate::pack::AlignedBuf::zeroed(len).expect("a packed-rows buffer");
-                }
-                // SAFETY: forwarded; the buffer holds `len` bytes.
-                unsafe { pack_rows(rows, steps, entry.buf.as_mut_slice()) };
-                entry.key = key;
-                slot
-            }
-        };
-        cache[slot].used = *clock;
-        f(cache[slot].buf.as_slice().as_ptr(), step)
-    })
+    let step = packed_step_bytes(rows.len());
+    /// The layout tag of these packings (see [`super::row_cache::PackingKey`]).
+    const AMX_STEPS: u64 = 1;
+    let key = super::row_cache::PackingKey::new(reuse, [AMX_STEPS, steps as u64, 0], rows);
+    super::row_cache::with_packing(
+        key,
+        steps * step,
+        // SAFETY: forwarded; the buffer holds `steps · step` bytes.
+        |dst| unsafe {
+            pack_rows(rows, steps, dst);
+        },
+        |packed| f(packed.as_ptr(), step),
+    )
 }
 
 /// What the emulator reported: the fault the hardware would have raised.

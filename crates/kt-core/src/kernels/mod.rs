@@ -37,6 +37,7 @@ pub mod amx;
 pub mod calibrate;
 pub mod group_dot;
 pub mod prefetch;
+pub mod row_cache;
 pub mod scalar;
 
 /// Largest row block any kernel takes (the AMX kernels' two 16-row tiles).

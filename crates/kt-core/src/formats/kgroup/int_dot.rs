@@ -501,12 +501,61 @@ family_pickers!(
 /// 6.8/9.4/5.8 few against 8.7/10.7/8.7 many; two rows 6.4/11.3/7.5 against 6.5/9.8/8.1;
 /// three rows (few: 2 + 1) about 8.8 against 5.6 before the folding.
 pub fn fine_few_rows(level: Level) -> usize {
-    let wide = level >= Level::Avx2 && level < Level::Avx512Vnni && !avx_vnni();
-    if wide && cfg!(target_arch = "x86_64") {
+    if takes_i16_kernel(level) {
         2
     } else {
         4
     }
+}
+
+/// Whether the 15-bit many-row kernel at `level` is the AVX2 i16 one (AVX2 without VNNI, on
+/// x86), whose token lanes read a packing of the rows.
+fn takes_i16_kernel(level: Level) -> bool {
+    cfg!(target_arch = "x86_64") && level >= Level::Avx2 && level < Level::Avx512Vnni && !avx_vnni()
+}
+
+/// Rows of a block of `n` that the AVX2 i16 kernel puts in token lanes, the rest going to its
+/// row kernel: whole groups of 8, and a last group of 6 or 7 rows padded with zero tokens
+/// (there the row kernel costs more than 8 lanes), from 2 groups on (a lone group unpacks the
+/// panel's weights for too few rows). On an AMD Zen 3, NVFP4 from cache
+/// (`KERNEL=reuse cargo run --release -p kt-benches --example kgroup_cycles`, best trials,
+/// ns per 128-byte block): 23 rows 120 as 16 + 7 against 113 padded, 30 rows 157 against
+/// 147, 31 rows 160 against 146, 14 rows 90 against 76; at 8 rows one group took 92
+/// against 81 for two wide calls.
+pub fn lane_rows(n: usize) -> usize {
+    let lanes = if n % 8 >= 6 { n } else { n - n % 8 };
+    if lanes >= 16 {
+        lanes
+    } else {
+        0
+    }
+}
+
+/// An [`IntFusedFn`] that first takes a reuse key ([`crate::formats::RowBlock::reuse`]): it may
+/// keep what it made of the rows for the next panels of the same rows.
+pub type IntReusingFn = unsafe fn(
+    reuse: u64,
+    rows: &[*const u8],
+    k: usize,
+    range: (usize, usize),
+    chunk: usize,
+    group: usize,
+    codes: *const u8,
+    scales: *const u8,
+    weights: &WeightBytes,
+    out: *mut f32,
+);
+
+/// The 15-bit many-row kernel of [`int_fine_gemm_for`] in its reusing form, where it has one:
+/// the AVX2 i16 kernel keeps its token-lane packing of a row block for the expert's next
+/// panels.
+pub fn int_fine_gemm_reusing_for(level: Level) -> Option<IntReusingFn> {
+    #[cfg(target_arch = "x86_64")]
+    if takes_i16_kernel(level) {
+        return Some(x86::int_fine_gemm_avx2_reusing);
+    }
+    let _ = level;
+    None
 }
 
 /// The group-scaled family's prefetch calibration workload
@@ -1292,7 +1341,7 @@ pub(crate) mod x86 {
     pub(crate) const FINE_ROWS_512: usize = 8;
     /// Rows per call of [`int_fine_gemm_avxvnni`].
     pub(crate) const FINE_ROWS_256: usize = 3;
-    /// Rows per call of [`int_fine_gemm_avx2`]: from 16 rows whole groups of 8 in vector lanes
+    /// Rows per call of [`int_fine_gemm_avx2`]: from 16 rows groups of 8 in vector lanes
     /// ([`token_lanes256`]), the rest 1 to [`ROW_BLOCK_256`] at a time ([`wide_gemm256`]).
     pub(crate) const WIDE_ROWS_256: usize = crate::kernels::MAX_ROWS;
     /// Rows per call of [`wide_gemm256`].
@@ -1360,9 +1409,9 @@ pub(crate) mod x86 {
         1 2 3 4 5 6 7 8
     );
     /// AVX2 many-row kernel with 15-bit activations (`x16`, [`super::WIDE_SLOTS`]), 1 to
-    /// [`WIDE_ROWS_256`] rows: from 16 rows each whole group of 8 in vector lanes
-    /// ([`token_lanes256`]), the remaining rows in even blocks of up to [`ROW_BLOCK_256`]
-    /// ([`wide_gemm256`]).
+    /// [`WIDE_ROWS_256`] rows: from 16 rows groups of 8 in vector lanes ([`super::lane_rows`],
+    /// [`pack_lanes256`], [`token_lanes256`]), the remaining rows in even blocks of up to
+    /// [`ROW_BLOCK_256`] ([`wide_gemm256`]).
     ///
     /// # Safety
     /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
@@ -1378,35 +1427,91 @@ pub(crate) mod x86 {
         w: &WeightBytes,
         out: *mut f32,
     ) {
+        // SAFETY: forwarded.
+        unsafe { fine_gemm_avx2(None, (rows, k, range, chunk, group, codes, scales, w, out)) }
+    }
+
+    /// [`int_fine_gemm_avx2`] keeping the token-lane packing of the rows for the next panels
+    /// of the same rows ([`crate::kernels::row_cache`], under `reuse`): packed once per row
+    /// block and thread instead of transposed again for every 32-row panel.
+    ///
+    /// # Safety
+    /// As [`int_fine_gemm_avx2`]; and the bytes of the rows do not change while `reuse` is in
+    /// use (the [`crate::formats::RowBlock::reuse`] promise).
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn signature and the key
+    pub unsafe fn int_fine_gemm_avx2_reusing(
+        reuse: u64,
+        rows: &[*const u8],
+        k: usize,
+        range: (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            fine_gemm_avx2(
+                Some(reuse),
+                (rows, k, range, chunk, group, codes, scales, w, out),
+            )
+        }
+    }
+
+    /// The layout tag of token-lane packings ([`crate::kernels::row_cache::PackingKey`]).
+    const LANES_LAYOUT: u64 = 2;
+
+    /// [`int_fine_gemm_avx2`], its token-lane packing kept under `reuse` when given.
+    ///
+    /// # Safety
+    /// As [`int_fine_gemm_avx2_reusing`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fine_gemm_avx2(reuse: Option<u64>, a: Args) {
+        let (rows, k, range, chunk, group, codes, scales, w, out) = a;
         let n = rows.len();
         assert!(
             (1..=WIDE_ROWS_256).contains(&n),
             "the kgroup avx2 fine gemm kernel takes 1 to {WIDE_ROWS_256} rows, got {n}"
         );
-        // Token lanes from 16 rows: for one group of 8 alone the per-chunk unpacking,
-        // transposition and fp32 steps cost more than they save (on an AMD Zen 3, from cache:
-        // 5.6-5.8 ns per block and row at 8 rows, against 5.1 for the row kernel's 4 rows and
-        // 4.8 for token lanes at 16 to 32 rows).
-        let lanes = if n >= 16 { n - n % 8 } else { 0 };
-        // SAFETY: forwarded: rows `first..last` with their outputs from row `first`.
-        unsafe {
-            if lanes > 0 {
-                token_lanes256((
-                    &rows[..lanes],
-                    k,
-                    range,
-                    chunk,
-                    group,
-                    codes,
-                    scales,
-                    w,
-                    out,
-                ));
+        let lanes = super::lane_rows(n);
+        if lanes > 0 {
+            let lane_rows = &rows[..lanes];
+            let len = lanes_bytes(lanes, k, chunk);
+            // SAFETY: the contract: rows of k inputs in chunks of `chunk`; the buffer holds
+            // `len` bytes, 64-byte aligned, as the packer checks.
+            let pack =
+                |dst: &mut [u8]| unsafe { pack_lanes256(lane_rows, k, chunk, w.inv_m254, dst) };
+            // SAFETY: the contract, for the first `lanes` rows, packed by `pack` with the same
+            // `k` and `chunk`.
+            let run = |packed: &[u8]| unsafe {
+                token_lanes256(packed, lanes, range, chunk, group, codes, scales, w, out)
+            };
+            match reuse {
+                Some(key) => {
+                    let layout = [
+                        LANES_LAYOUT,
+                        ((k as u64) << 8) | chunk as u64,
+                        w.inv_m254.to_bits() as u64,
+                    ];
+                    let key = crate::kernels::row_cache::PackingKey::new(key, layout, lane_rows);
+                    crate::kernels::row_cache::with_packing(key, len, pack, run);
+                }
+                None => {
+                    let mut buf = crate::pack::AlignedBuf::<u8>::zeroed(len)
+                        .expect("a token-lane packing buffer");
+                    pack(buf.as_mut_slice());
+                    run(buf.as_slice());
+                }
             }
-            let rest = n - lanes;
-            let blocks = rest.div_ceil(ROW_BLOCK_256);
-            for b in 0..blocks {
-                let (first, last) = (lanes + b * rest / blocks, lanes + (b + 1) * rest / blocks);
+        }
+        let rest = n - lanes;
+        let blocks = rest.div_ceil(ROW_BLOCK_256);
+        for b in 0..blocks {
+            let (first, last) = (lanes + b * rest / blocks, lanes + (b + 1) * rest / blocks);
+            // SAFETY: forwarded: rows `first..last` with their outputs from row `first`.
+            unsafe {
                 let args = (
                     &rows[first..last],
                     k,
@@ -1456,64 +1561,73 @@ pub(crate) mod x86 {
     }
 
     /// Per-call scratch, all in L1: the chunk's unpacked weights `[quarter][block][pair
-    /// slot]` (8 outputs per vector; a quarter's (block, slot) steps contiguous), the transposed activation words `[token group][block]
-    /// [word]`, the running totals `[output][token group]`, the chunk's weight scales and
-    /// the token groups' activation scales.
+    /// slot]` (8 outputs per vector; a quarter's (block, slot) steps contiguous), the running
+    /// totals `[output][token group]` and the chunk's weight scales.
     #[repr(C, align(32))]
     struct TokenScratch {
         weights: [[[__m256i; 4]; 4]; 4],
-        words: [[[__m256i; 4]; 4]; 4],
         totals: [[__m256; 4]; 32],
         scale_w: [f32; 32],
-        scale_x: [__m256; 4],
     }
 
-    /// The many-row kernel with tokens in the vector lanes, for 8 to 32 rows (whole groups of
-    /// 8): per chunk the panel's codes are unpacked once into i16 weight pairs (as
-    /// [`wide_gemm256`] unpacks them) in an L1 scratch and the rows' `x16` words are transposed
-    /// to 8 tokens per vector; then per 4 outputs and two token groups each input pair takes 4
-    /// broadcast weight words and 8 `vpmaddwd` (one broadcast per two multiplies, where the
-    /// row kernel takes one per multiply and unpacks per 4 rows). The same integer sums and
-    /// fp32 steps as [`super::int_fine_gemm_scalar`], so bit-identical to it.
+    /// Bytes of one token group's record per chunk in a token-lane packing: `chunk/8` blocks
+    /// of 4 transposed word vectors, then the 8 tokens' `s · inv_m/254`.
+    fn lane_record_bytes(chunk: usize) -> usize {
+        (chunk / 8) * 128 + 32
+    }
+
+    /// Bytes of the token-lane packing of `rows` rows (groups of 8, the last padded) of `k`
+    /// inputs in chunks of `chunk` ([`pack_lanes256`]).
+    pub(crate) fn lanes_bytes(rows: usize, k: usize, chunk: usize) -> usize {
+        (k / chunk) * rows.div_ceil(8) * lane_record_bytes(chunk)
+    }
+
+    /// Packs prepared rows (at most 32; a last group of fewer than 8 is padded with zero
+    /// tokens: zero words and scale) for [`token_lanes256`]: per chunk
+    /// (all `k` inputs) and token group, each block's `x16` words transposed so a vector holds
+    /// one word of 8 tokens (`[block][word]`, 32 bytes each: tokens i and i + 4 in one
+    /// 128-bit lane each, then a 4 × 4 transpose within each lane), then the tokens' chunk
+    /// scales times `inv_m254` (8 f32). Made once per row block, read by every panel.
     ///
     /// # Safety
-    /// The [`super::IntFusedFn`] contract with a multiple of 8 rows, at most 32; AVX2, FMA and
-    /// F16C available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn token_lanes256(a: Args) {
-        let (rows, k, (i0, n), chunk, group, codes, scales, w, out) = a;
-        let groups = rows.len() / 8;
-        debug_assert!(rows.len() % 8 == 0 && (1..=4).contains(&groups) && chunk <= 32);
-        // SAFETY: the contract: every block, x16 word, chunk record and scale read below is
-        // inside the caller's buffers; the scratch indices stay within its arrays (blocks per
-        // chunk ≤ 4, groups ≤ 4, outputs < 32).
-        unsafe {
-            let mut sc: TokenScratch = std::mem::zeroed();
-            let table = _mm_loadu_si128(w.signed.as_ptr() as *const __m128i);
-            let lut = _mm256_set_m128i(table, table);
-            let nib = _mm256_set1_epi8(0x0F);
-            let wide = super::wide_at(k, chunk);
-            let blocks = chunk / 8;
-            for (c, g) in chunks_with_groups((i0, n), chunk, group) {
-                let blk0 = c * chunk / 8;
-                for b in 0..blocks {
-                    for o in 0..4 {
-                        sc.weights[o][b] = signed_pairs(codes, blk0 + b, o, lut, nib);
-                    }
-                }
-                for tg in 0..groups {
-                    let mut sx = [0f32; 8];
-                    for (i, v) in sx.iter_mut().enumerate() {
-                        *v = chunk_sums(rows[8 * tg + i], k, c).2 * w.inv_m254;
-                    }
-                    sc.scale_x[tg] = _mm256_loadu_ps(sx.as_ptr());
+    /// Each row holds [`super::row_bytes`]`(k, chunk)` bytes made by [`super::prepare_row`];
+    /// AVX2 available.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn pack_lanes256(
+        rows: &[*const u8],
+        k: usize,
+        chunk: usize,
+        inv_m254: f32,
+        dst: &mut [u8],
+    ) {
+        let groups = rows.len().div_ceil(8);
+        assert!((1..=4).contains(&groups));
+        assert!(chunk.is_multiple_of(8) && chunk <= 32 && k.is_multiple_of(chunk));
+        assert!(
+            dst.len() >= lanes_bytes(rows.len(), k, chunk)
+                && (dst.as_ptr() as usize).is_multiple_of(32)
+        );
+        let (wide, blocks, record) = (
+            super::wide_at(k, chunk),
+            chunk / 8,
+            lane_record_bytes(chunk),
+        );
+        let dst = dst.as_mut_ptr();
+        for c in 0..k / chunk {
+            for tg in 0..groups {
+                let group_rows = &rows[8 * tg..rows.len().min(8 * tg + 8)];
+                // SAFETY: the contract: block c·chunk/8 + b's 16 x16 bytes and chunk c's record
+                // lie inside each row; the record lies inside `dst` (checked above), aligned.
+                unsafe {
+                    let at = dst.add((c * groups + tg) * record);
                     for b in 0..blocks {
-                        // Token i's 4 words of block blk0 + b (16 bytes), tokens i and i + 4
-                        // in one vector, then a 4 × 4 transpose within each 128-bit lane.
-                        let words = |i: usize| {
-                            let p = rows[8 * tg + i].add(wide + 16 * (blk0 + b));
-                            _mm_loadu_si128(p as *const __m128i)
+                        // Tokens past the rows (a padded last group): zero words.
+                        let words = |i: usize| match group_rows.get(i) {
+                            Some(row) => {
+                                let p = row.add(wide + 16 * (c * blocks + b));
+                                _mm_loadu_si128(p as *const __m128i)
+                            }
+                            None => _mm_setzero_si128(),
                         };
                         let y: [__m256i; 4] =
                             std::array::from_fn(|i| _mm256_set_m128i(words(i + 4), words(i)));
@@ -1525,12 +1639,67 @@ pub(crate) mod x86 {
                             _mm256_unpacklo_epi32(y[2], y[3]),
                             _mm256_unpackhi_epi32(y[2], y[3]),
                         );
-                        sc.words[tg][b] = [
-                            _mm256_unpacklo_epi64(lo01, lo23),
-                            _mm256_unpackhi_epi64(lo01, lo23),
-                            _mm256_unpacklo_epi64(hi01, hi23),
-                            _mm256_unpackhi_epi64(hi01, hi23),
-                        ];
+                        let v = at.add(128 * b) as *mut __m256i;
+                        _mm256_store_si256(v, _mm256_unpacklo_epi64(lo01, lo23));
+                        _mm256_store_si256(v.add(1), _mm256_unpackhi_epi64(lo01, lo23));
+                        _mm256_store_si256(v.add(2), _mm256_unpacklo_epi64(hi01, hi23));
+                        _mm256_store_si256(v.add(3), _mm256_unpackhi_epi64(hi01, hi23));
+                    }
+                    let sx = at.add(128 * blocks) as *mut f32;
+                    for i in 0..8 {
+                        *sx.add(i) = match group_rows.get(i) {
+                            Some(&row) => chunk_sums(row, k, c).2 * inv_m254,
+                            None => 0.0,
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// The many-row kernel with tokens in the vector lanes, for 1 to 32 rows (groups of 8, the
+    /// last one padded) packed by [`pack_lanes256`]: per chunk the panel's codes are unpacked
+    /// once into i16 weight pairs (as [`wide_gemm256`] unpacks them) in an L1 scratch; then per
+    /// 4 outputs and two token groups each input pair takes 4 broadcast weight words and 8
+    /// `vpmaddwd` (one broadcast per two multiplies, where the row kernel takes one per
+    /// multiply and unpacks per 4 rows). The same integer sums and fp32 steps as
+    /// [`super::int_fine_gemm_scalar`], so bit-identical to it.
+    ///
+    /// # Safety
+    /// The [`super::IntFusedFn`] contract for `rows` rows (at most 32), their
+    /// packing `packed` ([`pack_lanes256`] with the same `k` and `chunk`) in place of the
+    /// rows; AVX2, FMA and F16C available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)] // the IntFusedFn arguments, packed rows for rows
+    unsafe fn token_lanes256(
+        packed: &[u8],
+        rows: usize,
+        (i0, n): (usize, usize),
+        chunk: usize,
+        group: usize,
+        codes: *const u8,
+        scales: *const u8,
+        w: &WeightBytes,
+        out: *mut f32,
+    ) {
+        let groups = rows.div_ceil(8);
+        assert!((1..=4).contains(&groups) && chunk <= 32);
+        let record = lane_record_bytes(chunk);
+        assert!(packed.len() >= (i0 + n) / chunk * groups * record);
+        // SAFETY: the contract: every block, chunk record and scale read below is inside the
+        // caller's buffers (the packing's length checked above); the scratch indices stay
+        // within its arrays (blocks per chunk ≤ 4, groups ≤ 4, outputs < 32).
+        unsafe {
+            let mut sc: TokenScratch = std::mem::zeroed();
+            let table = _mm_loadu_si128(w.signed.as_ptr() as *const __m128i);
+            let lut = _mm256_set_m128i(table, table);
+            let nib = _mm256_set1_epi8(0x0F);
+            let blocks = chunk / 8;
+            for (c, g) in chunks_with_groups((i0, n), chunk, group) {
+                let blk0 = c * chunk / 8;
+                for b in 0..blocks {
+                    for o in 0..4 {
+                        sc.weights[o][b] = signed_pairs(codes, blk0 + b, o, lut, nib);
                     }
                 }
                 let at = scales.add(g * 32 * w.scale_type.size());
@@ -1538,13 +1707,15 @@ pub(crate) mod x86 {
                     let sw = scales8(at.add(8 * o * w.scale_type.size()), w.scale_type);
                     _mm256_storeu_ps(sc.scale_w.as_mut_ptr().add(8 * o), sw);
                 }
+                let chunk_records = packed.as_ptr().add(c * groups * record);
                 let mut tg = 0;
                 while tg < groups {
+                    let first = chunk_records.add(tg * record);
                     if groups - tg >= 2 {
-                        lanes_chunk::<2>(&mut sc, tg, blocks);
+                        lanes_chunk::<2>(&mut sc, first, record, tg, blocks);
                         tg += 2;
                     } else {
-                        lanes_chunk::<1>(&mut sc, tg, blocks);
+                        lanes_chunk::<1>(&mut sc, first, record, tg, blocks);
                         tg += 1;
                     }
                 }
@@ -1553,7 +1724,8 @@ pub(crate) mod x86 {
                 for tg in 0..groups {
                     let mut lanes = [0f32; 8];
                     _mm256_storeu_ps(lanes.as_mut_ptr(), sc.totals[j][tg]);
-                    for (i, v) in lanes.iter().enumerate() {
+                    // A padded last group's zero tokens have no output row.
+                    for (i, v) in lanes.iter().enumerate().take(rows - 8 * tg) {
                         *out.add((8 * tg + i) * 32 + j) += v;
                     }
                 }
@@ -1561,25 +1733,36 @@ pub(crate) mod x86 {
         }
     }
 
-    /// One chunk of [`token_lanes256`] for token groups `tg..tg + G`, all 32 outputs: 4
-    /// outputs × G groups of i32 sums, then each added to its total as the twin does,
-    /// `total = fma(S, scale_w · scale_x, total)`.
+    /// One chunk of [`token_lanes256`] for token groups `tg..tg + G` (their packed records
+    /// from `first`, `record` bytes apart), all 32 outputs: 4 outputs × G groups of i32 sums,
+    /// then each added to its total as the twin does, `total = fma(S, scale_w · scale_x,
+    /// total)`.
     ///
     /// # Safety
-    /// AVX2 and FMA (inlined into [`token_lanes256`]); `blocks ≤ 4`, `tg + G ≤ 4`.
+    /// AVX2 and FMA (inlined into [`token_lanes256`]); `blocks ≤ 4`, `tg + G ≤ 4`; G records
+    /// of `blocks` word blocks and a scale vector from `first`, 32-byte aligned.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn lanes_chunk<const G: usize>(sc: &mut TokenScratch, tg: usize, blocks: usize) {
+    unsafe fn lanes_chunk<const G: usize>(
+        sc: &mut TokenScratch,
+        first: *const u8,
+        record: usize,
+        tg: usize,
+        blocks: usize,
+    ) {
         // SAFETY: the contract; the broadcast reads lanes `l0..l0 + 4 ≤ 8` of one vector.
         unsafe {
+            let words: [*const __m256i; G] =
+                std::array::from_fn(|gg| first.add(gg * record) as *const __m256i);
+            // Read at each flush (a memory operand), not held in registers the loop needs.
+            let scale_x: [*const f32; G] =
+                std::array::from_fn(|gg| first.add(gg * record + 128 * blocks) as *const f32);
             for j0 in (0..32).step_by(4) {
                 let (o, l0) = (j0 / 8, j0 % 8);
                 let mut acc = [[_mm256_setzero_si256(); G]; 4];
                 // One loop over (block, slot) steps through raw pointers: unrolled slots made
                 // LLVM spill accumulators, indexing put bounds checks and index arithmetic in
                 // the loop (about 10 scalar ops per 22 vector ones).
-                let words: [*const __m256i; G] =
-                    std::array::from_fn(|gg| sc.words[tg + gg].as_ptr() as *const __m256i);
                 let weights = sc.weights[o].as_ptr() as *const __m256i;
                 for step in 0..4 * blocks {
                     let x: [__m256i; G] = std::array::from_fn(|gg| *words[gg].add(step));
@@ -1595,7 +1778,7 @@ pub(crate) mod x86 {
                 for jj in 0..4 {
                     let swj = _mm256_set1_ps(sc.scale_w[j0 + jj]);
                     for gg in 0..G {
-                        let swx = _mm256_mul_ps(swj, sc.scale_x[tg + gg]);
+                        let swx = _mm256_mul_ps(swj, _mm256_load_ps(scale_x[gg]));
                         let t = &mut sc.totals[j0 + jj][tg + gg];
                         *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[jj][gg]), swx, *t);
                     }
@@ -1939,6 +2122,84 @@ mod tests {
             #[cfg(not(target_arch = "x86_64"))]
             let wide = false;
             assert_eq!(fine_few_rows(level), if wide { 2 } else { 4 }, "{level:?}");
+            assert_eq!(
+                int_fine_gemm_reusing_for(level).is_some(),
+                wide,
+                "{level:?}"
+            );
+        }
+    }
+
+    /// The reusing AVX2 kernel equals the twin on its first call under a key, and later calls
+    /// under the same key and rows use what it packed then (the rows' bytes changed under the
+    /// key give the old sums: the key's promise is the caller's); a new key packs again.
+    #[test]
+    fn the_reusing_kernel_keeps_its_packing_under_a_key() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx2) {
+            let mut rng = crate::rng::Rng::new(77);
+            let k = 256;
+            let codes: Vec<u8> = (0..16 * k).map(|_| rng.below(256) as u8).collect();
+            for (kind, st, chunk, group) in [
+                (CodeKind::E2M1, ScaleType::E8M0, 32, 32),
+                (CodeKind::E2M1, ScaleType::E4M3, 16, 16),
+                (CodeKind::Int4, ScaleType::F16, 32, 128),
+            ] {
+                let w = WeightBytes::of(kind, st);
+                let scales = native_scales(st, (k / group) * 32, &mut rng);
+                for rows in [16, 19, 23, 24, 30, 32] {
+                    let mut data: Vec<Vec<u8>> = (0..rows)
+                        .map(|_| {
+                            let mut row = vec![0u8; row_bytes(k, chunk)];
+                            prepare_row(&rng.normals(k, 1.0), chunk, &mut row);
+                            row
+                        })
+                        .collect();
+                    let run = |data: &[Vec<u8>], key: Option<u64>, range: (usize, usize)| {
+                        let ptrs: Vec<*const u8> = data.iter().map(|r| r.as_ptr()).collect();
+                        let mut out = vec![0.5f32; 32 * rows];
+                        let (c, sc, o) = (codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
+                        // SAFETY: prepared rows of k inputs, 16·k code bytes, the scales of
+                        // k/group groups, 32 outputs per row; AVX2 allowed (checked above).
+                        unsafe {
+                            match key {
+                                Some(key) => x86::int_fine_gemm_avx2_reusing(
+                                    key, &ptrs, k, range, chunk, group, c, sc, &w, o,
+                                ),
+                                None => int_fine_gemm_scalar(
+                                    &ptrs, k, range, chunk, group, c, sc, &w, o,
+                                ),
+                            }
+                        }
+                        out
+                    };
+                    let key = crate::formats::next_reuse_key();
+                    let first = run(&data, Some(key), (0, k));
+                    assert_eq!(
+                        first,
+                        run(&data, None, (0, k)),
+                        "{kind:?} {st:?} rows {rows}"
+                    );
+                    let part = (group, k - group);
+                    assert_eq!(run(&data, Some(key), part), run(&data, None, part));
+                    // New activations behind the same addresses.
+                    for row in &mut data {
+                        prepare_row(&rng.normals(k, 1.0), chunk, row);
+                    }
+                    let fresh = run(&data, None, (0, k));
+                    assert_ne!(fresh, first);
+                    let lanes = 32 * lane_rows(rows);
+                    let kept = run(&data, Some(key), (0, k));
+                    assert_eq!(kept[..lanes], first[..lanes], "same key: the old packing");
+                    assert_eq!(
+                        kept[lanes..],
+                        fresh[lanes..],
+                        "rows outside the lanes: read"
+                    );
+                    let new_key = crate::formats::next_reuse_key();
+                    assert_eq!(run(&data, Some(new_key), (0, k)), fresh);
+                }
+            }
         }
     }
 

@@ -276,6 +276,9 @@ pub struct KGroupExperts {
     int: Option<(int_dot::IntFusedFn, usize)>,
     /// The integer many-row kernel (prefill; where `int` exists) and the rows it takes.
     int_gemm: Option<(int_dot::IntFusedFn, usize)>,
+    /// `int_gemm` in the form that keeps what it made of a row block across panels, where
+    /// it has one.
+    int_gemm_reusing: Option<int_dot::IntReusingFn>,
     /// Rows per expert up to which `int` runs rather than `int_gemm`.
     few_rows: usize,
     weight_bytes: int_dot::WeightBytes,
@@ -373,6 +376,10 @@ impl KGroupExperts {
             int_gemm: match (spec.kind.bits(), spec.coarse_prefill) {
                 (4, true) => int_dot::int_gemm_for(kernels.level()),
                 (4, false) => int_dot::int_fine_gemm_for(kernels.level()),
+                _ => None,
+            },
+            int_gemm_reusing: match (spec.kind.bits(), spec.coarse_prefill) {
+                (4, false) => int_dot::int_fine_gemm_reusing_for(kernels.level()),
                 _ => None,
             },
             few_rows: if spec.coarse_prefill {
@@ -728,6 +735,10 @@ impl KGroupExperts {
             (false, false) => self.int_gemm,
             (false, true) => None,
         };
+        let reusing = match (int, few, rows.reuse) {
+            (Some(_), false, Some(key)) => self.int_gemm_reusing.map(|f| (f, key)),
+            _ => None,
+        };
         if let Some((kernel, max_rows)) = int {
             out.fill(0.0);
             let chunk = group.min(32);
@@ -746,17 +757,13 @@ impl KGroupExperts {
                 // inputs at `int_at`; 16·k code bytes, the panel's stored scales, 32 outputs
                 // per row from row `first`; the level allows the kernel.
                 unsafe {
-                    kernel(
-                        block,
-                        k,
-                        (0, k),
-                        chunk,
-                        group,
-                        codes.as_ptr(),
-                        scales.as_ptr(),
-                        &self.weight_bytes,
-                        out[first * PANEL..].as_mut_ptr(),
-                    )
+                    let (c, s, w) = (codes.as_ptr(), scales.as_ptr(), &self.weight_bytes);
+                    let o = out[first * PANEL..].as_mut_ptr();
+                    match reusing {
+                        // The forward's promise: the rows do not change under their key.
+                        Some((f, key)) => f(key, block, k, (0, k), chunk, group, c, s, w, o),
+                        None => kernel(block, k, (0, k), chunk, group, c, s, w, o),
+                    }
                 };
             }
             if global != 1.0 {
@@ -1018,6 +1025,26 @@ fn lcm(a: usize, b: usize) -> usize {
     a / gcd(a, b) * b
 }
 
+/// Rows per block of an expert with `expert_rows` rows where the AVX2 i16 kernel takes groups
+/// of 8 rows in vector lanes and the rest ([`int_dot::lane_rows`]) 2 to 4 rows per call,
+/// slower per row. The forward cuts blocks of this size
+/// and a last one of what remains: of 32, 24 and 16, the size that leaves the row kernel the
+/// fewest rows without more blocks than 32 would make (the larger on a tie: each block
+/// unpacks the panel's weights again). 40 rows go as 24 + 16 rather than 32 + 8, 45 as
+/// 24 + 21 (5 rows by the row kernel) rather than 32 + 13 (13).
+fn lane_block_rows(expert_rows: usize) -> usize {
+    let blocks = expert_rows.div_ceil(MAX_ROWS);
+    let row_kernel_rows = |size: usize| {
+        let last = expert_rows - (blocks - 1) * size;
+        last - int_dot::lane_rows(last)
+    };
+    [MAX_ROWS, 24, 16]
+        .into_iter()
+        .filter(|&size| expert_rows.div_ceil(size) == blocks)
+        .min_by_key(|&size| row_kernel_rows(size))
+        .unwrap_or(MAX_ROWS)
+}
+
 impl ExpertFormat for KGroupExperts {
     fn method(&self) -> Method {
         self.spec.method
@@ -1070,9 +1097,12 @@ impl ExpertFormat for KGroupExperts {
         self.staging().stage_panel(part, expert_rows, act, out)
     }
 
-    fn block_rows(&self, _part: usize, _expert_rows: usize, _stage: Stage) -> usize {
+    fn block_rows(&self, _part: usize, expert_rows: usize, _stage: Stage) -> usize {
         // Every row of a block shares each decoded block (see `panel`).
-        MAX_ROWS
+        match self.int_gemm_reusing {
+            Some(_) => lane_block_rows(expert_rows),
+            None => MAX_ROWS,
+        }
     }
 
     unsafe fn gate_up_panel(
@@ -1336,6 +1366,33 @@ impl ExpertFormat for KGroupExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The forward's blocks of `lane_block_rows`: as many as 32-row blocks would be, every one
+    /// but the last a multiple of 8, and never more rows for the row kernel than 32-row
+    /// blocks leave it.
+    #[test]
+    fn lane_blocks_are_whole_groups_of_8_but_the_last() {
+        let blocks_of = |n: usize, b: usize| -> Vec<usize> {
+            (0..n).step_by(b).map(|r0| b.min(n - r0)).collect()
+        };
+        let row_kernel_rows =
+            |sizes: &[usize]| -> usize { sizes.iter().map(|&s| s - int_dot::lane_rows(s)).sum() };
+        for n in 1..=600 {
+            let sizes = blocks_of(n, lane_block_rows(n));
+            assert_eq!(sizes.len(), n.div_ceil(MAX_ROWS), "{n}: {sizes:?}");
+            let (_, before) = sizes.split_last().unwrap();
+            assert!(
+                before.iter().all(|&s| s % 8 == 0 && s <= MAX_ROWS),
+                "{n}: {sizes:?}"
+            );
+            let plain = row_kernel_rows(&blocks_of(n, MAX_ROWS));
+            assert!(row_kernel_rows(&sizes) <= plain, "{n}: {sizes:?}");
+        }
+        assert_eq!(blocks_of(40, lane_block_rows(40)), [24, 16]);
+        assert_eq!(blocks_of(45, lane_block_rows(45)), [24, 21]);
+        assert_eq!(blocks_of(36, lane_block_rows(36)), [32, 4]);
+        assert_eq!(blocks_of(64, lane_block_rows(64)), [32, 32]);
+    }
 
     #[test]
     fn resident_memory_is_the_files_expert_bytes() {
