@@ -366,6 +366,16 @@ impl KGroupExperts {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        // The many-row kernel (15-bit activations unless the method's prefill is coarse) and,
+        // for the 15-bit one, its form that keeps a row block's packing across panels.
+        let (int_gemm, int_gemm_reusing) = match (spec.kind.bits(), spec.coarse_prefill) {
+            (4, true) => (int_dot::int_gemm_for(kernels.level()), None),
+            (4, false) => (
+                int_dot::int_fine_gemm_for(kernels.level()),
+                int_dot::int_fine_gemm_reusing_for(kernels.level()),
+            ),
+            _ => (None, None),
+        };
         Ok(KGroupExperts {
             code_kernels: kernels::kernels_for(spec.kind, kernels.level()),
             int: if spec.kind.bits() == 4 {
@@ -373,15 +383,8 @@ impl KGroupExperts {
             } else {
                 None
             },
-            int_gemm: match (spec.kind.bits(), spec.coarse_prefill) {
-                (4, true) => int_dot::int_gemm_for(kernels.level()),
-                (4, false) => int_dot::int_fine_gemm_for(kernels.level()),
-                _ => None,
-            },
-            int_gemm_reusing: match (spec.kind.bits(), spec.coarse_prefill) {
-                (4, false) => int_dot::int_fine_gemm_reusing_for(kernels.level()),
-                _ => None,
-            },
+            int_gemm,
+            int_gemm_reusing,
             few_rows: if spec.coarse_prefill {
                 FEW_ROWS
             } else {
@@ -1027,10 +1030,9 @@ fn lcm(a: usize, b: usize) -> usize {
 
 /// Rows per block of an expert with `expert_rows` rows where the AVX2 i16 kernel takes groups
 /// of 8 rows in vector lanes and the rest ([`int_dot::lane_rows`]) 2 to 4 rows per call,
-/// slower per row. The forward cuts blocks of this size
-/// and a last one of what remains: of 32, 24 and 16, the size that leaves the row kernel the
-/// fewest rows without more blocks than 32 would make (the larger on a tie: each block
-/// unpacks the panel's weights again). 40 rows go as 24 + 16 rather than 32 + 8, 45 as
+/// slower per row. The forward cuts blocks of this size and a last one of what remains: of 32,
+/// 24 and 16, the size that leaves the row kernel the fewest rows without more blocks than 32
+/// would make (the larger on a tie: each block unpacks the panel's weights again). 40 rows go as 24 + 16 rather than 32 + 8, 45 as
 /// 24 + 21 (5 rows by the row kernel) rather than 32 + 13 (13).
 fn lane_block_rows(expert_rows: usize) -> usize {
     let blocks = expert_rows.div_ceil(MAX_ROWS);
