@@ -7,6 +7,8 @@
 #     --only-binary=:all: -d .whl gguf          # pure-Python test dependency missing there
 #   mkdir -p .gpu-shared && cp -r ../shared/fixtures ../shared/limits .gpu-shared/
 #   bash scripts/gpu_rust_bins.sh              # optional: kt-core's Rust tests, prebuilt
+#   cargo build --release -p kt-benches --examples && mkdir -p .gpu-shared/bin &&
+#     cp target/release/examples/byte_cycles .gpu-shared/bin/   # optional: the assists stage
 #   mkdir -p .gpu-shared/bin && cc -O2 -pthread -o .gpu-shared/bin/cuda_signal_probe \
 #     benches/cuda_signal_probe.c -ldl           # optional: stream signalling costs
 # (.whl and .gpu-shared listed in .git/info/exclude), then run it there with both carried.
@@ -17,6 +19,9 @@
 #   isa    the Python tests that skip below AVX-512/AMX (hardware tiles against the emulator,
 #          every CPU variant, the bf16-dot panels, the probes)
 #   stream the stream path against the real driver (and the signalling probe, if built)
+#   assists the 8-bit fused decode kernels from cache with and without the E4M3 codes whose
+#          fused values are fp32 denormals (Intel cores take a microcode assist per FMA
+#          reading one: 150-180 ns per line against 3-4 on AMD Zen 3), if byte_cycles is built
 #   probe  the yardstick against shared/limits/limits.c: the CPU topology, the reference under
 #          several OpenMP placements and run lengths, our probes at 1 and 2 threads
 #   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
@@ -57,11 +62,12 @@ if want cuda; then
     test_cuda_stream.py 2>&1) | tee "$OUT/cuda-tests.log" | tail -15
 fi
 if want isa; then
-  # In parallel (8 workers; serially these took over 200 s there, one of them 134 s), then the
+  # In parallel (8 workers: about 200 s on the H100 host, which a 200-s limit cut before
+  # pytest's summary; serially over 200 s for the first 9, one of them 134 s), then the
   # probe test alone: it times the machine's peaks, which parallel workers disturb.
   # pytest-benchmark (installed there) refuses xdist under warnings-as-errors: off.
   echo "== the tests that need AVX-512 or AMX"
-  (cd tests && timeout "${KT_GPU_ISA_S:-240}" python3 -m pytest -q -rs -p no:cacheprovider \
+  (cd tests && timeout "${KT_GPU_ISA_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
     -p no:benchmark -n 8 --durations=8 test_amx.py \
     "test_bad_input.py::test_every_runnable_variant_and_two_subpools_end_to_end" \
     "test_fp8.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
@@ -118,6 +124,16 @@ if want stream; then
   fi
   echo "== stream path, stand-in driver, same machine"
   timeout 60 python3 benches/stream_overhead.py --steps 200 2>&1 | tee "$OUT/stream-fake.log"
+fi
+if want assists && [ -x .gpu-shared/bin/byte_cycles ]; then
+  echo "== 8-bit fused decode from cache, without and with subnormal codes"
+  export LD_LIBRARY_PATH="$PWD/.gpu-shared/rust/lib"
+  for rows in 1 2; do
+    for sub in 0 1; do
+      line=$(ROWS=$rows SUBNORMALS=$sub timeout 60 .gpu-shared/bin/byte_cycles | tr '\n' ' ')
+      echo "ROWS=$rows SUBNORMALS=$sub: $line"
+    done
+  done 2>&1 | tee "$OUT/assists.log"
 fi
 if want suite; then
   echo "== whole Python suite on this machine's CPU (${KT_GPU_SUITE_S:-200} s at most)"
