@@ -33,6 +33,29 @@ pub(crate) fn even_block(left: usize, block: usize) -> usize {
     left.div_ceil(left.div_ceil(block))
 }
 
+/// Inputs `at..at + n` of each row of `a` (at most `R`), times `factor`, into `dst` (`n` at
+/// most `N`): the fused decode kernels scale a block of activations once here rather than
+/// each line's broadcasts (the same IEEE product either way, so bit-identical).
+///
+/// # Safety
+/// Each row of `a` has `at + n` readable f32.
+#[inline(always)]
+pub(crate) unsafe fn scaled_inputs<const R: usize, const N: usize>(
+    a: &[*const f32],
+    at: usize,
+    n: usize,
+    factor: f32,
+    dst: &mut [[f32; N]; R],
+) {
+    for (row, out) in a.iter().zip(dst.iter_mut()) {
+        // SAFETY: the caller's contract.
+        let src = unsafe { std::slice::from_raw_parts(row.add(at), n) };
+        for (d, s) in out[..n].iter_mut().zip(src) {
+            *d = s * factor;
+        }
+    }
+}
+
 pub mod amx;
 pub mod calibrate;
 pub mod group_dot;

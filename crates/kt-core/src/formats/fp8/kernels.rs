@@ -166,29 +166,6 @@ pub(crate) mod x86 {
     /// Activations' factor in the fused kernels (see [`fused512`]).
     const UP: f32 = 18_446_744_073_709_551_616.0; // 2⁶⁴
 
-    /// Inputs `at..at + BLOCK` of each row of `a`, times `factor`, into `dst`: the fused
-    /// kernels scale a block of activations once here rather than each line's broadcasts (the
-    /// same IEEE product either way, so bit-identical; AVX2 one row from cache, AMD Zen 3:
-    /// 4.0 -> 3.3 ns per 64-byte line, `byte_cycles`).
-    ///
-    /// # Safety
-    /// Each row of `a` (at most `R`) has `at + BLOCK` readable f32.
-    #[inline(always)]
-    unsafe fn scaled_block<const R: usize>(
-        a: &[*const f32],
-        at: usize,
-        factor: f32,
-        dst: &mut [[f32; super::BLOCK]; R],
-    ) {
-        for (row, out) in a[..R].iter().zip(dst.iter_mut()) {
-            // SAFETY: the caller's contract.
-            let src = unsafe { std::slice::from_raw_parts(row.add(at), super::BLOCK) };
-            for (d, s) in out.iter_mut().zip(src) {
-                *d = s * factor;
-            }
-        }
-    }
-
     /// bf16 bits of the subnormal E4M3 magnitudes `m · 2⁻⁹`, `m = 0..8`, indexed by `m`.
     const SUBNORMAL_BF16: [u16; 32] = {
         let mut t = [0u16; 32];
@@ -456,10 +433,11 @@ pub(crate) mod x86 {
             let keep = _mm512_set1_epi16(0x87F0u16 as i16);
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
             let mut total = [[_mm512_setzero_ps(); 2]; R];
-            // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads.
+            // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads (AVX2
+            // one row from cache, AMD Zen 3: 4.0 -> 3.3 ns per 64-byte line, `byte_cycles`).
             let mut x = [[0f32; super::BLOCK]; R];
             for b in 0..k / super::BLOCK {
-                scaled_block(a, b * super::BLOCK, UP, &mut x);
+                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, UP, &mut x);
                 let mut sum = [[_mm512_setzero_ps(); 2]; R];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
@@ -551,7 +529,7 @@ pub(crate) mod x86 {
             let mut x = [[0f32; super::BLOCK]; R];
             for b in 0..k / super::BLOCK {
                 let scale = *scales.add(b) * UP;
-                scaled_block(a, b * super::BLOCK, scale, &mut x);
+                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, scale, &mut x);
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
                     crate::kernels::prefetch::ahead(line, crate::kernels::prefetch::distance());

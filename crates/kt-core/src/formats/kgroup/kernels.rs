@@ -790,10 +790,9 @@ mod x86 {
                         let mut o = [[_mm256_setzero_ps(); 2]; R];
                         for w in group.clone().step_by(WINDOW_LINES) {
                             let end = (w + WINDOW_LINES).min(group.end);
-                            for (row, xs) in a.iter().zip(x.iter_mut()) {
-                                for (i, v) in xs[..2 * (end - w)].iter_mut().enumerate() {
-                                    *v = *row.add(2 * w + i) * UP;
-                                }
+                            // A group of one window keeps its scaled inputs for the second half.
+                            if h == 0 || group_lines > WINDOW_LINES {
+                                crate::kernels::scaled_inputs(a, 2 * w, 2 * (end - w), UP, &mut x);
                             }
                             for q in w..end {
                                 crate::kernels::prefetch::ahead(codes.add(q * 64 + 32 * h), dist);
