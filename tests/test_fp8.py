@@ -330,3 +330,51 @@ def test_per_channel_tensors_quantize_like_a_file_and_refuse_bad_scales(tmp_path
     bad = make_wrapper(**args, weight_path=str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="weight_scale"):
         bad.load_weights(torch.arange(e))
+
+
+@pytest.mark.parametrize("mode", ["exact", "zero"])
+def test_subnormal_codes_are_exact_or_zero_as_the_environment_says(tmp_path, mode):
+    """One token takes the fused decode kernels, which value subnormal E4M3 codes exactly or as
+    zero (`KT_KERNEL_FP8_SUBNORMALS`; zero by default on Intel, where each would cost a
+    microcode assist). Weights of one large value per 128 × 128 block and the rest below 2⁻⁶
+    of its scale make nearly every code subnormal, so the two models differ completely."""
+    gen = torch.Generator().manual_seed(12)
+    e, h, i = 2, 256, 256
+    mats = []
+    for n, k in ((i, h), (i, h), (h, i)):
+        w = torch.randn(e, n, k, generator=gen) * 1e-5
+        for r in range(0, n, BLOCK):
+            for c in range(0, k, BLOCK):
+                w[:, r + int(torch.randint(BLOCK, (1,), generator=gen)), c] = 1.0
+        mats.append(w)
+    write_fp8_checkpoint(tmp_path, 0, *mats)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        codes = f.get_tensor("model.layers.0.mlp.experts.0.gate_proj.weight")
+    subnormal = (codes.view(torch.uint8) & 0x78 == 0) & (codes.view(torch.uint8) & 0x07 != 0)
+    assert subnormal.double().mean() > 0.5
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import kt_kernel
+import test_fp8 as t
+from conftest import make_wrapper
+w = make_wrapper(layer_idx=0, e={e}, k=2, h={h}, i={i}, chunk=16, method="FP8",
+                 weight_path={str(tmp_path)!r})
+w.load_weights(torch.arange({e}))
+g, u, d = t.dequantize_checkpoint(t.Path({str(tmp_path / "model.safetensors")!r}), 0, {e})
+flushed = [m.masked_fill(m.abs() < 2.0**-6 / 448, 0.0) for m in (g, u, d)]
+gen = torch.Generator().manual_seed(1)
+x = torch.randn(1, {h}, generator=gen).to(torch.bfloat16)
+ids, wt = torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])
+out = w.forward(x, ids, wt, None)
+exact, zero = t.moe_reference(x, ids, wt, g, u, d), t.moe_reference(x, ids, wt, *flushed)
+# CPUs without AVX2 have no fused kernels: their bf16 decode is exact either way.
+flushes = {mode!r} == "zero" and kt_kernel.cpu_info()["variant"] != "generic"
+want, other = (zero, exact) if flushes else (exact, zero)
+assert t._rel(want, other) > 0.5, t._rel(want, other)
+assert t._rel(out, want) < 4e-3, (t._rel(out, want), t._rel(out, other))
+print("ok")
+"""
+    env = {**os.environ, "KT_KERNEL_FP8_SUBNORMALS": mode}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

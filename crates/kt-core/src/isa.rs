@@ -334,6 +334,28 @@ pub fn has_feature(name: &str) -> bool {
     global().is_ok_and(|s| s.features.has(name))
 }
 
+/// Whether the fused FP8/MXFP8 decode kernels read subnormal E4M3 codes as zero. Their fast
+/// decode makes those codes fp32 denormals, and an Intel core takes a microcode assist for
+/// each instruction that reads one (an Intel Xeon ran FP8 at 150-180 ns per 64-byte line with
+/// 7 such codes in 127, against 3-4 without), while AMD cores (Zen 3, Zen 4) run them at full
+/// speed: so zero on Intel, exact elsewhere. `KT_KERNEL_FP8_SUBNORMALS=zero|exact` overrides.
+pub fn flush_subnormal_codes() -> bool {
+    static FLUSH: OnceLock<bool> = OnceLock::new();
+    *FLUSH.get_or_init(|| {
+        let intel = global().is_ok_and(|s| s.features.vendor == "GenuineIntel");
+        let flush = match std::env::var("KT_KERNEL_FP8_SUBNORMALS").as_deref() {
+            Ok("zero") => true,
+            Ok("exact") => false,
+            _ => intel,
+        };
+        if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
+            let how = if flush { "read as zero" } else { "exact" };
+            eprintln!("[kt_kernel] fused fp8 decode: subnormal codes {how}");
+        }
+        flush
+    })
+}
+
 /// The process-wide selection, made on first use from the CPU and `KT_KERNEL_CPU_VARIANT`.
 pub fn global() -> Result<&'static Selection> {
     static SELECTION: OnceLock<Result<Selection>> = OnceLock::new();

@@ -17,6 +17,12 @@ pub mod avx512_bf16;
 /// Dispatch a row count known at run time to a `const R` kernel instance, so each block size
 /// gets its own fully unrolled register allocation.
 macro_rules! dispatch_rows {
+    ($kernel:ident <$g:tt>, $name:literal, $a:expr, $args:tt; $($r:literal)+) => {
+        match $a.len() {
+            $($r => $kernel::<$r, $g> $args,)+
+            n => panic!("{} takes at most {} rows, got {n}", $name, [$($r),+].len()),
+        }
+    };
     ($kernel:ident, $name:literal, $a:expr, $args:tt; $($r:literal)+) => {
         match $a.len() {
             $($r => $kernel::<$r> $args,)+

@@ -12,8 +12,9 @@
 //!
 //! For one to four rows (two on AVX2) the fused kernels skip the decoded copy: a code moved to
 //! the top of a 16-bit lane, shifted right arithmetically by 4 and masked is the bf16 of its
-//! value times 2⁻¹²⁰ (subnormals included), multiplied in fp32 with activations taken times
-//! 2⁶⁴ and rescaled at the end; [`fused_scalar`] is their model.
+//! value times 2⁻¹²⁰, multiplied in fp32 with activations taken times 2⁶⁴ and rescaled at the
+//! end; [`fused_scalar`] is their model. Subnormal codes are fp32 denormals there: exact, or
+//! read as zero on CPUs that take an assist for each ([`crate::isa::flush_subnormal_codes`]).
 //!
 //! NaN codes (`0x7F`, `0xFF`) are refused at load and never reach these kernels.
 use crate::dtype::e4m3_to_f32;
@@ -21,6 +22,17 @@ use crate::isa::Level;
 
 /// Inputs per scale block (DeepSeek-V3 block FP8: 128 × 128).
 pub const BLOCK: usize = 128;
+
+/// A code's value in the fused kernels: its exact value, or zero for a subnormal code where
+/// `FLUSH` ([`crate::isa::flush_subnormal_codes`]; the error is below 2⁻⁶ of the block scale
+/// per such weight).
+pub fn fused_code_value<const FLUSH: bool>(code: u8) -> f32 {
+    if FLUSH && code & 0x78 == 0 {
+        0.0
+    } else {
+        e4m3_to_f32(code)
+    }
+}
 
 /// Decode `n` codes (a multiple of 32) at `codes` into bf16 bits at `out`, in order.
 ///
@@ -69,28 +81,38 @@ pub struct Fused {
     pub run: FusedFn,
     /// Rows per call.
     pub rows: usize,
+    /// Whether it reads subnormal codes as zero ([`fused_code_value`]).
+    pub flushes_subnormals: bool,
 }
 
 /// The fused kernel `level` allows, if any (AVX-512 or AVX2; scalar CPUs decode into bf16
-/// panels).
+/// panels), valuing subnormal codes as [`crate::isa::flush_subnormal_codes`] says.
 pub fn fused_for(level: Level) -> Option<Fused> {
+    fused_variant(level, crate::isa::flush_subnormal_codes())
+}
+
+/// [`fused_for`] with subnormal codes read as zero (`flush`) or exactly.
+pub fn fused_variant(level: Level, flush: bool) -> Option<Fused> {
     #[cfg(target_arch = "x86_64")]
     {
-        if level >= Level::Avx512Base {
-            return Some(Fused {
-                run: x86::fused_avx512,
-                rows: FUSED_ROWS,
-            });
-        }
-        if level >= Level::Avx2 {
-            return Some(Fused {
-                run: x86::fused_avx2,
-                rows: crate::kernels::MAX_ROWS,
-            });
-        }
+        let (run, rows): (FusedFn, usize) = match (level >= Level::Avx512Base, flush) {
+            _ if level < Level::Avx2 => return None,
+            (true, false) => (x86::fused_avx512::<false>, FUSED_ROWS),
+            (true, true) => (x86::fused_avx512::<true>, FUSED_ROWS),
+            (false, false) => (x86::fused_avx2::<false>, crate::kernels::MAX_ROWS),
+            (false, true) => (x86::fused_avx2::<true>, crate::kernels::MAX_ROWS),
+        };
+        return Some(Fused {
+            run,
+            rows,
+            flushes_subnormals: flush,
+        });
     }
-    let _ = level;
-    None
+    #[allow(unreachable_code)]
+    {
+        let _ = (level, flush);
+        None
+    }
 }
 
 /// The widest decoder `level` allows.
@@ -195,6 +217,53 @@ pub(crate) mod x86 {
             let subnormal = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
             let sub = _mm512_permutexvar_epi16(mag, table);
             _mm512_or_si512(_mm512_mask_blend_epi16(subnormal, normal, sub), sign)
+        }
+    }
+
+    /// E4M3 codes in the top byte of 16-bit lanes (`vpunpck*bw` with zeros below) as the bf16
+    /// bits of value · 2⁻¹²⁰: shifted right arithmetically by 4 and masked to `s000 0eee emmm
+    /// 0000`. A subnormal code would be a bf16 denormal there and an fp32 denormal as an FMA
+    /// input, which costs an Intel core a microcode assist (an Intel Xeon ran FP8 at 150-180
+    /// ns per 64-byte line with 7 such codes in 127, against 3-4 without), so codes with a zero
+    /// exponent field read as zero with `FLUSH`: a zero-masked shift, one more instruction per
+    /// 32 codes (AMD Zen 4 from cache: 2.4-2.6 -> 2.8 ns per line, so only where it pays).
+    ///
+    /// # Safety
+    /// AVX-512F/BW available.
+    #[inline(always)]
+    pub(crate) unsafe fn top_codes512<const FLUSH: bool>(half: __m512i) -> __m512i {
+        // SAFETY: the caller vouches for the features.
+        unsafe {
+            let keep = _mm512_set1_epi16(0x87F0u16 as i16);
+            let shifted = if FLUSH {
+                let normal = _mm512_test_epi16_mask(half, _mm512_set1_epi16(0x7800));
+                _mm512_maskz_srai_epi16::<4>(normal, half)
+            } else {
+                _mm512_srai_epi16::<4>(half)
+            };
+            _mm512_and_si512(shifted, keep)
+        }
+    }
+
+    /// [`top_codes512`] on 256-bit vectors: without mask registers, `vpsignw` by the exponent
+    /// bits (zero or positive) zeroes the codes with none with `FLUSH`, two more instructions
+    /// per 16 codes.
+    ///
+    /// # Safety
+    /// AVX2 available.
+    #[inline(always)]
+    pub(crate) unsafe fn top_codes256<const FLUSH: bool>(half: __m256i) -> __m256i {
+        // SAFETY: the caller vouches for the features.
+        unsafe {
+            let keep = _mm256_set1_epi16(0x87F0u16 as i16);
+            let pairs = _mm256_and_si256(_mm256_srai_epi16::<4>(half), keep);
+            if FLUSH {
+                // The code's exponent field, `0eeee000 00000000`, is what `keep` clears: no
+                // constant register more (that spilled two rows' FP8 sums) and no shift.
+                _mm256_sign_epi16(pairs, _mm256_andnot_si256(keep, half))
+            } else {
+                pairs
+            }
         }
     }
 
@@ -413,7 +482,7 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-    unsafe fn fused512<const R: usize>(
+    unsafe fn fused512<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         codes: *const u8,
@@ -430,7 +499,6 @@ pub(crate) mod x86 {
         // block b's scale are inside the caller's buffers; outputs 32 per row.
         unsafe {
             let zero = _mm512_setzero_si512();
-            let keep = _mm512_set1_epi16(0x87F0u16 as i16);
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
             let mut total = [[_mm512_setzero_ps(); 2]; R];
             // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads (AVX2
@@ -449,7 +517,7 @@ pub(crate) mod x86 {
                     let x1: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(x[r][i + 1]));
                     for h in 0..2 {
                         // 16 outputs × (input 2q, 2q+1) as bf16 pairs in 32-bit lanes.
-                        let pairs = _mm512_and_si512(_mm512_srai_epi16(halves[h], 4), keep);
+                        let pairs = top_codes512::<FLUSH>(halves[h]);
                         let w0 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
                         let w1 = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
                         for r in 0..R {
@@ -477,7 +545,7 @@ pub(crate) mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn fused_rows512<const R: usize>(
+    unsafe fn fused_rows512<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         c: *const u8,
@@ -485,14 +553,14 @@ pub(crate) mod x86 {
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused512::<R>(a, k, c, s, o) }
+        unsafe { fused512::<R, FLUSH>(a, k, c, s, o) }
     }
 
     /// AVX-512 fused decode kernel, 1 to 4 rows.
     ///
     /// # Safety
     /// The [`super::FusedFn`] contract; AVX-512F/BW available.
-    pub unsafe fn fused_avx512(
+    pub unsafe fn fused_avx512<const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         c: *const u8,
@@ -501,7 +569,7 @@ pub(crate) mod x86 {
     ) {
         // SAFETY: forwarded.
         unsafe {
-            crate::kernels::dispatch_rows!(fused_rows512, "fp8 fused panel", a, (a, k, c, s, o); 1 2 3 4)
+            crate::kernels::dispatch_rows!(fused_rows512<FLUSH>, "fp8 fused panel", a, (a, k, c, s, o); 1 2 3 4)
         }
     }
 
@@ -510,7 +578,7 @@ pub(crate) mod x86 {
     /// the 16 registers.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn fused256<const R: usize>(
+    unsafe fn fused256<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         codes: *const u8,
@@ -520,7 +588,6 @@ pub(crate) mod x86 {
         // SAFETY: as in `fused512`.
         unsafe {
             let zero = _mm256_setzero_si256();
-            let keep = _mm256_set1_epi16(0x87F0u16 as i16);
             let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
             // acc[r][2h + u]: outputs of half h fed by vpunpcklbw (u = 0) or vpunpckhbw (u = 1).
             let mut acc = [[_mm256_setzero_ps(); 4]; R];
@@ -530,22 +597,43 @@ pub(crate) mod x86 {
             for b in 0..k / super::BLOCK {
                 let scale = *scales.add(b) * UP;
                 crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, scale, &mut x);
-                for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
-                    let line = codes.add(q * 64);
-                    crate::kernels::prefetch::ahead(line, crate::kernels::prefetch::distance());
-                    let i = 2 * q - b * super::BLOCK;
-                    let x0: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i]));
-                    let x1: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i + 1]));
-                    for h in 0..2 {
-                        let v = _mm256_loadu_si256(line.add(32 * h) as *const __m256i);
-                        let halves = [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)];
-                        for (u, half) in halves.into_iter().enumerate() {
-                            let pairs = _mm256_and_si256(_mm256_srai_epi16(half, 4), keep);
-                            let w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-                            let w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-                            for r in 0..R {
-                                acc[r][2 * h + u] = _mm256_fmadd_ps(w0, x0[r], acc[r][2 * h + u]);
-                                acc[r][2 * h + u] = _mm256_fmadd_ps(w1, x1[r], acc[r][2 * h + u]);
+                let lines = b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2;
+                // With `FLUSH`, two rows take the block half by half (its 4 KB of codes stay
+                // in L1 for the second): 4 sums live rather than 8, which spilled with the
+                // extra register (AMD Zen 4 from cache, two rows: 7.6 -> 4.4 ns per line;
+                // without `FLUSH` the line loop keeps 2.9 against 4.4).
+                let halves_apart = R > 1 && FLUSH;
+                let passes: &[(usize, usize)] = if halves_apart {
+                    &[(0, 1), (1, 2)]
+                } else {
+                    &[(0, 2)]
+                };
+                for &(h0, h1) in passes {
+                    for q in lines.clone() {
+                        let line = codes.add(q * 64);
+                        if h0 == 0 {
+                            crate::kernels::prefetch::ahead(
+                                line,
+                                crate::kernels::prefetch::distance(),
+                            );
+                        }
+                        let i = 2 * q - b * super::BLOCK;
+                        let x0: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i]));
+                        let x1: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i + 1]));
+                        for h in h0..h1 {
+                            let v = _mm256_loadu_si256(line.add(32 * h) as *const __m256i);
+                            let halves =
+                                [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)];
+                            for (u, half) in halves.into_iter().enumerate() {
+                                let pairs = top_codes256::<FLUSH>(half);
+                                let w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                                let w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+                                for r in 0..R {
+                                    acc[r][2 * h + u] =
+                                        _mm256_fmadd_ps(w0, x0[r], acc[r][2 * h + u]);
+                                    acc[r][2 * h + u] =
+                                        _mm256_fmadd_ps(w1, x1[r], acc[r][2 * h + u]);
+                                }
                             }
                         }
                     }
@@ -568,7 +656,7 @@ pub(crate) mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn fused_rows256<const R: usize>(
+    unsafe fn fused_rows256<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         c: *const u8,
@@ -576,7 +664,7 @@ pub(crate) mod x86 {
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused256::<R>(a, k, c, s, o) }
+        unsafe { fused256::<R, FLUSH>(a, k, c, s, o) }
     }
 
     /// AVX2 fused decode kernel, 1 to [`crate::kernels::MAX_ROWS`] rows: one or two rows
@@ -585,13 +673,19 @@ pub(crate) mod x86 {
     /// # Safety
     /// The [`super::FusedFn`] contract with at most [`crate::kernels::MAX_ROWS`] rows; AVX2,
     /// FMA and F16C available.
-    pub unsafe fn fused_avx2(a: &[*const f32], k: usize, c: *const u8, s: *const f32, o: *mut f32) {
+    pub unsafe fn fused_avx2<const FLUSH: bool>(
+        a: &[*const f32],
+        k: usize,
+        c: *const u8,
+        s: *const f32,
+        o: *mut f32,
+    ) {
         // SAFETY: forwarded.
         unsafe {
             if a.len() > 2 {
-                return fused_many256(a, k, c, s, o);
+                return fused_many256::<FLUSH>(a, k, c, s, o);
             }
-            crate::kernels::dispatch_rows!(fused_rows256, "fp8 avx2 fused panel", a, (a, k, c, s, o); 1 2)
+            crate::kernels::dispatch_rows!(fused_rows256<FLUSH>, "fp8 avx2 fused panel", a, (a, k, c, s, o); 1 2)
         }
     }
 
@@ -603,14 +697,11 @@ pub(crate) mod x86 {
     /// # Safety
     /// AVX2 available; 16 readable bytes at `p`.
     #[inline(always)]
-    unsafe fn decode16_down120(p: *const u8) -> __m256i {
+    unsafe fn decode16_down120<const FLUSH: bool>(p: *const u8) -> __m256i {
         // SAFETY: the caller's contract.
         unsafe {
             let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()));
-            _mm256_and_si256(
-                _mm256_slli_epi16::<4>(v),
-                _mm256_set1_epi16(0x87F0u16 as i16),
-            )
+            top_codes256::<FLUSH>(_mm256_slli_epi16::<8>(v))
         }
     }
 
@@ -626,7 +717,7 @@ pub(crate) mod x86 {
     /// The [`super::FusedFn`] contract with at most [`crate::kernels::MAX_ROWS`] rows; AVX2
     /// and FMA available.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn fused_many256(
+    unsafe fn fused_many256<const FLUSH: bool>(
         a: &[*const f32],
         k: usize,
         codes: *const u8,
@@ -670,7 +761,7 @@ pub(crate) mod x86 {
             unsafe {
                 let block = codes.add(b * 32 * BLOCK);
                 for i in (0..32 * BLOCK).step_by(16) {
-                    _mm256_store_si256(w.add(i).cast(), decode16_down120(block.add(i)));
+                    _mm256_store_si256(w.add(i).cast(), decode16_down120::<FLUSH>(block.add(i)));
                 }
                 let scale = _mm256_set1_ps(*scales.add(b) * 2f32.powi(64));
                 for (r, &row) in a.iter().enumerate() {
@@ -787,12 +878,13 @@ pub(crate) mod x86 {
     }
 }
 
-/// The scalar model of [`FusedFn`]: the same sums in fp32 from the exact decoded values
+/// The scalar model of [`FusedFn`]: the same sums in fp32 from the codes' values
+/// ([`fused_code_value`])
 /// (codes in panel order: `W[j][kk]` at `(kk/2)·64 + (j/16)·32 + (j%16)·2 + kk%2`).
 ///
 /// # Safety
 /// The [`FusedFn`] contract (any number of rows).
-pub unsafe fn fused_scalar(
+pub unsafe fn fused_scalar<const FLUSH: bool>(
     a: &[*const f32],
     k: usize,
     codes: *const u8,
@@ -808,7 +900,7 @@ pub unsafe fn fused_scalar(
                     let mut sum = 0f32;
                     for kk in b * BLOCK..(b + 1) * BLOCK {
                         let at = (kk / 2) * 64 + (j / 16) * 32 + (j % 16) * 2 + kk % 2;
-                        sum += e4m3_to_f32(*codes.add(at)) * *row.add(kk);
+                        sum += fused_code_value::<FLUSH>(*codes.add(at)) * *row.add(kk);
                     }
                     total += sum * *scales.add(b);
                 }
@@ -827,11 +919,34 @@ mod tests {
         let mut variants = Vec::new();
         for level in [Level::Avx2, Level::Avx512Base] {
             if crate::isa::allows(level) {
-                variants.push(fused_for(level).expect("a fused kernel from AVX2 up"));
+                for flush in [false, true] {
+                    let fused = fused_variant(level, flush).expect("a fused kernel from AVX2 up");
+                    assert_eq!(fused.flushes_subnormals, flush);
+                    variants.push(fused);
+                }
             }
         }
         for fused in variants {
             check_fused(fused);
+        }
+    }
+
+    #[test]
+    fn fused_code_values_zero_only_subnormal_codes_when_flushing() {
+        for code in (0..=255u8).filter(|b| b & 0x7F != 0x7F) {
+            let exact = e4m3_to_f32(code);
+            assert_eq!(fused_code_value::<false>(code).to_bits(), exact.to_bits());
+            let flushed = fused_code_value::<true>(code);
+            if exact.abs() < 2f32.powi(-6) {
+                assert_eq!(flushed, 0.0, "code {code:#04x}");
+            } else {
+                assert_eq!(flushed.to_bits(), exact.to_bits(), "code {code:#04x}");
+            }
+        }
+        // The policy: zero on Intel, exact elsewhere, unless the environment says otherwise.
+        if std::env::var("KT_KERNEL_FP8_SUBNORMALS").is_err() {
+            let intel = crate::isa::global().is_ok_and(|s| s.features.vendor == "GenuineIntel");
+            assert_eq!(crate::isa::flush_subnormal_codes(), intel);
         }
     }
 
@@ -842,7 +957,7 @@ mod tests {
         if !crate::isa::allows(Level::Avx2) {
             return;
         }
-        let variants = [fused_for(Level::Avx2).expect("a fused kernel on AVX2")];
+        let variants = [false, true].map(|f| fused_variant(Level::Avx2, f).expect("AVX2 kernel"));
         let mut rng = crate::rng::Rng::new(10);
         let k = 512;
         // Every finite code, cycled (zeros and subnormals included).
@@ -907,12 +1022,17 @@ mod tests {
                 let mut want = vec![0f32; rows * 32];
                 let mut got = vec![f32::NAN; rows * 32];
                 let mut bound = vec![0f32; rows * 32];
+                let model = if fused.flushes_subnormals {
+                    fused_scalar::<true>
+                } else {
+                    fused_scalar::<false>
+                };
                 // SAFETY: buffers sized as the contract asks; the level allows the kernel.
                 unsafe {
-                    fused_scalar(&ptrs, k, codes.as_ptr(), scales.as_ptr(), want.as_mut_ptr());
+                    model(&ptrs, k, codes.as_ptr(), scales.as_ptr(), want.as_mut_ptr());
                     (fused.run)(&ptrs, k, codes.as_ptr(), scales.as_ptr(), got.as_mut_ptr());
                     let (c, s) = (abs_codes.as_ptr(), scales.as_ptr());
-                    fused_scalar(&abs_ptrs, k, c, s, bound.as_mut_ptr());
+                    model(&abs_ptrs, k, c, s, bound.as_mut_ptr());
                 }
                 for i in 0..want.len() {
                     let (g, w) = (got[i], want[i]);
