@@ -21,7 +21,9 @@
 #   stream the stream path against the real driver (and the signalling probe, if built)
 #   assists the 8-bit fused decode kernels from cache with and without the E4M3 codes whose
 #          fused values are fp32 denormals (Intel cores take a microcode assist per FMA
-#          reading one: 150-180 ns per line against 3-4 on AMD Zen 3), if byte_cycles is built
+#          reading one: 150-180 ns per line against 3-4 on AMD Zen 3), the codes exact and
+#          read as zero (KT_KERNEL_FP8_SUBNORMALS, zero by default on Intel), if byte_cycles
+#          is built
 #   probe  the yardstick against shared/limits/limits.c: the CPU topology, the reference under
 #          several OpenMP placements and run lengths, our probes at 1 and 2 threads
 #   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
@@ -128,10 +130,13 @@ fi
 if want assists && [ -x .gpu-shared/bin/byte_cycles ]; then
   echo "== 8-bit fused decode from cache, without and with subnormal codes"
   export LD_LIBRARY_PATH="$PWD/.gpu-shared/rust/lib"
-  for rows in 1 2; do
-    for sub in 0 1; do
-      line=$(ROWS=$rows SUBNORMALS=$sub timeout 60 .gpu-shared/bin/byte_cycles | tr '\n' ' ')
-      echo "ROWS=$rows SUBNORMALS=$sub: $line"
+  for mode in exact zero; do
+    for rows in 1 2; do
+      for sub in 0 1; do
+        line=$(KT_KERNEL_FP8_SUBNORMALS=$mode ROWS=$rows SUBNORMALS=$sub timeout 60 \
+          .gpu-shared/bin/byte_cycles | tr '\n' ' ')
+        echo "KT_KERNEL_FP8_SUBNORMALS=$mode ROWS=$rows SUBNORMALS=$sub: $line"
+      done
     done
   done 2>&1 | tee "$OUT/assists.log"
 fi

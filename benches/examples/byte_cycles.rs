@@ -19,6 +19,7 @@ fn main() {
     // kernels' values for them are fp32 denormals, which cost Intel cores a microcode assist per
     // instruction (an Intel Xeon (Sapphire Rapids class) ran FP8 at 150-180 ns per line with
     // them, against about 3 ns on AMD Zen 3). By default they are moved to the next exponent.
+    // The kernels read them as zero where `KT_KERNEL_FP8_SUBNORMALS` says (by default on Intel).
     let subnormals = kt_benches::env_or("SUBNORMALS", 0) == 1;
     let codes: Vec<u8> = (0..32 * k)
         .map(|i| {
