@@ -12,6 +12,17 @@ fn main() {
     let rows: usize = kt_benches::env_or("ROWS", 32);
     let panels: usize = kt_benches::env_or("PANELS", 1);
     let set = KernelSet::best().unwrap();
+    // PF=<bytes> prefetches panel lines that far ahead (PF_L2=1: into L2), as a decode's tuner
+    // may set it; by default off (this example runs no calibration).
+    let pf: usize = kt_benches::env_or("PF", 0);
+    let into_l2 = kt_benches::env_or("PF_L2", 0) == 1;
+    kt_core::kernels::prefetch::set(
+        pf | if into_l2 {
+            kt_core::kernels::prefetch::INTO_L2
+        } else {
+            0
+        },
+    );
     let mut rng = Rng::new(3);
     let one: Vec<u16> = (0..32 * k)
         .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal()))

@@ -80,7 +80,7 @@ const CHUNK_PAIRS: usize = 64;
 /// contract.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mut f32) {
-    let setting = super::prefetch::distance();
+    let setting = super::prefetch::for_panel_rows(a_rows.len());
     let pairs = k / 2;
     if pairs == 0 {
         // No inputs: every sum is zero (the chunk loop below would leave `out` as it was).

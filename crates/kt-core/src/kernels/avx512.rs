@@ -32,7 +32,7 @@ unsafe fn dot_rows<const R: usize>(
     a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let hi_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    let pf = super::prefetch::distance();
+    let pf = super::prefetch::for_panel_rows(R);
     for q in 0..k / 2 {
         // SAFETY: q*64+64 ≤ 32*k elements of the panel; 2q+1 < k for each row.
         unsafe {

@@ -31,7 +31,7 @@ unsafe fn dot_rows<const R: usize>(
     let mut a = [std::ptr::null::<u32>(); R];
     a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    let pf = super::prefetch::distance();
+    let pf = super::prefetch::for_panel_rows(R);
     for q in 0..k / 2 {
         // SAFETY: panel offset within 32*k; pair q < k/2 of every row.
         unsafe {

@@ -58,7 +58,7 @@ fn from_env() -> Result<Option<usize>> {
 
 /// A byte count (multiple of 64, ≤ 64 KiB; with `:l2` the lines go to L2 rather than L1),
 /// `0`/`off`, or `auto`/empty (= None: calibrate).
-fn parse_setting(v: &str) -> Result<Option<usize>> {
+pub(crate) fn parse_setting(v: &str) -> Result<Option<usize>> {
     let s = v.trim();
     let (bytes, into_l2) = match s.strip_suffix(":l2") {
         Some(b) => (b, true),

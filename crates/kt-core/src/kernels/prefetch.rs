@@ -42,6 +42,43 @@ pub const FAMILIES: usize = 3;
 /// Kernels read it once per call.
 static DISTANCE: [AtomicUsize; FAMILIES] = [const { AtomicUsize::new(0) }; FAMILIES];
 
+/// What the many-row (prefill) panel kernels prefetch by default: lines 8 KiB ahead into L2.
+/// A prefill multiplies each panel by many rows, so the decode tuner's measurement does not
+/// apply; on AMD Zen 4 (S1, 512 tokens, `prefill BF16 512`, four alternated rounds) the
+/// bf16-pair kernel ran 135-160 ms without prefetching and 116-143 with this, the fp32 FMA
+/// kernel 220-310 against 190-214 (one core, 12 rows streamed from memory: 99-110 against
+/// 152-173 GFLOP/s, `BF16DOT=1 PF=8192 PF_L2=1 ROWS=12 PANELS=2000 panel_rows`).
+pub const PANEL_DEFAULT: usize = 8192 | INTO_L2;
+
+/// The panel kernels' setting for calls of 4 rows and more: [`PANEL_DEFAULT`], or
+/// `KT_KERNEL_PANEL_PREFETCH` (the syntax of `KT_KERNEL_PREFETCH`; `0` turns it off).
+#[inline]
+pub fn panel_distance() -> usize {
+    static SETTING: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SETTING.get_or_init(|| match std::env::var("KT_KERNEL_PANEL_PREFETCH") {
+        Ok(v) => match super::calibrate::parse_setting(&v) {
+            Ok(Some(setting)) => setting,
+            Ok(None) => PANEL_DEFAULT,
+            Err(e) => {
+                eprintln!("[kt_kernel] {e}; panels prefetch with the default");
+                PANEL_DEFAULT
+            }
+        },
+        Err(_) => PANEL_DEFAULT,
+    })
+}
+
+/// The setting a panel kernel of `rows` rows uses: [`panel_distance`] from 4 rows (a
+/// prefill's blocks), else the byte-group family's decode setting.
+#[inline(always)]
+pub fn for_panel_rows(rows: usize) -> usize {
+    if rows >= 4 {
+        panel_distance()
+    } else {
+        distance()
+    }
+}
+
 /// The distance tried by the calibration.
 pub const CANDIDATE: usize = 4096;
 
@@ -297,6 +334,19 @@ pub(crate) fn lines(p: *const u8, bytes: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn panel_kernels_of_four_rows_and_more_take_the_panel_setting() {
+        if std::env::var("KT_KERNEL_PANEL_PREFETCH").is_err() {
+            assert_eq!(panel_distance(), PANEL_DEFAULT);
+            assert_eq!(describe(PANEL_DEFAULT), (8192, true));
+        }
+        assert_eq!(for_panel_rows(4), panel_distance());
+        assert_eq!(for_panel_rows(12), panel_distance());
+        for rows in 1..4 {
+            assert_eq!(for_panel_rows(rows), distance());
+        }
+    }
 
     /// Drive a tuner with per-decode times `time(arm)` until it decides.
     fn decide(time: impl Fn(usize) -> f64) -> (usize, usize) {
