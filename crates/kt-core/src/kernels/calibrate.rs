@@ -1,7 +1,7 @@
 //! Measurements made once per process that pick among equivalent kernels: whether the
 //! AVX512-BF16 dot product beats fp32 FMA for prefill, and how far ahead each family of
 //! streaming kernels prefetches. Each measurement is a few milliseconds; an environment variable overrides it.
-use super::prefetch::{self, Family};
+use super::prefetch::{self, parse_setting, Family};
 use super::{KernelSet, MAX_ROWS};
 use crate::isa::Level;
 use crate::pack::PANEL;
@@ -10,9 +10,6 @@ use std::sync::OnceLock;
 
 static CHOSEN: [OnceLock<std::result::Result<usize, Error>>; prefetch::FAMILIES] =
     [const { OnceLock::new() }; prefetch::FAMILIES];
-
-/// Largest distance accepted from the environment.
-const MAX_DISTANCE: usize = 1 << 16;
 
 /// Bytes a calibration streams per pass (far beyond any cache).
 pub const CALIBRATION_BYTES: usize = 64 << 20;
@@ -53,32 +50,6 @@ fn from_env() -> Result<Option<usize>> {
     match std::env::var("KT_KERNEL_PREFETCH") {
         Ok(v) => parse_setting(&v),
         Err(_) => Ok(None),
-    }
-}
-
-/// A byte count (multiple of 64, ≤ 64 KiB; with `:l2` the lines go to L2 rather than L1),
-/// `0`/`off`, or `auto`/empty (= None: calibrate).
-pub(crate) fn parse_setting(v: &str) -> Result<Option<usize>> {
-    let s = v.trim();
-    let (bytes, into_l2) = match s.strip_suffix(":l2") {
-        Some(b) => (b, true),
-        None => (s, false),
-    };
-    match bytes {
-        "" if !into_l2 => Ok(None),
-        "auto" if !into_l2 => Ok(None),
-        "off" if !into_l2 => Ok(Some(0)),
-        b => match b.parse::<usize>() {
-            Ok(n) if n <= MAX_DISTANCE && n.is_multiple_of(64) => Ok(Some(if into_l2 && n > 0 {
-                n | prefetch::INTO_L2
-            } else {
-                n
-            })),
-            _ => Err(Error::Invalid(format!(
-                "KT_KERNEL_PREFETCH={v:?}: use a byte count that is a multiple of 64 and at most \
-                 {MAX_DISTANCE} (into L1; `<bytes>:l2` into L2), 0/off, or auto"
-            ))),
-        },
     }
 }
 

@@ -17,6 +17,7 @@
 //! keep the fastest.
 //! `KT_KERNEL_PREFETCH=<bytes>|<bytes>:l2|0|auto` overrides both. Prefetching never changes a result,
 //! only speed.
+use crate::{Error, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Kernel families whose prefetch distances are chosen separately: whether the hardware
@@ -56,11 +57,14 @@ pub const PANEL_DEFAULT: usize = 8192 | INTO_L2;
 pub fn panel_distance() -> usize {
     static SETTING: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *SETTING.get_or_init(|| match std::env::var("KT_KERNEL_PANEL_PREFETCH") {
-        Ok(v) => match super::calibrate::parse_setting(&v) {
+        Ok(v) => match parse_setting(&v) {
             Ok(Some(setting)) => setting,
             Ok(None) => PANEL_DEFAULT,
             Err(e) => {
-                eprintln!("[kt_kernel] {e}; panels prefetch with the default");
+                eprintln!(
+                    "[kt_kernel] KT_KERNEL_PANEL_PREFETCH={v:?} is not a prefetch setting ({e}); \
+                     the panel kernels prefetch 8192 bytes into L2"
+                );
                 PANEL_DEFAULT
             }
         },
@@ -76,6 +80,33 @@ pub fn for_panel_rows(rows: usize) -> usize {
         panel_distance()
     } else {
         distance()
+    }
+}
+
+/// Largest distance accepted from the environment.
+const MAX_DISTANCE: usize = 1 << 16;
+
+/// A byte count (multiple of 64, ≤ 64 KiB; with `:l2` the lines go to L2 rather than L1),
+/// `0`/`off`, or `auto`/empty (= None: calibrate).
+pub(crate) fn parse_setting(v: &str) -> Result<Option<usize>> {
+    let s = v.trim();
+    let (bytes, into_l2) = match s.strip_suffix(":l2") {
+        Some(b) => (b, true),
+        None => (s, false),
+    };
+    match bytes {
+        "" if !into_l2 => Ok(None),
+        "auto" if !into_l2 => Ok(None),
+        "off" if !into_l2 => Ok(Some(0)),
+        b => match b.parse::<usize>() {
+            Ok(n) if n <= MAX_DISTANCE && n.is_multiple_of(64) => {
+                Ok(Some(if into_l2 && n > 0 { n | INTO_L2 } else { n }))
+            }
+            _ => Err(Error::Invalid(format!(
+                "KT_KERNEL_PREFETCH={v:?}: use a byte count that is a multiple of 64 and at most \
+                 {MAX_DISTANCE} (into L1; `<bytes>:l2` into L2), 0/off, or auto"
+            ))),
+        },
     }
 }
 
