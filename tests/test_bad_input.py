@@ -185,6 +185,29 @@ def test_every_runnable_variant_and_two_subpools_end_to_end(variant, parts):
     assert got_variant == variant and int(got_parts) == parts
 
 
+@pytest.mark.parametrize(
+    ("var", "setting", "ok"),
+    [
+        ("KT_KERNEL_PANEL_PREFETCH", "0", True),
+        ("KT_KERNEL_PANEL_PREFETCH", "16384:l2", True),
+        ("KT_KERNEL_PANEL_PREFETCH", "lots", False),
+        ("KT_KERNEL_FP8_SUBNORMALS", "exact", True),
+        ("KT_KERNEL_FP8_SUBNORMALS", "zero", True),
+        ("KT_KERNEL_FP8_SUBNORMALS", "sometimes", False),
+    ],
+)
+def test_kernel_settings_read_inside_the_kernels_are_checked_at_layer_build(var, setting, ok):
+    """Two settings the kernels read on their own (the prefill panels' prefetch, the fused FP8
+    decode's subnormal codes): a good value runs the layer, a bad one is refused by name when
+    the layer is built."""
+    r = _run(LOWER_LEVEL_CHECK.format(tests=os.path.dirname(__file__), parts=1), **{var: setting})
+    if ok:
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode != 0 and f"{var}={setting!r}".replace("'", '"') in r.stderr, r.stderr
+        assert "Traceback" in r.stderr and "Segmentation" not in r.stderr
+
+
 @pytest.mark.parametrize("setting", ["0", "4096", "4096:l2", "lots", "4096:l3"])
 def test_prefetch_setting_is_used_or_refused_clearly(setting):
     # Prefetching changes speed only: the same layer output with and without it.

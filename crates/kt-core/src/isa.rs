@@ -338,22 +338,36 @@ pub fn has_feature(name: &str) -> bool {
 /// decode makes those codes fp32 denormals, and an Intel core takes a microcode assist for
 /// each instruction that reads one (an Intel Xeon ran FP8 at 150-180 ns per 64-byte line with
 /// 7 such codes in 127, against 3-4 without), while AMD cores (Zen 3, Zen 4) run them at full
-/// speed: so zero on Intel, exact elsewhere. `KT_KERNEL_FP8_SUBNORMALS=zero|exact` overrides.
+/// speed: so zero on Intel, exact elsewhere. `KT_KERNEL_FP8_SUBNORMALS=zero|exact` overrides;
+/// any other value is an error (layer builds check it first).
+pub fn fp8_subnormal_setting() -> Result<bool> {
+    static FLUSH: OnceLock<Result<bool>> = OnceLock::new();
+    FLUSH
+        .get_or_init(|| {
+            let intel = global().is_ok_and(|s| s.features.vendor == "GenuineIntel");
+            let flush = match std::env::var("KT_KERNEL_FP8_SUBNORMALS").as_deref() {
+                Ok("zero") => true,
+                Ok("exact") => false,
+                Ok(v) if !v.trim().is_empty() => {
+                    return Err(Error::Invalid(format!(
+                        "KT_KERNEL_FP8_SUBNORMALS={v:?}: use zero or exact (unset: zero on \
+                         Intel CPUs, exact elsewhere)"
+                    )))
+                }
+                _ => intel,
+            };
+            if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
+                let how = if flush { "read as zero" } else { "exact" };
+                eprintln!("[kt_kernel] fused fp8 decode: subnormal codes {how}");
+            }
+            Ok(flush)
+        })
+        .clone()
+}
+
+/// [`fp8_subnormal_setting`] where it is valid, else exact (a layer build has refused it).
 pub fn flush_subnormal_codes() -> bool {
-    static FLUSH: OnceLock<bool> = OnceLock::new();
-    *FLUSH.get_or_init(|| {
-        let intel = global().is_ok_and(|s| s.features.vendor == "GenuineIntel");
-        let flush = match std::env::var("KT_KERNEL_FP8_SUBNORMALS").as_deref() {
-            Ok("zero") => true,
-            Ok("exact") => false,
-            _ => intel,
-        };
-        if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-            let how = if flush { "read as zero" } else { "exact" };
-            eprintln!("[kt_kernel] fused fp8 decode: subnormal codes {how}");
-        }
-        flush
-    })
+    fp8_subnormal_setting().unwrap_or(false)
 }
 
 /// The process-wide selection, made on first use from the CPU and `KT_KERNEL_CPU_VARIANT`.

@@ -399,6 +399,9 @@ pub fn build(
 ) -> Result<Box<dyn ExpertFormat>> {
     ensure_registered(method)?;
     prefetch_distance()?;
+    // Settings read inside the kernels, refused here rather than ignored there.
+    crate::kernels::prefetch::panel_setting()?;
+    crate::isa::fp8_subnormal_setting()?;
     let e = entry_of(method).expect("registered");
     (e.build)(config, parts, kernels.with_amx_rows_default(e.amx_min_rows))
 }

@@ -48,7 +48,7 @@ pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usiz
 /// `KT_KERNEL_PREFETCH`, if set to anything but `auto`.
 fn from_env() -> Result<Option<usize>> {
     match std::env::var("KT_KERNEL_PREFETCH") {
-        Ok(v) => parse_setting(&v),
+        Ok(v) => parse_setting("KT_KERNEL_PREFETCH", &v),
         Err(_) => Ok(None),
     }
 }
@@ -210,7 +210,7 @@ fn calibrate_bf16(level: Level) -> bool {
 mod tests {
     #[test]
     fn settings_are_checked() {
-        let p = super::parse_setting;
+        let p = |v| super::parse_setting("KT_KERNEL_PREFETCH", v);
         assert_eq!(p("4096"), Ok(Some(4096)));
         assert_eq!(p(" 0 "), Ok(Some(0)));
         assert_eq!(p("off"), Ok(Some(0)));

@@ -52,24 +52,22 @@ static DISTANCE: [AtomicUsize; FAMILIES] = [const { AtomicUsize::new(0) }; FAMIL
 pub const PANEL_DEFAULT: usize = 8192 | INTO_L2;
 
 /// The panel kernels' setting for calls of 4 rows and more: [`PANEL_DEFAULT`], or
-/// `KT_KERNEL_PANEL_PREFETCH` (the syntax of `KT_KERNEL_PREFETCH`; `0` turns it off).
+/// `KT_KERNEL_PANEL_PREFETCH` (the syntax of `KT_KERNEL_PREFETCH`; `0` turns it off); an
+/// error for a value that is not a setting (layer builds check it first).
+pub fn panel_setting() -> Result<usize> {
+    static SETTING: std::sync::OnceLock<Result<usize>> = std::sync::OnceLock::new();
+    SETTING
+        .get_or_init(|| match std::env::var("KT_KERNEL_PANEL_PREFETCH") {
+            Ok(v) => Ok(parse_setting("KT_KERNEL_PANEL_PREFETCH", &v)?.unwrap_or(PANEL_DEFAULT)),
+            Err(_) => Ok(PANEL_DEFAULT),
+        })
+        .clone()
+}
+
+/// [`panel_setting`] where it is valid, else [`PANEL_DEFAULT`] (a layer build has refused it).
 #[inline]
 pub fn panel_distance() -> usize {
-    static SETTING: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *SETTING.get_or_init(|| match std::env::var("KT_KERNEL_PANEL_PREFETCH") {
-        Ok(v) => match parse_setting(&v) {
-            Ok(Some(setting)) => setting,
-            Ok(None) => PANEL_DEFAULT,
-            Err(e) => {
-                eprintln!(
-                    "[kt_kernel] KT_KERNEL_PANEL_PREFETCH={v:?} is not a prefetch setting ({e}); \
-                     the panel kernels prefetch 8192 bytes into L2"
-                );
-                PANEL_DEFAULT
-            }
-        },
-        Err(_) => PANEL_DEFAULT,
-    })
+    panel_setting().unwrap_or(PANEL_DEFAULT)
 }
 
 /// The setting a panel kernel of `rows` rows uses: [`panel_distance`] from 4 rows (a
@@ -88,7 +86,7 @@ const MAX_DISTANCE: usize = 1 << 16;
 
 /// A byte count (multiple of 64, ≤ 64 KiB; with `:l2` the lines go to L2 rather than L1),
 /// `0`/`off`, or `auto`/empty (= None: calibrate).
-pub(crate) fn parse_setting(v: &str) -> Result<Option<usize>> {
+pub(crate) fn parse_setting(name: &str, v: &str) -> Result<Option<usize>> {
     let s = v.trim();
     let (bytes, into_l2) = match s.strip_suffix(":l2") {
         Some(b) => (b, true),
@@ -103,7 +101,7 @@ pub(crate) fn parse_setting(v: &str) -> Result<Option<usize>> {
                 Ok(Some(if into_l2 && n > 0 { n | INTO_L2 } else { n }))
             }
             _ => Err(Error::Invalid(format!(
-                "KT_KERNEL_PREFETCH={v:?}: use a byte count that is a multiple of 64 and at most \
+                "{name}={v:?}: use a byte count that is a multiple of 64 and at most \
                  {MAX_DISTANCE} (into L1; `<bytes>:l2` into L2), 0/off, or auto"
             ))),
         },
