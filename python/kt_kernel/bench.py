@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -46,11 +47,12 @@ LIMIT_OF = {
 }
 
 
-def _compute_family(name: str, info: dict) -> str:
+def _compute_family(name: str, info: dict, rows_per_expert: float) -> str:
     """The instruction family a method's many-row (prefill) kernels compute with on this CPU:
     AMX tiles where they are in use (int8 tiles for AMXINT8/AMXINT4, bf16 tiles for the formats
     that decode to bf16 panels), else the vector kernel's (bf16 dot or fp32 FMA, as the BF16
-    calibration chose; int8 multiply-adds for the integer formats and GGUF)."""
+    calibration chose; int8 multiply-adds for the integer formats and GGUF, and for the 15-bit
+    kinds below the row count from which they decode bf16 panels, at the mean rows per expert)."""
     method = name.split("-")[0]
     if method == "torch":
         return "fma"
@@ -62,7 +64,8 @@ def _compute_family(name: str, info: dict) -> str:
     if amx:
         return "amx-bf16"
     if method in ("RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4"):
-        return "int8"
+        found = re.search(r"bf16-panels from (\d+) rows", info["prefill_kernels"][method])
+        return "bf16" if found and rows_per_expert >= int(found.group(1)) else "int8"
     return "bf16" if "bf16dot" in info["kernels"]["BF16"] else "fma"
 
 
@@ -475,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
             expert_bytes = method_bytes.get(name, bytes_per_expert)
             gbps = distinct * expert_bytes / med / 1e9
             gflops = 2 * 3 * hidden * inter * tokens * k / med / 1e9
-            family = _compute_family(name, info)
+            family = _compute_family(name, info, tokens * k / experts)
             row = {
                 "impl": name,
                 "tokens": tokens,

@@ -84,14 +84,12 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("physical_cores", topo.total_physical_cores())?;
     let kernels = PyDict::new(py);
     let prefill_kernels = PyDict::new(py);
-    kernels.set_item("BF16", KernelSet::best().py()?.name())?;
-    let level = KernelSet::best().py()?.level();
+    let best = KernelSet::best().py()?;
+    kernels.set_item("BF16", best.name())?;
+    let level = best.level();
     let int8 = kt_core::formats::int8::kernels::vector_kernel(level);
     kernels.set_item("AMXINT8", int8.name)?;
-    kernels.set_item(
-        "FP8",
-        kt_core::formats::fp8::kernel_name(&KernelSet::best().py()?),
-    )?;
+    kernels.set_item("FP8", kt_core::formats::fp8::kernel_name(&best))?;
     for spec in [
         kt_core::formats::kgroup::RAWINT4,
         kt_core::formats::kgroup::GPTQ_INT4,
@@ -101,10 +99,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     ] {
         let decode = kt_core::formats::kgroup::decode_kernel_name(&spec, level);
         kernels.set_item(spec.method.name(), decode)?;
-        let prefill = kt_core::formats::kgroup::prefill_kernel_name(&spec, level);
+        let prefill = kt_core::formats::kgroup::prefill_kernel_name(&spec, &best);
         prefill_kernels.set_item(spec.method.name(), prefill)?;
     }
-    kernels.set_item("AMX", KernelSet::best().py()?.amx_name())?;
+    kernels.set_item("AMX", best.amx_name())?;
     // What the group-scaled methods multiply with once an expert has more than a few rows.
     d.set_item("prefill_kernels", prefill_kernels)?;
     d.set_item(

@@ -194,10 +194,30 @@ pub fn decode_kernel_name(spec: &Spec, level: Level) -> &'static str {
     kernels::kernels_for(spec.kind, level).name
 }
 
-/// What multiplies `spec`'s codes for experts with more rows (prefill) at `level` without AMX:
-/// the many-row integer kernel for 4-bit codes (`int8-…`: 8-bit activations, `int15-…`: the
-/// two-byte 15-bit ones), else bf16 panels from the decoder.
-pub fn prefill_kernel_name(spec: &Spec, level: Level) -> &'static str {
+/// Rows per expert from which the 15-bit kinds (GPTQ_INT4, MXFP4, NVFP4) multiply decoded bf16
+/// panels instead of running the two-pass 15-bit kernel, on CPUs whose bf16 dot product beat
+/// fp32 FMA in the calibration (both compute at the same peak: one bf16 pair per int8 pair
+/// of two passes). Measured on an AMD Zen 4 (S1 layer, `examples/prefill`, medians): at 512
+/// tokens (32 rows per expert) MXFP4 140 -> 109 ms, NVFP4 195 -> 119, GPTQ_INT4 143 -> 117; at
+/// 256 tokens thresholds 12-16 beat 24 and never; at 128 tokens (8 rows) the 15-bit kernel
+/// is as fast or faster. With fp32 FMA (AVX2) the decoded panels lose at every size.
+pub const BF16_PANELS_FROM_ROWS: usize = 16;
+
+/// What multiplies `spec`'s codes for experts with more rows (prefill) with `kernels` where AMX
+/// does not take them: [`int_prefill_kernel_name`], followed for the 15-bit kinds by
+/// `; bf16-panels from 16 rows` where the set has a bf16 dot path.
+pub fn prefill_kernel_name(spec: &Spec, kernels: &KernelSet) -> String {
+    let int = int_prefill_kernel_name(spec, kernels.level());
+    if spec.kind.bits() == 4 && !spec.coarse_prefill && kernels.bf16().is_some() {
+        format!("{int}; bf16-panels from {BF16_PANELS_FROM_ROWS} rows")
+    } else {
+        int.to_string()
+    }
+}
+
+/// The many-row integer kernel for 4-bit codes at `level` (`int8-…`: 8-bit activations,
+/// `int15-…`: the two-byte 15-bit ones), else bf16 panels from the decoder.
+pub fn int_prefill_kernel_name(spec: &Spec, level: Level) -> &'static str {
     if spec.kind.bits() == 4 {
         #[cfg(target_arch = "x86_64")]
         {
@@ -281,6 +301,9 @@ pub struct KGroupExperts {
     int_gemm_reusing: Option<int_dot::IntReusingFn>,
     /// Rows per expert up to which `int` runs rather than `int_gemm`.
     few_rows: usize,
+    /// Rows per expert from which decoded bf16 panels replace `int_gemm` where the kernel set
+    /// has a bf16 dot path ([`BF16_PANELS_FROM_ROWS`] for the 15-bit kinds, else never).
+    bf16_panels_from: usize,
     weight_bytes: int_dot::WeightBytes,
     /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
     groups: [usize; 2],
@@ -389,6 +412,11 @@ impl KGroupExperts {
                 FEW_ROWS
             } else {
                 int_dot::fine_few_rows(kernels.level()).min(FEW_ROWS)
+            },
+            bf16_panels_from: if spec.kind.bits() == 4 && !spec.coarse_prefill {
+                BF16_PANELS_FROM_ROWS
+            } else {
+                usize::MAX
             },
             weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
             spec,
@@ -735,6 +763,10 @@ impl KGroupExperts {
             .is_some_and(|a| a.applies(rows.expert_rows));
         let int = match (few, amx) {
             (true, _) => self.int,
+            // bf16 panels decoded once per call (a path exists only where the bf16 dot
+            // product beat fp32 FMA, or AMX runs) beat the two-pass 15-bit kernel from
+            // `bf16_panels_from` rows (see the constant).
+            (false, false) if path.is_some() && rows.expert_rows >= self.bf16_panels_from => None,
             (false, false) => self.int_gemm,
             (false, true) => None,
         };
