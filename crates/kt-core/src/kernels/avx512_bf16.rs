@@ -32,7 +32,15 @@ unsafe fn dot_rows<const R: usize>(
     a.copy_from_slice(&a_rows[..R]);
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let pf = super::prefetch::for_panel_rows(R);
+    let (side, side_bytes) = if R >= 4 {
+        super::prefetch::take_side_stream()
+    } else {
+        (std::ptr::null(), 0)
+    };
     for q in 0..k / 2 {
+        if q * 64 < side_bytes {
+            super::prefetch::line_into_l2(side.wrapping_add(q * 64));
+        }
         // SAFETY: panel offset within 32*k; pair q < k/2 of every row.
         unsafe {
             let p = panel.add(q * 64);

@@ -351,6 +351,25 @@ pub(crate) fn line_into_l2(p: *const u8) {
     prefetch_with::<INTO_L2_HINT>(p);
 }
 
+thread_local! {
+    /// See [`set_side_stream`].
+    static SIDE_STREAM: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Have the next many-row bf16 panel call on this thread prefetch the `bytes` bytes at `p`
+/// into L2 as it multiplies, one line per input pair: the codes of the panel a decoder reads
+/// next, so its DRAM reads overlap this panel's arithmetic. `p` need not be valid memory.
+pub(crate) fn set_side_stream(p: *const u8, bytes: usize) {
+    SIDE_STREAM.with(|s| s.set((p as usize, bytes)));
+}
+
+/// The side stream set for this call (and none for the next).
+#[inline]
+pub(crate) fn take_side_stream() -> (*const u8, usize) {
+    let (p, bytes) = SIDE_STREAM.with(|s| s.replace((0, 0)));
+    (p as *const u8, bytes)
+}
+
 /// Prefetch every line of the `bytes` bytes at `p` (for data about to be read and written
 /// at scattered places, which the hardware prefetchers cannot predict).
 #[inline(always)]
@@ -363,6 +382,17 @@ pub(crate) fn lines(p: *const u8, bytes: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_side_stream_serves_one_call_of_its_thread() {
+        let bytes = [0u8; 4];
+        set_side_stream(bytes.as_ptr(), 4096);
+        std::thread::spawn(|| assert_eq!(take_side_stream().1, 0))
+            .join()
+            .unwrap();
+        assert_eq!(take_side_stream(), (bytes.as_ptr(), 4096));
+        assert_eq!(take_side_stream(), (std::ptr::null(), 0));
+    }
 
     #[test]
     fn panel_kernels_of_four_rows_and_more_take_the_panel_setting() {

@@ -498,7 +498,7 @@ impl Fp8Experts {
                     rows,
                     k,
                     BLOCK,
-                    codes.as_ptr(),
+                    codes,
                     decode,
                     out,
                 )

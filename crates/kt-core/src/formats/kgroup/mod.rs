@@ -902,7 +902,7 @@ impl KGroupExperts {
                     rows,
                     k,
                     block,
-                    codes.as_ptr(),
+                    codes,
                     decode_block,
                     out,
                 )
