@@ -327,6 +327,65 @@ pub(crate) mod x86 {
         t
     };
 
+    /// The exact bf16 values of E4M3 codes by the VBMI tables, one 64-code line at a time
+    /// (in registers, for decoders that change the words before storing them).
+    pub(crate) struct LineTables {
+        lo: [__m512i; 2],
+        hi: [__m512i; 2],
+        order: __m512i,
+        sign: __m512i,
+        flip: __m512i,
+    }
+
+    impl LineTables {
+        /// `tables`: low and high bytes of the 128 magnitudes' bf16; `flip` (0 or 0x80) is
+        /// xored into each sign.
+        #[inline(always)]
+        unsafe fn new(tables: &[[u8; 128]; 2], flip: u8) -> LineTables {
+            let half = |b: &[u8; 128], h: usize| {
+                // SAFETY: 64-byte halves of a 128-byte array; the caller has AVX-512F.
+                unsafe { _mm512_loadu_si512(b[64 * h..].as_ptr().cast()) }
+            };
+            // SAFETY: the caller has AVX-512F/BW (the constructor's callers' features).
+            unsafe {
+                LineTables {
+                    lo: [half(&tables[0], 0), half(&tables[0], 1)],
+                    hi: [half(&tables[1], 0), half(&tables[1], 1)],
+                    order: _mm512_loadu_si512(UNPACK_ORDER.as_ptr().cast()),
+                    sign: _mm512_set1_epi8(0x80u8 as i8),
+                    flip: _mm512_set1_epi8(flip as i8),
+                }
+            }
+        }
+
+        /// The exact (unscaled) values' tables, no sign flip.
+        #[inline(always)]
+        pub(crate) unsafe fn exact() -> LineTables {
+            // SAFETY: forwarded.
+            unsafe { LineTables::new(&MAGNITUDE_BYTES, 0) }
+        }
+
+        /// The bf16 words of the 64 codes at `codes`: codes 0..32, then 32..64.
+        ///
+        /// # Safety
+        /// 64 readable bytes at `codes`, no NaN code; AVX-512F/BW/VBMI available.
+        #[inline(always)]
+        pub(crate) unsafe fn line(&self, codes: *const u8) -> [__m512i; 2] {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let raw = _mm512_loadu_si512(codes.cast());
+                let c = _mm512_permutexvar_epi8(self.order, raw);
+                // The index's bit 7 (the sign) is ignored by the lookups.
+                let lo = _mm512_permutex2var_epi8(self.lo[0], c, self.lo[1]);
+                let hi = _mm512_permutex2var_epi8(self.hi[0], c, self.hi[1]);
+                // hi | ((c ^ flip) & 0x80).
+                let hi =
+                    _mm512_ternarylogic_epi32(hi, _mm512_xor_si512(c, self.flip), self.sign, 0xF8);
+                [_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)]
+            }
+        }
+    }
+
     /// 64 codes per step by two 128-byte table lookups (`vpermi2b`: the bf16's low and high
     /// byte of the magnitude) and the sign bit: 9 instructions per 64 codes. `tables` are the
     /// low and high bytes of the 128 magnitudes' bf16; `flip` (0 or 0x80) is xored into each
@@ -339,30 +398,15 @@ pub(crate) mod x86 {
         tables: &[[u8; 128]; 2],
         flip: u8,
     ) -> usize {
-        // SAFETY: the DecodeFn contract: 64-code steps stay inside the n codes and n outputs;
-        // the tables are 64-byte halves of 128-byte arrays.
+        // SAFETY: the DecodeFn contract: 64-code steps stay inside the n codes and n outputs.
         unsafe {
-            let half = |b: &[u8; 128], h: usize| _mm512_loadu_si512(b[64 * h..].as_ptr().cast());
-            let (lo_a, lo_b, hi_a, hi_b) = (
-                half(&tables[0], 0),
-                half(&tables[0], 1),
-                half(&tables[1], 0),
-                half(&tables[1], 1),
-            );
-            let order = _mm512_loadu_si512(UNPACK_ORDER.as_ptr().cast());
-            let sign = _mm512_set1_epi8(0x80u8 as i8);
-            let flip = _mm512_set1_epi8(flip as i8);
+            let tables = LineTables::new(tables, flip);
             let mut i = 0;
             while i + 64 <= n {
                 prefetch_ahead(codes, i, n);
-                let c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes.add(i).cast()));
-                // The index's bit 7 (the sign) is ignored by the lookups.
-                let lo = _mm512_permutex2var_epi8(lo_a, c, lo_b);
-                let hi = _mm512_permutex2var_epi8(hi_a, c, hi_b);
-                // hi | ((c ^ flip) & 0x80).
-                let hi = _mm512_ternarylogic_epi32(hi, _mm512_xor_si512(c, flip), sign, 0xF8);
-                _mm512_storeu_si512(out.add(i).cast(), _mm512_unpacklo_epi8(lo, hi));
-                _mm512_storeu_si512(out.add(i + 32).cast(), _mm512_unpackhi_epi8(lo, hi));
+                let [first, second] = tables.line(codes.add(i));
+                _mm512_storeu_si512(out.add(i).cast(), first);
+                _mm512_storeu_si512(out.add(i + 32).cast(), second);
                 i += 64;
             }
             i

@@ -988,30 +988,32 @@ mod x86 {
             t
         };
         // SAFETY: the DecodePow2Fn contract: 64 codes and 64 outputs per line, 32 exponent
-        // bytes per group; the FP8 decoder's contract (a multiple of 32 codes, no NaN).
+        // bytes per group, no NaN code. One pass, groups outer: decoding all lines first and
+        // shifting them after stored and reloaded every word, and `q % group_lines` divided
+        // per line.
         unsafe {
-            crate::formats::fp8::kernels::x86::decode_avx512vbmi(codes, lines * 64, out);
+            let tables = crate::formats::fp8::kernels::x86::LineTables::exact();
             let spread = [
                 _mm512_loadu_si512(SPREAD[0].as_ptr().cast()),
                 _mm512_loadu_si512(SPREAD[1].as_ptr().cast()),
             ];
             let magnitude = _mm512_set1_epi16(0x7FFF);
-            let mut shift = [_mm512_setzero_si512(); 2];
-            for q in 0..lines {
-                if q % group_lines == 0 {
-                    let e = _mm256_loadu_si256(exps.add((q / group_lines) * 32).cast());
-                    let e = _mm512_cvtepu8_epi16(e);
-                    let e = _mm512_slli_epi16(_mm512_sub_epi16(e, _mm512_set1_epi16(127)), 7);
-                    shift = [
-                        _mm512_permutexvar_epi16(spread[0], e),
-                        _mm512_permutexvar_epi16(spread[1], e),
-                    ];
-                }
-                for (h, s) in shift.iter().enumerate() {
-                    let p = out.add(q * 64 + 32 * h) as *mut __m512i;
-                    let v = _mm512_loadu_si512(p);
-                    let nonzero = _mm512_test_epi16_mask(v, magnitude);
-                    _mm512_storeu_si512(p, _mm512_mask_add_epi16(v, nonzero, v, *s));
+            for g in 0..lines.div_ceil(group_lines) {
+                let e = _mm256_loadu_si256(exps.add(g * 32).cast());
+                let e = _mm512_cvtepu8_epi16(e);
+                let e = _mm512_slli_epi16(_mm512_sub_epi16(e, _mm512_set1_epi16(127)), 7);
+                let shift = [
+                    _mm512_permutexvar_epi16(spread[0], e),
+                    _mm512_permutexvar_epi16(spread[1], e),
+                ];
+                for q in g * group_lines..((g + 1) * group_lines).min(lines) {
+                    let words = tables.line(codes.add(q * 64));
+                    for h in 0..2 {
+                        let v = words[h];
+                        let nonzero = _mm512_test_epi16_mask(v, magnitude);
+                        let p = out.add(q * 64 + 32 * h) as *mut __m512i;
+                        _mm512_storeu_si512(p, _mm512_mask_add_epi16(v, nonzero, v, shift[h]));
+                    }
                 }
             }
         }
