@@ -203,15 +203,20 @@ pub fn decode_kernel_name(spec: &Spec, level: Level) -> &'static str {
 /// is as fast or faster. With fp32 FMA (AVX2) the decoded panels lose at every size.
 pub const BF16_PANELS_FROM_ROWS: usize = 16;
 
+/// The rows per expert from which `spec`'s prefill may take bf16 panels instead of its integer
+/// kernel ([`BF16_PANELS_FROM_ROWS`] for the 15-bit kinds; the others never switch).
+fn bf16_panels_from(spec: &Spec) -> Option<usize> {
+    (spec.kind.bits() == 4 && !spec.coarse_prefill).then_some(BF16_PANELS_FROM_ROWS)
+}
+
 /// What multiplies `spec`'s codes for experts with more rows (prefill) with `kernels` where AMX
 /// does not take them: [`int_prefill_kernel_name`], followed for the 15-bit kinds by
 /// `; bf16-panels from 16 rows` where the set has a bf16 dot path.
 pub fn prefill_kernel_name(spec: &Spec, kernels: &KernelSet) -> String {
     let int = int_prefill_kernel_name(spec, kernels.level());
-    if spec.kind.bits() == 4 && !spec.coarse_prefill && kernels.bf16().is_some() {
-        format!("{int}; bf16-panels from {BF16_PANELS_FROM_ROWS} rows")
-    } else {
-        int.to_string()
+    match bf16_panels_from(spec).filter(|_| kernels.bf16().is_some()) {
+        Some(rows) => format!("{int}; bf16-panels from {rows} rows"),
+        None => int.to_string(),
     }
 }
 
@@ -413,11 +418,7 @@ impl KGroupExperts {
             } else {
                 int_dot::fine_few_rows(kernels.level()).min(FEW_ROWS)
             },
-            bf16_panels_from: if spec.kind.bits() == 4 && !spec.coarse_prefill {
-                BF16_PANELS_FROM_ROWS
-            } else {
-                usize::MAX
-            },
+            bf16_panels_from: bf16_panels_from(&spec).unwrap_or(usize::MAX),
             weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
             spec,
             kernels,
