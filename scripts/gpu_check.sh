@@ -24,11 +24,15 @@
 #          reading one: 150-180 ns per line against 3-4 on AMD Zen 3), the codes exact and
 #          read as zero (KT_KERNEL_FP8_SUBNORMALS, zero by default on Intel), if byte_cycles
 #          is built
+#   panels prefill at 512 tokens with AMX off (KT_KERNEL_CPU_VARIANT=avx512_bf16), fp32-FMA
+#          against bf16-dot kernels (KT_BF16_KERNEL): checks on Intel the calibration's choice
+#          and the bf16-panel switch of the 15-bit formats, if the prefill example is built
 #   probe  the yardstick against shared/limits/limits.c: the CPU topology, the reference under
 #          several OpenMP placements and run lengths, our probes at 1 and 2 threads
 #   suite  the whole Python suite (KT_GPU_SUITE_S seconds at most)
 #   bench  `kt bench` at 2 threads, one method per process, while KT_GPU_BENCH_S lasts
-#          (KT_GPU_BENCH_METHODS, KT_GPU_BENCH_TOKENS: default "1 512")
+#          (KT_GPU_BENCH_METHODS, KT_GPU_BENCH_TOKENS: default "1 512"); with
+#          KT_GPU_BENCH_TOGETHER=1 every method in one process (LLAMAFILE as Q4_K and Q8_0)
 # Logs go to $OUT (the device tool brings back at most 8 files) or /tmp/gpu-check.
 set -u
 OUT="${OUT:-/tmp/gpu-check}"
@@ -68,9 +72,10 @@ if want isa; then
   # pytest's summary; serially over 200 s for the first 9, one of them 134 s), then the
   # probe test alone: it times the machine's peaks, which parallel workers disturb.
   # pytest-benchmark (installed there) refuses xdist under warnings-as-errors: off.
+  # KT_GPU_ISA_K: a pytest -k expression, e.g. to leave out the 134-s row-count test.
   echo "== the tests that need AVX-512 or AMX"
   (cd tests && timeout "${KT_GPU_ISA_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
-    -p no:benchmark -n 8 --durations=8 test_amx.py \
+    -p no:benchmark -n 8 --durations=8 -k "${KT_GPU_ISA_K:-}" test_amx.py \
     "test_bad_input.py::test_every_runnable_variant_and_two_subpools_end_to_end" \
     "test_fp8.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
     "test_kgroup.py::test_every_panel_kernel_path_matches_the_dequantized_model" \
@@ -79,6 +84,18 @@ if want isa; then
     tee "$OUT/isa-tests.log" | tail -25
   (cd tests && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider test_probe.py 2>&1) |
     tee "$OUT/probe-tests.log" | tail -8
+fi
+if want panels && [ -x .gpu-shared/bin/prefill ]; then
+  echo "== prefill, 512 tokens, AMX off: fp32-FMA against bf16-dot kernels"
+  KT_KERNEL_CPU_VARIANT=avx512_bf16 python3 -m kt_kernel info 2>&1 | grep -iE "bf16|prefill"
+  for m in ${KT_GPU_PANEL_METHODS:-MXFP4 NVFP4 FP8}; do
+    for kernel in fma bf16dot; do
+      line=$(KT_KERNEL_CPU_VARIANT=avx512_bf16 KT_BF16_KERNEL=$kernel ITERS=6 \
+        LD_LIBRARY_PATH="$PWD/.gpu-shared/rust/lib" timeout 60 .gpu-shared/bin/prefill "$m" 512 \
+        2>/dev/null)
+      echo "KT_BF16_KERNEL=$kernel: $line"
+    done
+  done 2>&1 | tee "$OUT/panels.log"
 fi
 if want probe && command -v gcc >/dev/null; then
   echo "== probe: topology, then limits.c and our probes (int8 and fp32 FMA, 2 threads)"
@@ -148,7 +165,17 @@ fi
 if want bench; then
   # One method per process: the yardstick's 2 threads, the probes measured in each run.
   budget_end=$((SECONDS + ${KT_GPU_BENCH_S:-150}))
-  for m in ${KT_GPU_BENCH_METHODS:-AMXINT4 MXFP4 BF16 FP8 GPTQ_INT4 NVFP4 MXFP8 AMXINT8}; do
+  if [ "${KT_GPU_BENCH_TOGETHER:-0}" = 1 ]; then
+    echo "== kt bench, every method in one process, 2 threads"
+    timeout $((budget_end - SECONDS)) python3 -m kt_kernel bench --threads 2 \
+      --methods ${KT_GPU_BENCH_METHODS:-BF16 FP8 FP8_PERCHANNEL MXFP8 MXFP4 NVFP4 GPTQ_INT4 \
+      RAWINT4 AMXINT8 AMXINT4 LLAMAFILE} --gguf-type Q4_K Q8_0 \
+      --tokens ${KT_GPU_BENCH_TOKENS:-1 512} --layers 2 --no-torch 2>&1 |
+      grep -vE "^\[#" | tee -a "$OUT/bench.log"
+  else
+    methods=${KT_GPU_BENCH_METHODS:-AMXINT4 MXFP4 BF16 FP8 GPTQ_INT4 NVFP4 MXFP8 AMXINT8}
+  fi
+  for m in ${methods:-}; do
     [ $((budget_end - SECONDS)) -gt 40 ] || break
     echo "== kt bench $m, 2 threads"
     timeout $((budget_end - SECONDS)) python3 -m kt_kernel bench --threads 2 --methods "$m" \
