@@ -47,6 +47,8 @@ mod x86_avx2_rows;
 mod x86_avx2_x8;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512_x16;
 
 #[cfg(test)]
 mod tests;
@@ -622,6 +624,22 @@ type RawX8Fn = unsafe fn(usize, &[u8], &[&[u8]], &[&[[i32; 4]]], &mut [f32], usi
 /// in `cargo bench`, and left Q4_K and Q8_0 unchanged).
 pub const X8_ROWS: usize = 8;
 
+/// Activation rows from which [`DotKernel::dot_x8_presummed`] takes the sixteen-row kernels.
+/// Below, decoding streams each group on its own: two groups at once ran one token 1.4-1.6×
+/// slower on AMD Zen 4 (memory-bound, the streams interleaved).
+pub const X16_MIN_ROWS: usize = 4;
+
+/// [`X16_MIN_ROWS`], or `KT_KERNEL_GGML_X16_MIN_ROWS` (a measurement knob) when set.
+fn x16_min_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("KT_KERNEL_GGML_X16_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(X16_MIN_ROWS)
+    })
+}
+
 /// A dot-product kernel for one weight type, chosen once for this CPU.
 #[derive(Clone, Copy)]
 pub struct DotKernel {
@@ -632,6 +650,8 @@ pub struct DotKernel {
     rows: Option<RawRowsFn>,
     /// Eight interleaved rows ([`x8`]) against activation rows, where the type has a layout.
     x8: Option<RawX8Fn>,
+    /// Two consecutive x8 groups at once (512-bit vectors), where the CPU and type have one.
+    x16: Option<RawX8Fn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -649,6 +669,7 @@ impl DotKernel {
             raw: dot::scalar_fn(ty).ok_or_else(|| unsupported(ty, "dot product"))?,
             rows: None,
             x8: None,
+            x16: None,
         })
     }
 
@@ -676,6 +697,7 @@ impl DotKernel {
                     // Prefill: the AVX2 multi-row kernels (AVX-512 CPUs have AVX2).
                     kernel.rows = x86_avx2_rows::rows_fn(ty);
                     kernel.x8 = x86_avx2_x8::x8_fn(ty, x86_avx2_x8::X8Mul::best(level));
+                    kernel.x16 = x86_avx512_x16::x16_fn(ty);
                     return Ok(kernel);
                 }
             }
@@ -829,7 +851,9 @@ impl DotKernel {
     pub fn x8_sums_per_row(&self, k: usize) -> usize {
         match (self.weight_type, self.has_x8()) {
             (GgmlType::Q4_K, true) => k / 256,
-            // The block sums of the VNNI kernels (four blocks of 32 per entry).
+            // The block sums of the VNNI kernels (four blocks of 32 per entry), then for the
+            // sixteen-row kernel the blocks' scales as f32 bits (no conversion per group).
+            (GgmlType::Q8_0, true) if self.x16.is_some() => 2 * k.div_ceil(128),
             (GgmlType::Q8_0, true) => k.div_ceil(128),
             _ => 0,
         }
@@ -855,9 +879,11 @@ impl DotKernel {
                 "DotKernel::x8_sums: bad activation row"
             );
         }
+        let sums = k.div_ceil(128);
         for (c, o) in out.iter_mut().enumerate() {
             *o = match self.weight_type {
-                GgmlType::Q8_0 => x8::q8_0_block_sums(activation, c),
+                GgmlType::Q8_0 if c < sums => x8::q8_0_block_sums(activation, c),
+                GgmlType::Q8_0 => x8::q8_0_block_scale_bits(activation, c - sums),
                 _ => x8::q8_k_pair_sums(activation, c),
             };
         }
@@ -945,14 +971,22 @@ impl DotKernel {
         );
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
-        for g in 0..n {
-            let group = &groups[g * gb..(g + 1) * gb];
+        let pairs = self.x16.filter(|_| activations.len() >= x16_min_rows());
+        let mut g = 0;
+        while g < n {
+            // Pairs of groups where a sixteen-row kernel exists, the odd group last on its own.
+            let (span, kernel) = match pairs {
+                Some(pair) if g + 1 < n => (2, pair),
+                _ => (1, f),
+            };
+            let group = &groups[g * gb..(g + span) * gb];
             for (c, acts) in activations.chunks(X8_ROWS).enumerate() {
                 let at = c * X8_ROWS * out_stride + g * x8::GROUP;
                 let rows = &sums[c * X8_ROWS..c * X8_ROWS + acts.len()];
                 // SAFETY: sizes checked above; the constructor checked the CPU.
-                unsafe { f(k, group, acts, rows, &mut out[at..], out_stride) };
+                unsafe { kernel(k, group, acts, rows, &mut out[at..], out_stride) };
             }
+            g += span;
         }
     }
 

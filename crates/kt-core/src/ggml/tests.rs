@@ -547,11 +547,12 @@ fn x8_layouts_give_the_single_row_results() {
         let format = ty.activation_format().unwrap();
         let k = 3 * 256;
         let rb = ty.row_bytes(k).unwrap();
-        // Two groups of eight rows: random blocks and quantized values.
-        let w = weight_rows(ty, k, 16, &mut rng);
+        // Three groups of eight rows (a pair and an odd one for the sixteen-row kernels):
+        // random blocks and quantized values.
+        let w = weight_rows(ty, k, 24, &mut rng);
         let gb = x8::group_bytes(ty, k);
-        let mut groups = vec![0u8; 2 * gb];
-        for g in 0..2 {
+        let mut groups = vec![0u8; 3 * gb];
+        for g in 0..3 {
             x8::repack(
                 ty,
                 &w[g * 8 * rb..(g + 1) * 8 * rb],
@@ -563,11 +564,11 @@ fn x8_layouts_give_the_single_row_results() {
         for count in (1..=X8_ROWS + 1).chain([2 * X8_ROWS + 3]) {
             let acts = activation_rows(format, k, count, &mut rng);
             let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
-            let stride = 20;
+            let stride = 28;
             let want = |i: usize, r: usize| twin.dot(k, &w[r * rb..(r + 1) * rb], &acts[i]);
             // The scalar twin of the layout.
             let mut out = vec![f32::NAN; count * stride];
-            for g in 0..2 {
+            for g in 0..3 {
                 x8::dot_scalar(
                     ty,
                     k,
@@ -578,7 +579,7 @@ fn x8_layouts_give_the_single_row_results() {
                 );
             }
             for i in 0..count {
-                for r in 0..16 {
+                for r in 0..24 {
                     assert_eq!(
                         out[i * stride + r].to_bits(),
                         want(i, r).to_bits(),
@@ -593,8 +594,13 @@ fn x8_layouts_give_the_single_row_results() {
                     continue;
                 }
                 let kernel = DotKernel::for_level(ty, level).unwrap();
+                // The sixteen-row kernels run wherever their CPU is (AVX-512 VNNI).
+                let pairs =
+                    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K) && level == Level::Avx512Vnni;
+                assert_eq!(kernel.x16.is_some(), pairs, "{ty} at {level:?}");
                 if kernel.has_x8() {
-                    kernels.push((kernel.name().to_string(), kernel));
+                    let name = format!("{}{}", kernel.name(), if pairs { " x16" } else { "" });
+                    kernels.push((name, kernel));
                 }
             }
             #[cfg(target_arch = "x86_64")]
@@ -607,7 +613,7 @@ fn x8_layouts_give_the_single_row_results() {
                 let mut out = vec![f32::NAN; count * stride];
                 kernel.dot_x8(k, &groups, &refs, &mut out, stride);
                 for i in 0..count {
-                    for r in 0..16 {
+                    for r in 0..24 {
                         assert_eq!(
                             out[i * stride + r].to_bits(),
                             want(i, r).to_bits(),
@@ -754,7 +760,13 @@ fn x8_sums_are_made_once_per_row_and_checked() {
     let k = 512;
     assert_eq!(kernel.x8_sums_per_row(k), 2);
     let q8_0 = DotKernel::best(GgmlType::Q8_0).unwrap();
-    assert_eq!(q8_0.x8_sums_per_row(k), if q8_0.has_x8() { 4 } else { 0 });
+    // Four blocks' sums per entry, and as many entries of scales for the sixteen-row kernel.
+    let q8_0_entries = match (q8_0.has_x8(), q8_0.x16.is_some()) {
+        (false, _) => 0,
+        (true, false) => 4,
+        (true, true) => 8,
+    };
+    assert_eq!(q8_0.x8_sums_per_row(k), q8_0_entries);
     let mut rng = crate::rng::Rng::new(71);
     let w = quantize(GgmlType::Q4_K, &rng.normals(8 * k, 0.1)).unwrap();
     let mut group = vec![0u8; kernel.memory_row_bytes(k).unwrap() * 8];

@@ -102,6 +102,19 @@ pub fn q8_0_block_sums(row: &[u8], c: usize) -> [i32; 4] {
     })
 }
 
+/// The f32 bits of the scales of Q8_0 activation blocks `4c..4c + 4` of `row` (0 past its
+/// end): the sixteen-row kernel multiplies by them without converting fp16 per group.
+pub fn q8_0_block_scale_bits(row: &[u8], c: usize) -> [i32; 4] {
+    std::array::from_fn(|i| {
+        let at = (4 * c + i) * Q8_0_BYTES;
+        if at + Q8_0_BYTES <= row.len() {
+            f16_at(row, at).to_bits() as i32
+        } else {
+            0
+        }
+    })
+}
+
 /// Q8_0 rows into x8 blocks.
 pub fn repack_q8_0(rows: &[u8], k: usize, out: &mut [u8]) {
     let blocks = k / 32;

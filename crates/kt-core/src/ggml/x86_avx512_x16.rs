@@ -1,0 +1,276 @@
+//! AVX-512 VNNI kernels on two consecutive x8 groups at once ([`super::x8`]): one 512-bit
+//! vector per token holds sixteen rows' results. The 256-bit x8 kernels leave half of an Intel
+//! core's `vpdpbusd` rate unused, and on every CPU they pay one activation broadcast and one
+//! block epilogue (scale conversion, two multiplies, an add) per eight rows; here each serves
+//! sixteen. The integer block sums and the f32 operations per (row, token) are the x8 kernels',
+//! so the results equal the scalar twin bit for bit.
+use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
+use super::x8::{GROUP, Q4_K_X8_BYTES, Q8_0_X8_BYTES};
+use std::arch::x86_64::*;
+
+/// Rows per call: two x8 groups.
+pub const ROWS: usize = 2 * GROUP;
+
+/// The sixteen-row kernel for `ty`, if it has one.
+pub(super) fn x16_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
+    match ty {
+        super::GgmlType::Q8_0 => Some(q8_0),
+        super::GgmlType::Q4_K => Some(q4_k),
+        _ => None,
+    }
+}
+
+/// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
+/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's block
+/// sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block scales
+/// ([`super::x8::q8_0_block_scale_bits`]).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `groups` holds two x8 groups of
+/// `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values, `1 ≤ acts.len() ≤ X8_ROWS`,
+/// `out` holds `(acts.len() − 1) · stride + 16`.
+pub(super) unsafe fn q8_0(
+    k: usize,
+    groups: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        crate::kernels::dispatch_rows!(q8_0_rows, "x16 kernel", acts, (k, groups, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+    }
+}
+
+/// Q8_0 on two x8 groups for exactly `R` activation rows.
+///
+/// Per block and quad of inputs, the two groups' 32-byte weight words form one vector (made
+/// unsigned once, by flipping the sign bits), and each token row's four activation bytes are
+/// broadcast into a `vpdpbusd`. The sums start at `−128 · Σx` of the block, which removes the
+/// flip's `128 · Σx` exactly.
+///
+/// # Safety
+/// As [`q8_0`] with `acts.len() == R`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_0_rows<const R: usize>(
+    k: usize,
+    groups: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks = k / 32;
+    let gb = blocks * Q8_0_X8_BYTES;
+    assert!(groups.len() >= 2 * gb, "two x8 groups needed");
+    // Each row's entries: the block sums, then the blocks' scales as f32 bits.
+    let entries = blocks.div_ceil(4);
+    assert!(
+        sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= 2 * entries),
+        "block sums and scales missing"
+    );
+    assert!(out.len() >= (R - 1) * stride + ROWS, "output too short");
+    let mut a = [std::ptr::null::<u8>(); R];
+    for (p, row) in a.iter_mut().zip(acts) {
+        assert!(row.len() >= blocks * Q8_0_BYTES, "activation row too short");
+        *p = row.as_ptr();
+    }
+    let pf = crate::kernels::prefetch::distance();
+    // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
+    // caller's CPU has the features enabled here.
+    unsafe {
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for blk in 0..blocks {
+            let g0 = groups.as_ptr().add(blk * Q8_0_X8_BYTES);
+            let g1 = g0.add(gb);
+            let mut isum = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let block_sum = sums32[r].get_unchecked(blk / 4)[blk % 4];
+                isum[r] = _mm512_set1_epi32(-(block_sum << 7));
+            }
+            for p in 0..8 {
+                let (at0, at1) = (g0.add(16 + 32 * p), g1.add(16 + 32 * p));
+                if p % 2 == 0 {
+                    crate::kernels::prefetch::ahead(at0, pf);
+                    crate::kernels::prefetch::ahead(at1, pf);
+                }
+                let w = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(at0 as *const __m256i)),
+                    _mm256_loadu_si256(at1 as *const __m256i),
+                );
+                let u = _mm512_xor_si512(w, flip);
+                for r in 0..R {
+                    let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
+                    let x = _mm512_set1_epi32((q as *const i32).read_unaligned());
+                    isum[r] = _mm512_dpbusd_epi32(isum[r], u, x);
+                }
+            }
+            let halves = _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(g0 as *const __m128i)),
+                _mm_loadu_si128(g1 as *const __m128i),
+            );
+            let dw = _mm512_cvtph_ps(halves);
+            for r in 0..R {
+                let da = sums32[r].get_unchecked(entries + blk / 4)[blk % 4];
+                let da = _mm512_set1_ps(f32::from_bits(da as u32));
+                let term = _mm512_mul_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(isum[r]));
+                acc[r] = _mm512_add_ps(acc[r], term);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * stride), *v);
+        }
+    }
+}
+
+/// Q4_K on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_K rows:
+/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's 32-value
+/// sums ([`super::x8::q8_k_pair_sums`], one entry per super-block).
+///
+/// # Safety
+/// As [`q8_0`], with `groups` holding two x8 groups of `k/256` super-blocks each and Q8_K rows.
+pub(super) unsafe fn q4_k(
+    k: usize,
+    groups: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        crate::kernels::dispatch_rows!(q4_k_rows, "x16 kernel", acts, (k, groups, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+    }
+}
+
+/// 32 bytes at `p` and 32 at `q` as one vector.
+///
+/// # Safety
+/// 32 readable bytes at each; AVX-512 F in the caller.
+#[inline(always)]
+unsafe fn join256(p: *const u8, q: *const u8) -> __m512i {
+    // SAFETY: the contract above.
+    unsafe {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i)),
+            _mm256_loadu_si256(q as *const __m256i),
+        )
+    }
+}
+
+/// 16 bytes at `p` and 16 at `q` as one vector.
+///
+/// # Safety
+/// 16 readable bytes at each; AVX2 in the caller.
+#[inline(always)]
+unsafe fn join128(p: *const u8, q: *const u8) -> __m256i {
+    // SAFETY: the contract above.
+    unsafe {
+        _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(p as *const __m128i)),
+            _mm_loadu_si128(q as *const __m128i),
+        )
+    }
+}
+
+/// Q4_K on two x8 groups for exactly `R` activation rows: the x8 kernel's steps (nibbles times
+/// broadcast activation words, weighed per sub-block by the rows' 6-bit scales, minima times
+/// the 32-value sums per super-block) on sixteen lanes.
+///
+/// # Safety
+/// As [`q4_k`] with `acts.len() == R`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q4_k_rows<const R: usize>(
+    k: usize,
+    groups: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks = k / 256;
+    let gb = blocks * Q4_K_X8_BYTES;
+    assert!(groups.len() >= 2 * gb, "two x8 groups needed");
+    assert!(
+        sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= blocks),
+        "32-value sums missing"
+    );
+    assert!(out.len() >= (R - 1) * stride + ROWS, "output too short");
+    let mut a = [std::ptr::null::<u8>(); R];
+    for (p, row) in a.iter_mut().zip(acts) {
+        assert!(row.len() >= blocks * Q8_K_BYTES, "activation row too short");
+        *p = row.as_ptr();
+    }
+    let pf = crate::kernels::prefetch::distance();
+    // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
+    // caller's CPU has the features enabled here.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for sb in 0..blocks {
+            let g0 = groups.as_ptr().add(sb * Q4_K_X8_BYTES);
+            let g1 = g0.add(gb);
+            for line in 0..3 {
+                crate::kernels::prefetch::ahead(g0.wrapping_add(64 * line), pf);
+                crate::kernels::prefetch::ahead(g1.wrapping_add(64 * line), pf);
+            }
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..8 {
+                let scales = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+                    _mm_loadl_epi64(g0.add(32 + 8 * j) as *const __m128i),
+                    _mm_loadl_epi64(g1.add(32 + 8 * j) as *const __m128i),
+                ));
+                let mut partial = [_mm512_setzero_si512(); R];
+                let (n0, n1) = (g0.add(160 + j * 128), g1.add(160 + j * 128));
+                for line in [32, 96] {
+                    crate::kernels::prefetch::ahead(n0.add(line), pf);
+                    crate::kernels::prefetch::ahead(n1.add(line), pf);
+                }
+                for p in 0..4 {
+                    let x = join256(n0.add(p * 32), n1.add(p * 32));
+                    let lo = _mm512_and_si512(x, low4);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4);
+                    for r in 0..R {
+                        let q = a[r].add(sb * Q8_K_BYTES + 4 + 32 * j + 8 * p);
+                        let a0 = _mm512_set1_epi32((q as *const i32).read_unaligned());
+                        let a1 = _mm512_set1_epi32((q.add(4) as *const i32).read_unaligned());
+                        partial[r] = _mm512_dpbusd_epi32(partial[r], lo, a0);
+                        partial[r] = _mm512_dpbusd_epi32(partial[r], hi, a1);
+                    }
+                }
+                for r in 0..R {
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(partial[r], scales));
+                }
+            }
+            let d = _mm512_cvtph_ps(join128(g0, g1));
+            let dmin = _mm512_cvtph_ps(join128(g0.add(16), g1.add(16)));
+            let mut mins = [_mm512_setzero_si512(); 4];
+            for (q, m) in mins.iter_mut().enumerate() {
+                *m = _mm512_cvtepu8_epi16(join128(g0.add(96 + 16 * q), g1.add(96 + 16 * q)));
+            }
+            for r in 0..R {
+                let ab = a[r].add(sb * Q8_K_BYTES);
+                // Pair q of the row's 32-value sums in every lane, times the rows' minima pairs.
+                let s32 = sums32[r].get_unchecked(sb);
+                let mut summs = _mm512_madd_epi16(mins[0], _mm512_set1_epi32(s32[0]));
+                for q in 1..4 {
+                    let pair = _mm512_set1_epi32(s32[q]);
+                    summs = _mm512_add_epi32(summs, _mm512_madd_epi16(mins[q], pair));
+                }
+                let da = _mm512_set1_ps((ab as *const f32).read_unaligned());
+                let term = _mm512_sub_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(sumi[r])),
+                    _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(summs)),
+                );
+                acc[r] = _mm512_add_ps(acc[r], term);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * stride), *v);
+        }
+    }
+}
