@@ -407,7 +407,71 @@ unsafe fn activation_row_avx2(format: ActivationFormat, x: &[f32], out: &mut [u8
         }
         return;
     }
+    if format == ActivationFormat::Q8_0 {
+        // Vectorised by hand too: 5% of a Q8_0 prefill layer as the compiler left it.
+        for (xs, b) in x.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
+            // SAFETY: AVX2 (this function's contract); whole blocks.
+            unsafe { q8_0_avx2_block(xs, b) };
+        }
+        return;
+    }
     activation_row_body(format, x, out)
+}
+
+/// One Q8_0 activation block (32 values into 34 bytes), equal byte for byte to
+/// [`activation_row_body`]'s: `cvtps2dq` rounds half to even like [`rne`]; blocks with a
+/// non-finite value or an infinite `127/amax` take the scalar path.
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_avx2_block(x: &[f32], b: &mut [u8]) {
+    use std::arch::x86_64::*;
+    assert!(x.len() == QK && b.len() == Q8_0_BYTES);
+    let p = x.as_ptr();
+    // SAFETY: 32 readable values at p; 34 writable bytes at b (asserted).
+    unsafe {
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        // (Plain arrays, no closures: a closure here stays out of line without the features.)
+        let mut v = [_mm256_setzero_ps(); 4];
+        for (i, vi) in v.iter_mut().enumerate() {
+            *vi = _mm256_loadu_ps(p.add(8 * i));
+        }
+        let mut amax = _mm256_setzero_ps();
+        let mut bad = _mm256_setzero_ps();
+        for &vi in &v {
+            let a = _mm256_and_ps(vi, magnitude);
+            amax = _mm256_max_ps(amax, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+        }
+        let half = _mm_max_ps(
+            _mm256_castps256_ps128(amax),
+            _mm256_extractf128_ps::<1>(amax),
+        );
+        let half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        let amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps::<1>(half, half)));
+        let id = if amax == 0.0 { 0.0 } else { 127.0 / amax };
+        if _mm256_movemask_ps(bad) != 0 || !id.is_finite() {
+            return activation_row_body(ActivationFormat::Q8_0, x, b);
+        }
+        let id = _mm256_set1_ps(id);
+        let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+        let mut q = [_mm256_setzero_si256(); 4];
+        for (qi, &vi) in q.iter_mut().zip(&v) {
+            let c = _mm256_cvtps_epi32(_mm256_mul_ps(vi, id));
+            *qi = _mm256_min_epi32(_mm256_max_epi32(c, lo), hi);
+        }
+        // packs work per 128-bit lane: dwords come out as a0-3 b0-3 c0-3 d0-3 | a4-7 ...
+        let words = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(b.as_mut_ptr().add(2) as *mut __m256i, bytes);
+        put_f16(b, 0, amax / 127.0);
+    }
 }
 
 /// [`q8_k_block`] in AVX2 intrinsics, equal to it byte for byte.
@@ -628,6 +692,50 @@ mod rounding_tests {
             q8_k_block(x, &mut want);
             // SAFETY: AVX2 detected above.
             unsafe { q8_k_avx2::block(x, &mut got) };
+            assert_eq!(want[..], got[..], "block {n}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q8_0_avx2_equals_the_scalar_twin() {
+        use super::{activation_row_body, q8_0_avx2_block, ActivationFormat, QK};
+        use crate::ggml::blocks::Q8_0_BYTES;
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut rng = crate::rng::Rng::new(62);
+        let mut blocks: Vec<Vec<f32>> = (0..400)
+            .map(|i| rng.normals(QK, [1.0, 1e-3, 300.0, 1e-30][i % 4]))
+            .collect();
+        // Exact ties of the scale, zeros, non-finite values, tiny extremes (127/amax = ∞).
+        let m = 3.0f32;
+        blocks.push((0..QK).map(|i| m * (i as f32 - 16.0) / 254.0).collect());
+        blocks.push(vec![0.0; QK]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut b = rng.normals(QK, 1.0);
+            b[20] = bad;
+            blocks.push(b);
+        }
+        blocks.push((0..QK).map(|i| (i as f32 - 10.0) * 1e-42).collect());
+        for n in 0..3000 {
+            let m = rng.normal() * 10f32.powi(rng.below(60) as i32 - 30);
+            blocks.push(
+                (0..QK)
+                    .map(|i| match n % 3 {
+                        0 => f32::from_bits(rng.next_u64() as u32),
+                        1 => f32::from_bits(rng.next_u64() as u32 & 0xBFFF_FFFF),
+                        _ if i == 0 => m,
+                        _ => m * (rng.below(254) as f32 - 127.0 + 0.5) / 127.0,
+                    })
+                    .collect(),
+            );
+        }
+        for (n, x) in blocks.iter().enumerate() {
+            let (mut want, mut got) = ([0xAAu8; Q8_0_BYTES], [0x55u8; Q8_0_BYTES]);
+            activation_row_body(ActivationFormat::Q8_0, x, &mut want);
+            // SAFETY: AVX2 detected above.
+            unsafe { q8_0_avx2_block(x, &mut got) };
             assert_eq!(want[..], got[..], "block {n}");
         }
     }
