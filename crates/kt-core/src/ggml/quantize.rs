@@ -644,6 +644,37 @@ fn q8_k_block(x: &[f32], b: &mut [u8]) {
 
 #[cfg(test)]
 mod rounding_tests {
+    /// Blocks of `n` values for the activation quantizers' twin tests: normals at four scales,
+    /// zeros, a NaN, +Inf and −Inf block, subnormals, random bit patterns (NaN, ±Inf,
+    /// subnormals, huge values), random finite bits, and exact ties m·(j + ½)/127 around
+    /// random extremes m.
+    fn twin_blocks(rng: &mut crate::rng::Rng, n: usize) -> Vec<Vec<f32>> {
+        let mut blocks: Vec<Vec<f32>> = (0..400)
+            .map(|i| rng.normals(n, [1.0, 1e-3, 300.0, 1e-30][i % 4]))
+            .collect();
+        blocks.push(vec![0.0; n]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut b = rng.normals(n, 1.0);
+            b[n * 3 / 4] = bad;
+            blocks.push(b);
+        }
+        blocks.push((0..n).map(|i| (i as f32 - 10.0) * 1e-42).collect());
+        for kind in 0..3000 {
+            let m = rng.normal() * 10f32.powi(rng.below(60) as i32 - 30);
+            blocks.push(
+                (0..n)
+                    .map(|i| match kind % 3 {
+                        0 => f32::from_bits(rng.next_u64() as u32),
+                        1 => f32::from_bits(rng.next_u64() as u32 & 0xBFFF_FFFF),
+                        _ if i == 0 => m,
+                        _ => m * (rng.below(254) as f32 - 127.0 + 0.5) / 127.0,
+                    })
+                    .collect(),
+            );
+        }
+        blocks
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn q8_k_avx2_equals_the_scalar_twin() {
@@ -653,40 +684,15 @@ mod rounding_tests {
             return;
         }
         let mut rng = crate::rng::Rng::new(61);
-        let mut blocks: Vec<Vec<f32>> = (0..400)
-            .map(|i| rng.normals(QK_K, [1.0, 1e-3, 300.0, 1e-30][i % 4]))
-            .collect();
-        // Exact ties (multiples of m/254), both signs of the extreme, zeros, non-finite values,
-        // subnormals, an extreme that repeats with the other sign first.
+        let mut blocks = twin_blocks(&mut rng, QK_K);
+        // Exact ties (multiples of m/254), an extreme that repeats with the other sign first.
         let m = 3.0f32;
         blocks.push((0..QK_K).map(|i| m * (i as f32 - 128.0) / 254.0).collect());
         blocks.push((0..QK_K).map(|i| -m * (i as f32 % 255.0) / 254.0).collect());
-        blocks.push(vec![0.0; QK_K]);
         let mut b = rng.normals(QK_K, 1.0);
         b[7] = -5.0;
         b[3] = 5.0;
         blocks.push(b);
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let mut b = rng.normals(QK_K, 1.0);
-            b[200] = bad;
-            blocks.push(b);
-        }
-        blocks.push((0..QK_K).map(|i| (i as f32 - 100.0) * 1e-42).collect());
-        // Random bit patterns (NaN, ±Inf, subnormals, huge values), random finite bits, and
-        // exact ties m·(j + ½)/127 around random extremes m.
-        for n in 0..3000 {
-            let m = rng.normal() * 10f32.powi(rng.below(60) as i32 - 30);
-            blocks.push(
-                (0..QK_K)
-                    .map(|i| match n % 3 {
-                        0 => f32::from_bits(rng.next_u64() as u32),
-                        1 => f32::from_bits(rng.next_u64() as u32 & 0xBFFF_FFFF),
-                        _ if i == 0 => m,
-                        _ => m * (rng.below(254) as f32 - 127.0 + 0.5) / 127.0,
-                    })
-                    .collect(),
-            );
-        }
         for (n, x) in blocks.iter().enumerate() {
             let (mut want, mut got) = ([0xAAu8; Q8_K_BYTES], [0x55u8; Q8_K_BYTES]);
             q8_k_block(x, &mut want);
@@ -705,32 +711,10 @@ mod rounding_tests {
             return;
         }
         let mut rng = crate::rng::Rng::new(62);
-        let mut blocks: Vec<Vec<f32>> = (0..400)
-            .map(|i| rng.normals(QK, [1.0, 1e-3, 300.0, 1e-30][i % 4]))
-            .collect();
-        // Exact ties of the scale, zeros, non-finite values, tiny extremes (127/amax = ∞).
+        // (The tiny extremes of `twin_blocks` make 127/amax infinite: the scalar path.)
+        let mut blocks = twin_blocks(&mut rng, QK);
         let m = 3.0f32;
         blocks.push((0..QK).map(|i| m * (i as f32 - 16.0) / 254.0).collect());
-        blocks.push(vec![0.0; QK]);
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let mut b = rng.normals(QK, 1.0);
-            b[20] = bad;
-            blocks.push(b);
-        }
-        blocks.push((0..QK).map(|i| (i as f32 - 10.0) * 1e-42).collect());
-        for n in 0..3000 {
-            let m = rng.normal() * 10f32.powi(rng.below(60) as i32 - 30);
-            blocks.push(
-                (0..QK)
-                    .map(|i| match n % 3 {
-                        0 => f32::from_bits(rng.next_u64() as u32),
-                        1 => f32::from_bits(rng.next_u64() as u32 & 0xBFFF_FFFF),
-                        _ if i == 0 => m,
-                        _ => m * (rng.below(254) as f32 - 127.0 + 0.5) / 127.0,
-                    })
-                    .collect(),
-            );
-        }
         for (n, x) in blocks.iter().enumerate() {
             let (mut want, mut got) = ([0xAAu8; Q8_0_BYTES], [0x55u8; Q8_0_BYTES]);
             activation_row_body(ActivationFormat::Q8_0, x, &mut want);

@@ -384,20 +384,22 @@ unsafe fn store_rows<const R: usize>(acc: &[__m256; R], out: &mut [f32], stride:
     }
 }
 
-/// The activation rows' starts, checked to hold `bytes` each; and `out` checked for R rows.
+/// The activation rows' starts, checked to hold `bytes` each; and `out` checked for R rows of
+/// `width` results.
 #[inline(always)]
-fn starts<const R: usize>(
+pub(super) fn starts<const R: usize>(
     acts: &[&[u8]],
     bytes: usize,
     out: &[f32],
     stride: usize,
+    width: usize,
 ) -> [*const u8; R] {
     let mut a = [std::ptr::null::<u8>(); R];
     for (p, row) in a.iter_mut().zip(acts) {
         assert!(row.len() >= bytes, "activation row too short");
         *p = row.as_ptr();
     }
-    assert!(out.len() >= (R - 1) * stride + GROUP, "output too short");
+    assert!(out.len() >= (R - 1) * stride + width, "output too short");
     a
 }
 
@@ -427,7 +429,7 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
         );
         sums.copy_from_slice(&sums32[..R]);
     }
-    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride);
+    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, GROUP);
     let pf = crate::kernels::prefetch::distance();
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.
@@ -483,7 +485,7 @@ unsafe fn q6_k_rows<const R: usize>(
 ) {
     let blocks = k / 256;
     assert!(group.len() >= blocks * Q6_K_X8_BYTES);
-    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, GROUP);
     let low4 = _mm256_set1_epi8(0x0F);
     let two = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -592,7 +594,7 @@ unsafe fn q4_k_rows<const R: usize, D: SignedDot>(
     // its closure stayed out of line, 1.6% of a prefill's cycles.)
     let mut sums: [&[[i32; 4]]; R] = [&[]; R];
     sums.copy_from_slice(&sums32[..R]);
-    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride);
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, GROUP);
     let pf = crate::kernels::prefetch::distance();
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.

@@ -6,6 +6,7 @@
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q8_0_X8_BYTES};
+use super::x86_avx2_x8::starts;
 use std::arch::x86_64::*;
 
 /// Rows per call: two x8 groups.
@@ -71,12 +72,7 @@ unsafe fn q8_0_rows<const R: usize>(
         sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= 2 * entries),
         "block sums and scales missing"
     );
-    assert!(out.len() >= (R - 1) * stride + ROWS, "output too short");
-    let mut a = [std::ptr::null::<u8>(); R];
-    for (p, row) in a.iter_mut().zip(acts) {
-        assert!(row.len() >= blocks * Q8_0_BYTES, "activation row too short");
-        *p = row.as_ptr();
-    }
+    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, ROWS);
     let pf = crate::kernels::prefetch::distance();
     // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
     // caller's CPU has the features enabled here.
@@ -199,12 +195,7 @@ unsafe fn q4_k_rows<const R: usize>(
         sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= blocks),
         "32-value sums missing"
     );
-    assert!(out.len() >= (R - 1) * stride + ROWS, "output too short");
-    let mut a = [std::ptr::null::<u8>(); R];
-    for (p, row) in a.iter_mut().zip(acts) {
-        assert!(row.len() >= blocks * Q8_K_BYTES, "activation row too short");
-        *p = row.as_ptr();
-    }
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, ROWS);
     let pf = crate::kernels::prefetch::distance();
     // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
     // caller's CPU has the features enabled here.
