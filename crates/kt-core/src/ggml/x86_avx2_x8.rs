@@ -63,6 +63,9 @@ pub(super) fn x8_fn(ty: super::GgmlType, mul: X8Mul) -> Option<super::RawX8Fn> {
 /// The public entry of each x8 kernel: dispatch on the activation row count.
 macro_rules! x8_entry {
     ($(#[$doc:meta])* $name:ident => $rows:ident) => {
+        x8_entry!($(#[$doc])* $name => $rows, "x8 kernel");
+    };
+    ($(#[$doc:meta])* $name:ident => $rows:ident, $label:literal) => {
         $(#[$doc])*
         pub(super) unsafe fn $name(
             k: usize,
@@ -74,11 +77,12 @@ macro_rules! x8_entry {
         ) {
             // SAFETY: forwarded.
             unsafe {
-                crate::kernels::dispatch_rows!($rows, "x8 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+                crate::kernels::dispatch_rows!($rows, $label, acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
             }
         }
     };
 }
+pub(super) use x8_entry;
 
 x8_entry!(
     /// Q4_K x8 against up to [`super::X8_ROWS`] Q8_K rows: `out[i · stride + r]` for the

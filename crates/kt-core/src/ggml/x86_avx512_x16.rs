@@ -6,7 +6,7 @@
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q8_0_X8_BYTES};
-use super::x86_avx2_x8::starts;
+use super::x86_avx2_x8::{starts, x8_entry};
 use std::arch::x86_64::*;
 
 /// Rows per call: two x8 groups.
@@ -21,28 +21,18 @@ pub(super) fn x16_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     }
 }
 
-/// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
-/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's block
-/// sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block scales
-/// ([`super::x8::q8_0_block_scale_bits`]).
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `groups` holds two x8 groups of
-/// `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values, `1 ≤ acts.len() ≤ X8_ROWS`,
-/// `out` holds `(acts.len() − 1) · stride + 16`.
-pub(super) unsafe fn q8_0(
-    k: usize,
-    groups: &[u8],
-    acts: &[&[u8]],
-    sums32: &[&[[i32; 4]]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows, "x16 kernel", acts, (k, groups, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
-    }
-}
+x8_entry!(
+    /// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
+    /// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's
+    /// block sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block
+    /// scales ([`super::x8::q8_0_block_scale_bits`]).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `group` holds two x8 groups
+    /// of `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values,
+    /// `1 ≤ acts.len() ≤ X8_ROWS`, `out` holds `(acts.len() − 1) · stride + 16`.
+    q8_0 => q8_0_rows, "x16 kernel"
+);
 
 /// Q8_0 on two x8 groups for exactly `R` activation rows.
 ///
@@ -93,22 +83,14 @@ unsafe fn q8_0_rows<const R: usize>(
                     crate::kernels::prefetch::ahead(at0, pf);
                     crate::kernels::prefetch::ahead(at1, pf);
                 }
-                let w = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(at0 as *const __m256i)),
-                    _mm256_loadu_si256(at1 as *const __m256i),
-                );
-                let u = _mm512_xor_si512(w, flip);
+                let u = _mm512_xor_si512(join256(at0, at1), flip);
                 for r in 0..R {
                     let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
                     let x = _mm512_set1_epi32((q as *const i32).read_unaligned());
                     isum[r] = _mm512_dpbusd_epi32(isum[r], u, x);
                 }
             }
-            let halves = _mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(g0 as *const __m128i)),
-                _mm_loadu_si128(g1 as *const __m128i),
-            );
-            let dw = _mm512_cvtph_ps(halves);
+            let dw = _mm512_cvtph_ps(join128(g0, g1));
             for r in 0..R {
                 let da = sums32[r].get_unchecked(entries + blk / 4)[blk % 4];
                 let da = _mm512_set1_ps(f32::from_bits(da as u32));
@@ -122,25 +104,16 @@ unsafe fn q8_0_rows<const R: usize>(
     }
 }
 
-/// Q4_K on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_K rows:
-/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's 32-value
-/// sums ([`super::x8::q8_k_pair_sums`], one entry per super-block).
-///
-/// # Safety
-/// As [`q8_0`], with `groups` holding two x8 groups of `k/256` super-blocks each and Q8_K rows.
-pub(super) unsafe fn q4_k(
-    k: usize,
-    groups: &[u8],
-    acts: &[&[u8]],
-    sums32: &[&[[i32; 4]]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        crate::kernels::dispatch_rows!(q4_k_rows, "x16 kernel", acts, (k, groups, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
-    }
-}
+x8_entry!(
+    /// Q4_K on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_K rows:
+    /// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's
+    /// 32-value sums ([`super::x8::q8_k_pair_sums`], one entry per super-block).
+    ///
+    /// # Safety
+    /// As [`q8_0`], with `group` holding two x8 groups of `k/256` super-blocks each and Q8_K
+    /// rows.
+    q4_k => q4_k_rows, "x16 kernel"
+);
 
 /// 32 bytes at `p` and 32 at `q` as one vector.
 ///
