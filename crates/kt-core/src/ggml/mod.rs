@@ -629,17 +629,6 @@ pub const X8_ROWS: usize = 8;
 /// slower on AMD Zen 4 (memory-bound, the streams interleaved).
 pub const X16_MIN_ROWS: usize = 4;
 
-/// [`X16_MIN_ROWS`], or `KT_KERNEL_GGML_X16_MIN_ROWS` (a measurement knob) when set.
-fn x16_min_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        std::env::var("KT_KERNEL_GGML_X16_MIN_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(X16_MIN_ROWS)
-    })
-}
-
 /// A dot-product kernel for one weight type, chosen once for this CPU.
 #[derive(Clone, Copy)]
 pub struct DotKernel {
@@ -971,7 +960,7 @@ impl DotKernel {
         );
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
-        let pairs = self.x16.filter(|_| activations.len() >= x16_min_rows());
+        let pairs = self.x16.filter(|_| activations.len() >= X16_MIN_ROWS);
         let mut g = 0;
         while g < n {
             // Pairs of groups where a sixteen-row kernel exists, the odd group last on its own.
