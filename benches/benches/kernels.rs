@@ -141,7 +141,7 @@ fn kgroup_kernels(c: &mut Criterion) {
                 let data: Vec<Vec<u8>> = (0..rows)
                     .map(|_| {
                         let mut row = vec![0u8; int_dot::row_bytes(k, 32)];
-                        int_dot::prepare_row(&rng.normals(k, 1.0), 32, &mut row);
+                        int_dot::prepare_row(&rng.normals(k, 1.0), 32, &w, &mut row);
                         row
                     })
                     .collect();

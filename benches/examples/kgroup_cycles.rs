@@ -85,15 +85,15 @@ fn main() {
         let chunk = group.min(32);
         let scales = vec![0x38u8; 32 * (k / group) * st.size()];
         // One prepared row per kernel row (as in a layer), each from shifted inputs.
+        let w = WeightBytes::of(kind, st);
         let prepared: Vec<Vec<u8>> = (0..max_rows)
             .map(|r| {
                 let shifted: Vec<f32> = (0..k).map(|i| x[(i + 7 * r) % k]).collect();
                 let mut row = vec![0u8; row_bytes(k, chunk)];
-                prepare_row(&shifted, chunk, &mut row);
+                prepare_row(&shifted, chunk, &w, &mut row);
                 row
             })
             .collect();
-        let w = WeightBytes::of(kind, st);
         for rows in (1..=max_rows).filter(|r| only_rows.is_none_or(|o| o == *r)) {
             let ptrs: Vec<*const u8> = prepared[..rows].iter().map(|r| r.as_ptr()).collect();
             let mut out = vec![0f32; 32 * rows];

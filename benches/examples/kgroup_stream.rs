@@ -32,9 +32,9 @@ fn main() {
     let level = KernelSet::best().unwrap().level();
     let (kernel, _) = int_fused_for(level).expect("an integer kernel");
     let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
-    let mut row = vec![0u8; row_bytes(k, chunk)];
-    prepare_row(&x, chunk, &mut row);
     let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
+    let mut row = vec![0u8; row_bytes(k, chunk)];
+    prepare_row(&x, chunk, &w, &mut row);
     let rp = row.as_ptr() as usize;
     // ROWS=1|2: activation rows per call (a 1- or 2-token decode's kernel).
     let rows: usize = kt_benches::env_or("ROWS", 1);

@@ -19,7 +19,8 @@
 //!
 //! An activation row for `k` inputs ([`row_bytes`]): `x8` (`k` bytes; within each 8 inputs the
 //! order `0 2 4 6 1 3 5 7`, so one 32-bit broadcast meets the even nibbles of a weight word and
-//! the next the odd ones), `r8` (the same), per chunk `X: i32, R: i32, s: f32`, then `x16`:
+//! the next the odd ones), `r8` (the same), per chunk a [`ChunkRecord`] made for the layer's
+//! [`WeightBytes`] (`−bias·X`, `−bias·R`, `s·inv_m`, `s·inv_m/254`), then `x16`:
 //! each input once as the i16 `254·x8 + r8` (within each 8 inputs the order `0 4 2 6 1 5 3 7`,
 //! [`WIDE_SLOTS`]), for the AVX2 many-row kernel without VNNI ([`x86::int_fine_gemm_avx2`]),
 //! which from 16 rows puts 8 tokens in the lanes of a vector (their words transposed per
@@ -136,7 +137,7 @@ pub fn row_bytes(k: usize, chunk: usize) -> usize {
 /// Where an activation row's `x16` inputs start.
 #[inline(always)]
 fn wide_at(k: usize, chunk: usize) -> usize {
-    2 * k + 12 * (k / chunk)
+    2 * k + RECORD_BYTES * (k / chunk)
 }
 
 /// Where each of 8 inputs goes within its 8 `x16` values: as i32 words `(0,4) (2,6) (1,5)
@@ -166,25 +167,25 @@ const SLOTS: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 /// Cut `x` (`k` values, a multiple of `chunk`) into an activation row (module docs), with
 /// AVX2 where the CPU has it (the same bytes as [`prepare_row_scalar`]): a decode prepares
 /// its input row and every SwiGLU row, thousands of values per call.
-pub fn prepare_row(x: &[f32], chunk: usize, out: &mut [u8]) {
+pub fn prepare_row(x: &[f32], chunk: usize, w: &WeightBytes, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     #[cfg(target_arch = "x86_64")]
     if crate::isa::allows(Level::Avx2) {
         // SAFETY: AVX2 and FMA allowed (checked above); lengths checked above.
-        unsafe { x86::prepare_row_avx2(x, chunk, out) };
+        unsafe { x86::prepare_row_avx2(x, chunk, w, out) };
         return;
     }
-    prepare_row_scalar(x, chunk, out);
+    prepare_row_scalar(x, chunk, w, out);
 }
 
 /// The scalar twin of [`prepare_row`] (same contract).
-pub fn prepare_row_scalar(x: &[f32], chunk: usize, out: &mut [u8]) {
+pub fn prepare_row_scalar(x: &[f32], chunk: usize, w: &WeightBytes, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     let (x8, rest) = out.split_at_mut(k);
     let (r8, rest) = rest.split_at_mut(k);
-    let (sums, x16) = rest.split_at_mut(12 * (k / chunk));
+    let (sums, x16) = rest.split_at_mut(RECORD_BYTES * (k / chunk));
     for (c, values) in x.chunks_exact(chunk).enumerate() {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
         let (s, inv) = chunk_scale(amax);
@@ -207,7 +208,7 @@ pub fn prepare_row_scalar(x: &[f32], chunk: usize, out: &mut [u8]) {
                 rs += ri;
             }
         }
-        put_chunk_sums(sums, c, xs, rs, s);
+        put_chunk_record(sums, c, ChunkRecord::new(xs, rs, s, w));
     }
 }
 
@@ -223,29 +224,71 @@ fn chunk_scale(amax: f32) -> (f32, f32) {
     }
 }
 
-/// Store a chunk's `(X, R, s)` record.
-#[inline(always)]
-fn put_chunk_sums(sums: &mut [u8], c: usize, xs: i32, rs: i32, s: f32) {
-    let rec = &mut sums[12 * c..12 * c + 12];
-    rec[0..4].copy_from_slice(&xs.to_le_bytes());
-    rec[4..8].copy_from_slice(&rs.to_le_bytes());
-    rec[8..12].copy_from_slice(&s.to_le_bytes());
+/// Bytes of a [`ChunkRecord`] in an activation row.
+const RECORD_BYTES: usize = 16;
+
+/// What the kernels need of a chunk of activations besides its bytes, made once per row for
+/// the layer's [`WeightBytes`]: the many-row kernels read it for every chunk, row and panel,
+/// and with the products ready each is one operand (an embedded broadcast) instead of an
+/// integer multiply, a float multiply and two broadcasts (AMD Zen 4, RAWINT4 at 512 tokens:
+/// 31% of the 8-bit kernel's samples sat in those per-chunk steps; the layer went from 70-72
+/// to 64-65 ms).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ChunkRecord {
+    /// `−bias·X`, `X = Σ x8` of the chunk.
+    neg_bias_x: i32,
+    /// `−bias·R`, `R = Σ r8` of the chunk.
+    neg_bias_r: i32,
+    /// `s·inv_m`.
+    s_inv_m: f32,
+    /// `s·inv_m254` (`inv_m/254`).
+    s_inv_m254: f32,
 }
 
-/// Chunk `c`'s `(X, R, s)` of an activation row.
+impl ChunkRecord {
+    /// The record of a chunk with sums `xs`, `rs` and scale `s` against weights `w`.
+    fn new(xs: i32, rs: i32, s: f32, w: &WeightBytes) -> ChunkRecord {
+        ChunkRecord {
+            neg_bias_x: -(w.bias * xs),
+            neg_bias_r: -(w.bias * rs),
+            s_inv_m: s * w.inv_m,
+            s_inv_m254: s * w.inv_m254,
+        }
+    }
+}
+
+/// Store chunk `c`'s record.
+#[inline(always)]
+fn put_chunk_record(sums: &mut [u8], c: usize, rec: ChunkRecord) {
+    let at = &mut sums[RECORD_BYTES * c..RECORD_BYTES * (c + 1)];
+    at[0..4].copy_from_slice(&rec.neg_bias_x.to_le_bytes());
+    at[4..8].copy_from_slice(&rec.neg_bias_r.to_le_bytes());
+    at[8..12].copy_from_slice(&rec.s_inv_m.to_le_bytes());
+    at[12..16].copy_from_slice(&rec.s_inv_m254.to_le_bytes());
+}
+
+/// Where chunk `c`'s record of an activation row of `k` inputs starts.
+#[inline(always)]
+fn record_at(row: *const u8, k: usize, c: usize) -> *const u8 {
+    row.wrapping_add(2 * k + RECORD_BYTES * c)
+}
+
+/// Chunk `c`'s record of an activation row (each field one load, so that a kernel can take
+/// it as a broadcast operand).
 ///
 /// # Safety
 /// `row` is an activation row of `k` inputs with chunk `c`.
 #[inline(always)]
-unsafe fn chunk_sums(row: *const u8, k: usize, c: usize) -> (i32, i32, f32) {
+unsafe fn chunk_record(row: *const u8, k: usize, c: usize) -> ChunkRecord {
     // SAFETY: the contract: the record is inside the row.
     unsafe {
-        let p = row.add(2 * k + 12 * c);
-        (
-            (p as *const i32).read_unaligned(),
-            (p.add(4) as *const i32).read_unaligned(),
-            (p.add(8) as *const f32).read_unaligned(),
-        )
+        let p = record_at(row, k, c);
+        ChunkRecord {
+            neg_bias_x: (p as *const i32).read_unaligned(),
+            neg_bias_r: (p.add(4) as *const i32).read_unaligned(),
+            s_inv_m: (p.add(8) as *const f32).read_unaligned(),
+            s_inv_m254: (p.add(12) as *const f32).read_unaligned(),
+        }
     }
 }
 
@@ -345,15 +388,15 @@ unsafe fn scalar_twin<const FINE: bool>(
                             b += u * (*row.add(k + slot(i)) as i8 as i32);
                         }
                     }
-                    let (xs, rs, s) = chunk_sums(row, k, c);
-                    let mut f = (a - w.bias * xs) as f32;
+                    let rec = chunk_record(row, k, c);
+                    let mut f = (a + rec.neg_bias_x) as f32;
                     if FINE {
-                        f = ((b - w.bias * rs) as f32).mul_add(1.0 / 254.0, f);
+                        f = ((b + rec.neg_bias_r) as f32).mul_add(1.0 / 254.0, f);
                     }
                     let g = (c * chunk) / group - i0 / group;
                     let st = w.scale_type;
                     let sw = st.value(st.read(scales, g * 32 + j));
-                    total = f.mul_add(sw * (s * w.inv_m), total);
+                    total = f.mul_add(sw * rec.s_inv_m, total);
                 }
                 *out.add(r * 32 + j) += total;
             }
@@ -392,11 +435,11 @@ pub unsafe fn int_fine_gemm_scalar(
                         let v = w.signed[((byte >> (4 * (i % 2))) & 0xF) as usize] as i32;
                         sum += v * x16.add(wide_slot(i)).read_unaligned() as i32;
                     }
-                    let (_, _, s) = chunk_sums(row, k, c);
+                    let s = chunk_record(row, k, c).s_inv_m254;
                     let g = (c * chunk) / group - i0 / group;
                     let st = w.scale_type;
                     let sw = st.value(st.read(scales, g * 32 + j));
-                    total = (sum as f32).mul_add(sw * (s * w.inv_m254), total);
+                    total = (sum as f32).mul_add(sw * s, total);
                 }
                 *out.add(r * 32 + j) += total;
             }
@@ -568,10 +611,10 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
     };
     let (k, chunk, group) = (2048, 32, 32);
     let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
-    let mut row = vec![0u8; row_bytes(k, chunk)];
-    prepare_row(&x, chunk, &mut row);
-    let scales = vec![127u8; 32 * (k / group)]; // 2⁰
     let w = WeightBytes::of(CodeKind::E2M1, ScaleType::E8M0);
+    let mut row = vec![0u8; row_bytes(k, chunk)];
+    prepare_row(&x, chunk, &w, &mut row);
+    let scales = vec![127u8; 32 * (k / group)]; // 2⁰
     let mut out = [0f32; 32];
     let panel = 16 * k;
     for (p, buf) in (0..gate.len().min(up.len()) / panel).flat_map(|p| [(p, gate), (p, up)]) {
@@ -598,7 +641,8 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::{
-        chunk_scale, chunk_sums, chunks_with_groups, put_chunk_sums, WeightBytes, ROUNDER,
+        chunk_record, chunk_scale, chunks_with_groups, put_chunk_record, ChunkRecord, WeightBytes,
+        RECORD_BYTES, ROUNDER,
     };
     use crate::codes::ScaleType;
     use std::arch::x86_64::*;
@@ -609,11 +653,16 @@ pub(crate) mod x86 {
     /// # Safety
     /// AVX2; the lengths [`super::prepare_row`] checks.
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn prepare_row_avx2(x: &[f32], chunk: usize, out: &mut [u8]) {
+    pub(crate) unsafe fn prepare_row_avx2(
+        x: &[f32],
+        chunk: usize,
+        w: &WeightBytes,
+        out: &mut [u8],
+    ) {
         let k = x.len();
         let (x8, rest) = out.split_at_mut(k);
         let (r8, rest) = rest.split_at_mut(k);
-        let (sums, x16) = rest.split_at_mut(12 * (k / chunk));
+        let (sums, x16) = rest.split_at_mut(RECORD_BYTES * (k / chunk));
         let sign = _mm256_set1_ps(-0.0);
         let times254i = _mm256_set1_epi32(254);
         // Lanes in WIDE_SLOTS order (an involution: position p holds input WIDE_SLOTS[p]).
@@ -676,7 +725,7 @@ pub(crate) mod x86 {
                     )
                 };
             }
-            put_chunk_sums(sums, c, sum_i32(xs), sum_i32(rs), s);
+            put_chunk_record(sums, c, ChunkRecord::new(sum_i32(xs), sum_i32(rs), s, w));
         }
     }
 
@@ -807,15 +856,15 @@ pub(crate) mod x86 {
                     }
                 }
                 for r in 0..R {
-                    let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                    let rec = chunk_record(rows[r], k, c);
                     let (bx, br) = (
-                        _mm512_set1_epi32(w.bias * xs),
-                        _mm512_set1_epi32(w.bias * rs),
+                        _mm512_set1_epi32(rec.neg_bias_x),
+                        _mm512_set1_epi32(rec.neg_bias_r),
                     );
-                    let sx = _mm512_set1_ps(s * w.inv_m);
+                    let sx = _mm512_set1_ps(rec.s_inv_m);
                     for h in 0..2 {
-                        let fa = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][h], bx));
-                        let fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(b[r][h], br));
+                        let fa = _mm512_cvtepi32_ps(_mm512_add_epi32(a[r][h], bx));
+                        let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(b[r][h], br));
                         let f = _mm512_fmadd_ps(fb, inv254, fa);
                         let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
                         let sw = _mm512_mul_ps(scales16(at, w.scale_type), sx);
@@ -1037,15 +1086,15 @@ pub(crate) mod x86 {
                     }
                 }
                 for r in 0..R {
-                    let (xs, rs, s) = chunk_sums(rows[r], k, c);
+                    let rec = chunk_record(rows[r], k, c);
                     let (bx, br) = (
-                        _mm256_set1_epi32(w.bias * xs),
-                        _mm256_set1_epi32(w.bias * rs),
+                        _mm256_set1_epi32(rec.neg_bias_x),
+                        _mm256_set1_epi32(rec.neg_bias_r),
                     );
-                    let sx = _mm256_set1_ps(s * w.inv_m);
+                    let sx = _mm256_set1_ps(rec.s_inv_m);
                     for o in 0..4 {
-                        let fa = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][o], bx));
-                        let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(b[r][o], br));
+                        let fa = _mm256_cvtepi32_ps(_mm256_add_epi32(a[r][o], bx));
+                        let fb = _mm256_cvtepi32_ps(_mm256_add_epi32(b[r][o], br));
                         let f = _mm256_fmadd_ps(fb, inv254, fa);
                         let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                         let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
@@ -1185,21 +1234,21 @@ pub(crate) mod x86 {
                     let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
                     let sw = scales16(at, w.scale_type);
                     for r in 0..R {
-                        let (xs, rs, s) = chunk_sums(rows[r], k, c);
-                        let mut f = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                        let rec = chunk_record(rows[r], k, c);
+                        let mut f = _mm512_cvtepi32_ps(_mm512_add_epi32(
                             a[r],
-                            _mm512_set1_epi32(w.bias * xs),
+                            _mm512_set1_epi32(rec.neg_bias_x),
                         ));
                         // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
                         let sx = if FINE {
-                            let fb = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                            let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(
                                 b[r],
-                                _mm512_set1_epi32(w.bias * rs),
+                                _mm512_set1_epi32(rec.neg_bias_r),
                             ));
                             f = _mm512_fmadd_ps(f, _mm512_set1_ps(254.0), fb);
-                            s * w.inv_m254
+                            rec.s_inv_m254
                         } else {
-                            s * w.inv_m
+                            rec.s_inv_m
                         };
                         let swx = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
                         total[r] = _mm512_fmadd_ps(f, swx, total[r]);
@@ -1264,21 +1313,21 @@ pub(crate) mod x86 {
                     let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                     let sw = scales8(at, w.scale_type);
                     for r in 0..R {
-                        let (xs, rs, s) = chunk_sums(rows[r], k, c);
-                        let mut f = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                        let rec = chunk_record(rows[r], k, c);
+                        let mut f = _mm256_cvtepi32_ps(_mm256_add_epi32(
                             chunk_total::<M>(narrow, a[r]),
-                            _mm256_set1_epi32(w.bias * xs),
+                            _mm256_set1_epi32(rec.neg_bias_x),
                         ));
                         // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
                         let sx = if FINE {
-                            let fb = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+                            let fb = _mm256_cvtepi32_ps(_mm256_add_epi32(
                                 chunk_total::<M>(narrow, b[r]),
-                                _mm256_set1_epi32(w.bias * rs),
+                                _mm256_set1_epi32(rec.neg_bias_r),
                             ));
                             f = _mm256_fmadd_ps(f, _mm256_set1_ps(254.0), fb);
-                            s * w.inv_m254
+                            rec.s_inv_m254
                         } else {
-                            s * w.inv_m
+                            rec.s_inv_m
                         };
                         let swx = _mm256_mul_ps(sw, _mm256_set1_ps(sx));
                         total[r] = _mm256_fmadd_ps(f, swx, total[r]);
@@ -1502,8 +1551,7 @@ pub(crate) mod x86 {
             let len = lanes_bytes(lanes, k, chunk);
             // SAFETY: the contract: rows of k inputs in chunks of `chunk`; the buffer holds
             // `len` bytes, 64-byte aligned, as the packer checks.
-            let pack =
-                |dst: &mut [u8]| unsafe { pack_lanes256(lane_rows, k, chunk, w.inv_m254, dst) };
+            let pack = |dst: &mut [u8]| unsafe { pack_lanes256(lane_rows, k, chunk, dst) };
             // SAFETY: the contract, for the first `lanes` rows, packed by `pack` with the same
             // `k` and `chunk`.
             let run = |packed: &[u8]| unsafe {
@@ -1614,13 +1662,7 @@ pub(crate) mod x86 {
     /// Each row holds [`super::row_bytes`]`(k, chunk)` bytes made by [`super::prepare_row`];
     /// AVX2 available.
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn pack_lanes256(
-        rows: &[*const u8],
-        k: usize,
-        chunk: usize,
-        inv_m254: f32,
-        dst: &mut [u8],
-    ) {
+    pub(crate) unsafe fn pack_lanes256(rows: &[*const u8], k: usize, chunk: usize, dst: &mut [u8]) {
         let groups = rows.len().div_ceil(8);
         assert!((1..=4).contains(&groups));
         assert!(chunk.is_multiple_of(8) && chunk <= 32 && k.is_multiple_of(chunk));
@@ -1669,7 +1711,7 @@ pub(crate) mod x86 {
                     let sx = at.add(128 * blocks) as *mut f32;
                     for i in 0..8 {
                         *sx.add(i) = match group_rows.get(i) {
-                            Some(&row) => chunk_sums(row, k, c).2 * inv_m254,
+                            Some(&row) => chunk_record(row, k, c).s_inv_m254,
                             None => 0.0,
                         };
                     }
@@ -1838,7 +1880,7 @@ pub(crate) mod x86 {
                 let at = scales.add(g * 32 * w.scale_type.size());
                 let mut sx = [0f32; R];
                 for r in 0..R {
-                    sx[r] = chunk_sums(rows[r], k, c).2 * w.inv_m254;
+                    sx[r] = chunk_record(rows[r], k, c).s_inv_m254;
                 }
                 for o in 0..4 {
                     let mut acc = [_mm256_setzero_si256(); R];
@@ -2007,14 +2049,14 @@ pub(crate) mod x86 {
                     }
                 }
                 for r in 0..R {
-                    let (xs, rs, s) = chunk_sums(rows[r], k, c);
-                    let bias = _mm256_set1_epi32(w.bias * (254 * xs + rs));
-                    let sx = _mm256_set1_ps(s * w.inv_m254);
+                    let rec = chunk_record(rows[r], k, c);
+                    let bias = _mm256_set1_epi32(254 * rec.neg_bias_x + rec.neg_bias_r);
+                    let sx = _mm256_set1_ps(rec.s_inv_m254);
                     for o in 0..4 {
                         if NARROW {
                             acc[r][o] = fold(pairs[r][o][0], pairs[r][o][1]);
                         }
-                        let f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][o], bias));
+                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[r][o], bias));
                         let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                         let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
                         total[r][o] = _mm256_fmadd_ps(f, sw, total[r][o]);
@@ -2050,16 +2092,19 @@ mod tests {
                     4 => x.iter_mut().for_each(|v| *v = (*v * 4.0).round() / 4.0),
                     _ => {}
                 }
+                // Both weight kinds' records (bias 8 and 1/m = 1; bias 12 and 1/m = 1/2).
+                let kind = [CodeKind::Int4, CodeKind::E2M1][trial % 2];
+                let w = WeightBytes::of(kind, ScaleType::Bf16);
                 let mut want = vec![0u8; row_bytes(k, chunk)];
-                prepare_row_scalar(&x, chunk, &mut want);
+                prepare_row_scalar(&x, chunk, &w, &mut want);
                 let mut got = vec![0xAAu8; row_bytes(k, chunk)];
-                prepare_row(&x, chunk, &mut got);
+                prepare_row(&x, chunk, &w, &mut got);
                 assert_eq!(got, want, "chunk {chunk}, trial {trial}");
                 #[cfg(target_arch = "x86_64")]
                 if crate::isa::allows(Level::Avx2) {
                     got.fill(0x55);
                     // SAFETY: AVX2 allowed; lengths as prepare_row checks.
-                    unsafe { x86::prepare_row_avx2(&x, chunk, &mut got) };
+                    unsafe { x86::prepare_row_avx2(&x, chunk, &w, &mut got) };
                     assert_eq!(got, want, "avx2, chunk {chunk}, trial {trial}");
                 }
             }
@@ -2072,10 +2117,11 @@ mod tests {
         let x = rng.normals(256, 1.0);
         for chunk in [16, 32] {
             let mut row = vec![0u8; row_bytes(256, chunk)];
-            prepare_row(&x, chunk, &mut row);
+            let int4 = WeightBytes::of(CodeKind::Int4, ScaleType::Bf16);
+            prepare_row(&x, chunk, &int4, &mut row);
             for (i, &v) in x.iter().enumerate() {
-                // SAFETY: chunk i/chunk of a 256-input row.
-                let (_, _, s) = unsafe { chunk_sums(row.as_ptr(), 256, i / chunk) };
+                // SAFETY: chunk i/chunk of a 256-input row; int4's 1/m is 1.
+                let s = unsafe { chunk_record(row.as_ptr(), 256, i / chunk) }.s_inv_m;
                 let (x8, r8) = (row[slot(i)] as i8 as i32, row[256 + slot(i)] as i8 as i32);
                 let back = s * (x8 as f32 + r8 as f32 / 254.0);
                 assert!((back - v).abs() <= s / 508.0 + 1e-7, "{i}: {v} vs {back}");
@@ -2172,7 +2218,7 @@ mod tests {
                     let mut data: Vec<Vec<u8>> = (0..rows)
                         .map(|_| {
                             let mut row = vec![0u8; row_bytes(k, chunk)];
-                            prepare_row(&rng.normals(k, 1.0), chunk, &mut row);
+                            prepare_row(&rng.normals(k, 1.0), chunk, &w, &mut row);
                             row
                         })
                         .collect();
@@ -2205,7 +2251,7 @@ mod tests {
                     assert_eq!(run(&data, Some(key), part), run(&data, None, part));
                     // New activations behind the same addresses.
                     for row in &mut data {
-                        prepare_row(&rng.normals(k, 1.0), chunk, row);
+                        prepare_row(&rng.normals(k, 1.0), chunk, &w, row);
                     }
                     let fresh = run(&data, None, (0, k));
                     assert_ne!(fresh, first);
@@ -2279,9 +2325,9 @@ mod tests {
                     .flat_map(move |c| families.map(|f| (chunk, c, f)))
             })
         {
-            let mut row = vec![0u8; row_bytes(k, chunk)];
-            prepare_row(&x, chunk, &mut row);
             let w = WeightBytes::of(kind, ScaleType::Bf16);
+            let mut row = vec![0u8; row_bytes(k, chunk)];
+            prepare_row(&x, chunk, &w, &mut row);
             let codes = vec![byte; 16 * k];
             let scales: Vec<u8> = (0..(k / chunk) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
             for &(level, vnni) in &variants {
@@ -2344,7 +2390,7 @@ mod tests {
                         let data: Vec<Vec<u8>> = (0..rows)
                             .map(|_| {
                                 let mut row = vec![0u8; row_bytes(k, chunk)];
-                                prepare_row(&rng.normals(k, 1.0), chunk, &mut row);
+                                prepare_row(&rng.normals(k, 1.0), chunk, &w, &mut row);
                                 row
                             })
                             .collect();
@@ -2416,8 +2462,9 @@ mod tests {
             .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
             .collect();
         for kind in [CodeKind::Int4, CodeKind::E2M1] {
+            let w = WeightBytes::of(kind, ScaleType::Bf16);
             let mut row = vec![0u8; row_bytes(k, 32)];
-            prepare_row(&x, 32, &mut row);
+            prepare_row(&x, 32, &w, &mut row);
             let mut out = vec![0f32; 32];
             // SAFETY: buffers sized as the contract asks.
             unsafe {
@@ -2429,7 +2476,7 @@ mod tests {
                     32,
                     codes.as_ptr(),
                     stored.as_ptr(),
-                    &WeightBytes::of(kind, ScaleType::Bf16),
+                    &w,
                     out.as_mut_ptr(),
                 )
             };

@@ -708,7 +708,7 @@ impl KGroupExperts {
             self.staging().stage(values, staged);
         }
         if self.int.is_some() {
-            int_dot::prepare_row(values, group.min(32), int);
+            int_dot::prepare_row(values, group.min(32), &self.weight_bytes, int);
         }
         1.0
     }
