@@ -434,7 +434,7 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
         sums.copy_from_slice(&sums32[..R]);
     }
     let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, GROUP);
-    let pf = crate::kernels::prefetch::distance();
+    let pf = crate::kernels::prefetch::for_panel_rows(R);
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.
     unsafe {
@@ -493,7 +493,7 @@ unsafe fn q6_k_rows<const R: usize>(
     let low4 = _mm256_set1_epi8(0x0F);
     let two = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_ps(); R];
-    let pf = crate::kernels::prefetch::distance();
+    let pf = crate::kernels::prefetch::for_panel_rows(R);
     // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         for sb in 0..blocks {
@@ -599,7 +599,9 @@ unsafe fn q4_k_rows<const R: usize, D: SignedDot>(
     let mut sums: [&[[i32; 4]]; R] = [&[]; R];
     sums.copy_from_slice(&sums32[..R]);
     let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, GROUP);
-    let pf = crate::kernels::prefetch::distance();
+    // From 4 rows (a prefill) the panel kernels' setting rather than the decode's: AMD Zen 4
+    // with the AVX2 kernels, Q4_K at 512 tokens 124.2 -> 121.4 ms (median; min 103.6 -> 97.9).
+    let pf = crate::kernels::prefetch::for_panel_rows(R);
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.
     unsafe {
