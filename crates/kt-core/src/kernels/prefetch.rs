@@ -351,6 +351,12 @@ pub(crate) fn line_into_l2(p: *const u8) {
     prefetch_with::<INTO_L2_HINT>(p);
 }
 
+/// Prefetch the line at `p` into L1 (the address may lie past the end of the buffer).
+#[inline(always)]
+pub(crate) fn line_into_l1(p: *const u8) {
+    prefetch_with::<INTO_L1_HINT>(p);
+}
+
 thread_local! {
     /// See [`set_side_stream`].
     static SIDE_STREAM: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
