@@ -972,9 +972,11 @@ impl DotKernel {
             for (c, acts) in activations.chunks(X8_ROWS).enumerate() {
                 let at = c * X8_ROWS * out_stride + g * x8::GROUP;
                 let rows = &sums[c * X8_ROWS..c * X8_ROWS + acts.len()];
+                // A prefill's calls share the prefetch of the next group (pair); a decode
+                // (1-3 rows) keeps the calibrated distance.
                 #[cfg(target_arch = "x86_64")]
-                if span == 2 {
-                    x86_avx512_x16::set_pair_share(c, activations.len().div_ceil(X8_ROWS));
+                if activations.len() >= X16_MIN_ROWS {
+                    x86_avx2_x8::set_pair_share(c, activations.len().div_ceil(X8_ROWS));
                 }
                 // SAFETY: sizes checked above; the constructor checked the CPU.
                 unsafe { kernel(k, group, acts, rows, &mut out[at..], out_stride) };

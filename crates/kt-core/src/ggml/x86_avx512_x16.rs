@@ -6,7 +6,7 @@
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q8_0_X8_BYTES};
-use super::x86_avx2_x8::{starts, x8_entry};
+use super::x86_avx2_x8::{starts, x8_entry, PairShare};
 use std::arch::x86_64::*;
 
 /// Rows per call: two x8 groups.
@@ -131,50 +131,6 @@ x8_entry!(
 #[inline(always)]
 fn next_pair(gb: usize) -> impl Fn(*const u8) {
     move |p: *const u8| crate::kernels::prefetch::line_into_l1(p.wrapping_add(2 * gb))
-}
-
-thread_local! {
-    /// See [`set_pair_share`].
-    static PAIR_SHARE: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 1)) };
-}
-
-/// Have the next sixteen-row call on this thread prefetch the next pair's lines of every
-/// `period`-th block only, from block `phase` on: the pair's `period` calls (one per 8 token
-/// rows) share the stream, spread over all of them (the first call alone, at its own pace,
-/// would ask for them faster than one core's DRAM share delivers).
-pub(super) fn set_pair_share(phase: usize, period: usize) {
-    PAIR_SHARE.with(|s| s.set((phase, period.max(1))));
-}
-
-/// Which blocks of a call prefetch the next pair ([`set_pair_share`]; every block unless set).
-struct PairShare {
-    /// Blocks until the next one that prefetches.
-    until: usize,
-    period: usize,
-}
-
-impl PairShare {
-    /// This thread's share for this call (and every block for the next call).
-    #[inline(always)]
-    fn take() -> PairShare {
-        let (phase, period) = PAIR_SHARE.with(|s| s.replace((0, 1)));
-        PairShare {
-            until: phase,
-            period,
-        }
-    }
-
-    /// Whether the next block prefetches.
-    #[inline(always)]
-    fn step(&mut self) -> bool {
-        if self.until == 0 {
-            self.until = self.period - 1;
-            true
-        } else {
-            self.until -= 1;
-            false
-        }
-    }
 }
 
 /// 32 bytes at `p` and 32 at `q` as one vector.
