@@ -205,6 +205,15 @@ pub trait ExpertFormat: Send + Sync + Any {
         u: &mut [f32],
     );
 
+    /// Where down panel `at`'s weight bytes lie, where the format keeps them in one run (the
+    /// forward prefetches the next expert's first panel while the current one computes):
+    /// `(start, bytes)`, or `None` (the default: no such prefetch). `at` must name an
+    /// existing part, slot and panel.
+    fn down_panel_bytes(&self, at: PanelAt) -> Option<(*const u8, usize)> {
+        let _ = at;
+        None
+    }
+
     /// `o` (32 values per row): output columns `32p..32p+32` of expert `at.slot`'s down slice
     /// against the SwiGLU rows `rows`.
     ///

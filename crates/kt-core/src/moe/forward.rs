@@ -715,17 +715,31 @@ impl PartForward<'_> {
             };
             let n_experts = routing.experts.len();
             for ei in 0..n_experts {
-                // A slice of the next expert's SwiGLU rows before each panel of this one: the
-                // last phase wrote them on either core, and the kernels' scattered broadcast
-                // loads met them cold at every expert switch (AMD Zen 4, 512 tokens, kernel
-                // time per GFLOP of down over that of gate/up: LLAMAFILE Q8_0 1.16-1.22 ->
-                // 1.11-1.14, RAWINT4 1.10-1.15 -> 1.08-1.12).
+                // Before each panel of this expert, a slice of the next one's SwiGLU rows
+                // (the last phase wrote them on either core) and of its first panel's
+                // weights: a task covers only a few panels of each expert, and the kernels
+                // met both cold at every switch. AMD Zen 4, 512 tokens, kernel time per GFLOP
+                // of down over that of gate/up: LLAMAFILE Q8_0 1.16-1.22 -> 1.10-1.12 (rows)
+                // -> 1.05-1.08 (and weights); RAWINT4 1.10-1.15 -> 1.07-1.10.
                 let first_row = routing.offsets[ei];
                 let next_rows = routing.offsets[(ei + 1).min(n_experts)]
                     ..routing.offsets[(ei + 2).min(n_experts)];
+                // The weights where the format says where they lie.
+                let next_weights = routing.experts.get(ei + 1).and_then(|&slot| {
+                    let at = PanelAt {
+                        part: self.part,
+                        slot: slot as usize,
+                        panel: panels.start,
+                    };
+                    c.layer.experts.down_panel_bytes(at)
+                });
                 let before_block = |rows: Range<usize>, p: usize| {
                     if rows.start == first_row {
-                        self.prefetch_act_slice(next_rows.clone(), p - panels.start, panels.len());
+                        let (i, n) = (p - panels.start, panels.len());
+                        self.prefetch_act_slice(next_rows.clone(), i, n);
+                        if let Some((start, bytes)) = next_weights {
+                            prefetch_slice_into_l2(start, bytes, i, n);
+                        }
                     }
                     fetch_partials(rows, p);
                 };
@@ -747,13 +761,8 @@ impl PartForward<'_> {
                 self.ip * std::mem::size_of::<f32>(),
             )
         };
-        let bytes = rows.len() * row_bytes;
         let start = base.wrapping_add(rows.start * row_bytes);
-        let (lo, hi) = (bytes * i / n, bytes * (i + 1) / n);
-        // Prefetching never faults; the addresses lie inside the rows.
-        for off in (lo & !63..hi).step_by(64) {
-            crate::kernels::prefetch::line_into_l2(start.wrapping_add(off));
-        }
+        prefetch_slice_into_l2(start, rows.len() * row_bytes, i, n);
     }
 
     /// 5. With one part, finish here: add the residual, convert to the output type.
@@ -846,5 +855,14 @@ impl PanelScratch {
 
     fn give_back(scratch: Box<PanelScratch>) {
         PANEL_SCRATCH.set(Some(scratch));
+    }
+}
+
+/// Prefetch into L2 the lines of slice `i` of `n` of the `bytes` bytes at `start` (a
+/// prefetch never faults, whatever the address).
+fn prefetch_slice_into_l2(start: *const u8, bytes: usize, i: usize, n: usize) {
+    let (lo, hi) = (bytes * i / n, bytes * (i + 1) / n);
+    for off in (lo & !63..hi).step_by(64) {
+        crate::kernels::prefetch::line_into_l2(start.wrapping_add(off));
     }
 }

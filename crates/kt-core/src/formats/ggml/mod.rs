@@ -447,6 +447,14 @@ impl ExpertFormat for GgmlExperts {
         plan.gate_up_panel(&self.parts[part], slot, p, &xs[..rows.len()], g, u);
     }
 
+    fn down_panel_bytes(&self, at: PanelAt) -> Option<(*const u8, usize)> {
+        let gp = &self.parts[at.part];
+        let rb = gp.down_row_bytes;
+        let start = (at.slot * self.plan().hidden + at.panel * PANEL) * rb;
+        let bytes = &gp.down.as_slice()[start..start + PANEL * rb];
+        Some((bytes.as_ptr(), bytes.len()))
+    }
+
     unsafe fn down_panel(
         &self,
         at: PanelAt,

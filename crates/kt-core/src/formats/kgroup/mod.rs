@@ -1169,6 +1169,13 @@ impl ExpertFormat for KGroupExperts {
         }
     }
 
+    fn down_panel_bytes(&self, at: PanelAt) -> Option<(*const u8, usize)> {
+        let (codes, _, _) = self.buffers(at.part, Proj::Down);
+        let (start, _) = self.offsets(at.part, at.slot, Proj::Down, at.panel * PANEL);
+        let bytes = &codes[start..start + (self.ranges[at.part].len() / 2) * self.line_bytes()];
+        Some((bytes.as_ptr(), bytes.len()))
+    }
+
     unsafe fn down_panel(
         &self,
         at: PanelAt,
