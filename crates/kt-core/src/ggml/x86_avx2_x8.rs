@@ -82,6 +82,12 @@ pub(super) struct PairShare {
 }
 
 impl PairShare {
+    /// Every block prefetches.
+    pub(super) const EVERY_BLOCK: PairShare = PairShare {
+        until: 0,
+        period: 1,
+    };
+
     /// This thread's share for this call (and every block for the next call).
     #[inline(always)]
     pub(super) fn take() -> PairShare {
@@ -490,10 +496,7 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
     let mut share = if next_group {
         PairShare::take()
     } else {
-        PairShare {
-            until: 0,
-            period: 1,
-        }
+        PairShare::EVERY_BLOCK
     };
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.

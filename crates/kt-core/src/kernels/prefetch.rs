@@ -385,6 +385,16 @@ pub(crate) fn lines(p: *const u8, bytes: usize) {
     }
 }
 
+/// Prefetch into L2 the lines of slice `i` of `n` of the `bytes` bytes at `p` (spread over `n`
+/// steps of work, so that no step asks for more lines than the core can have in flight).
+#[inline]
+pub(crate) fn slice_into_l2(p: *const u8, bytes: usize, i: usize, n: usize) {
+    let (lo, hi) = (bytes * i / n, bytes * (i + 1) / n);
+    for off in (lo & !63..hi).step_by(64) {
+        line_into_l2(p.wrapping_add(off));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

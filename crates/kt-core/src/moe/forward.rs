@@ -738,7 +738,7 @@ impl PartForward<'_> {
                         let (i, n) = (p - panels.start, panels.len());
                         self.prefetch_act_slice(next_rows.clone(), i, n);
                         if let Some((start, bytes)) = next_weights {
-                            prefetch_slice_into_l2(start, bytes, i, n);
+                            crate::kernels::prefetch::slice_into_l2(start, bytes, i, n);
                         }
                     }
                     fetch_partials(rows, p);
@@ -762,7 +762,7 @@ impl PartForward<'_> {
             )
         };
         let start = base.wrapping_add(rows.start * row_bytes);
-        prefetch_slice_into_l2(start, rows.len() * row_bytes, i, n);
+        crate::kernels::prefetch::slice_into_l2(start, rows.len() * row_bytes, i, n);
     }
 
     /// 5. With one part, finish here: add the residual, convert to the output type.
@@ -855,14 +855,5 @@ impl PanelScratch {
 
     fn give_back(scratch: Box<PanelScratch>) {
         PANEL_SCRATCH.set(Some(scratch));
-    }
-}
-
-/// Prefetch into L2 the lines of slice `i` of `n` of the `bytes` bytes at `start` (a
-/// prefetch never faults, whatever the address).
-fn prefetch_slice_into_l2(start: *const u8, bytes: usize, i: usize, n: usize) {
-    let (lo, hi) = (bytes * i / n, bytes * (i + 1) / n);
-    for off in (lo & !63..hi).step_by(64) {
-        crate::kernels::prefetch::line_into_l2(start.wrapping_add(off));
     }
 }

@@ -120,12 +120,17 @@ impl GgmlPlan {
         }
     }
 
+    /// The bytes of down rows `32p..32p+32` of expert `e` in `part`.
+    fn down_rows<'a>(&self, part: &'a GgmlPart, e: usize, p: usize) -> &'a [u8] {
+        let rb = part.down_row_bytes;
+        let at = (e * self.hidden + p * PANEL) * rb;
+        &part.down.as_slice()[at..at + PANEL * rb]
+    }
+
     /// `o` (32 values per act row, row i at `32·i`): down rows `32p..32p+32` of expert `e`
     /// against the quantized act rows `acts`.
     pub fn down_panel(&self, part: &GgmlPart, e: usize, p: usize, acts: &[&[u8]], o: &mut [f32]) {
-        let rb = part.down_row_bytes;
-        let at = (e * self.hidden + p * PANEL) * rb;
-        let rows = &part.down.as_slice()[at..at + PANEL * rb];
+        let rows = self.down_rows(part, e, p);
         let (act_rows, sums) = split_rows(acts, part.act_bytes);
         let (acts, sums) = (&act_rows[..acts.len()], &sums[..acts.len()]);
         if self.down.has_x8() {
@@ -448,11 +453,10 @@ impl ExpertFormat for GgmlExperts {
     }
 
     fn down_panel_bytes(&self, at: PanelAt) -> Option<(*const u8, usize)> {
-        let gp = &self.parts[at.part];
-        let rb = gp.down_row_bytes;
-        let start = (at.slot * self.plan().hidden + at.panel * PANEL) * rb;
-        let bytes = &gp.down.as_slice()[start..start + PANEL * rb];
-        Some((bytes.as_ptr(), bytes.len()))
+        let rows = self
+            .plan()
+            .down_rows(&self.parts[at.part], at.slot, at.panel);
+        Some((rows.as_ptr(), rows.len()))
     }
 
     unsafe fn down_panel(

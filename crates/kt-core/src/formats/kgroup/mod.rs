@@ -728,6 +728,27 @@ impl KGroupExperts {
     /// # Safety
     /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
     /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
+    /// Down panel `at`'s codes, scales and per-tensor scale, as the kernels read them.
+    fn down_codes(&self, at: PanelAt) -> PanelCodes<'_> {
+        let PanelAt { part, slot, panel } = at;
+        let (ip, lb, ss) = (
+            self.ranges[part].len(),
+            self.line_bytes(),
+            self.spec.scale_type.size(),
+        );
+        let group = self.groups[1];
+        let (codes, scales, globals) = self.buffers(part, Proj::Down);
+        let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
+        PanelCodes {
+            k: ip,
+            group,
+            codes: &codes[at..at + (ip / 2) * lb],
+            scales: &scales[scale_at..scale_at + (ip / group) * PANEL * ss],
+            global: globals[Self::global_index(slot, Proj::Down)],
+            int_at: self.staging().act_stride(part),
+        }
+    }
+
     unsafe fn panel(&self, rows: &RowBlock, p: PanelCodes, out: &mut [f32]) {
         let PanelCodes {
             k,
@@ -1170,10 +1191,8 @@ impl ExpertFormat for KGroupExperts {
     }
 
     fn down_panel_bytes(&self, at: PanelAt) -> Option<(*const u8, usize)> {
-        let (codes, _, _) = self.buffers(at.part, Proj::Down);
-        let (start, _) = self.offsets(at.part, at.slot, Proj::Down, at.panel * PANEL);
-        let bytes = &codes[start..start + (self.ranges[at.part].len() / 2) * self.line_bytes()];
-        Some((bytes.as_ptr(), bytes.len()))
+        let codes = self.down_codes(at).codes;
+        Some((codes.as_ptr(), codes.len()))
     }
 
     unsafe fn down_panel(
@@ -1183,27 +1202,8 @@ impl ExpertFormat for KGroupExperts {
         _scratch: &mut PanelAcc,
         o: &mut [f32],
     ) {
-        let PanelAt { part, slot, panel } = at;
-        let (ip, lb, ss) = (
-            self.ranges[part].len(),
-            self.line_bytes(),
-            self.spec.scale_type.size(),
-        );
-        let group = self.groups[1];
-        let (codes, scales, globals) = self.buffers(part, Proj::Down);
-        let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
-        let s = &scales[scale_at..scale_at + (ip / group) * PANEL * ss];
-        let global = globals[Self::global_index(slot, Proj::Down)];
-        let p = PanelCodes {
-            k: ip,
-            group,
-            codes: &codes[at..at + (ip / 2) * lb],
-            scales: s,
-            global,
-            int_at: self.staging().act_stride(part),
-        };
         // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
-        unsafe { self.panel(rows, p, o) };
+        unsafe { self.panel(rows, self.down_codes(at), o) };
     }
 
     fn packs_from_source(&self) -> bool {
