@@ -173,13 +173,15 @@ fn kgroup_kernels(c: &mut Criterion) {
         }
         for (kind, codes) in [(CodeKind::Int4, &nibbles), (CodeKind::E4M3, &bytes)] {
             let decode = kernels::kernels_for(kind, *level).decode;
-            let f32_scales = vec![0.01f32; (k / 32) * 32];
+            // NVFP4's stored scales (E4M3), which the decoder widens itself.
+            let e4m3 = ScaleType::E4M3;
+            let e4m3_scales = vec![e4m3.encode_at_least(0.01) as u8; (k / 32) * 32];
             let mut out = vec![0u16; 32 * k];
-            let (c, s, o) = (codes.as_ptr(), f32_scales.as_ptr(), out.as_mut_ptr());
+            let (c, s, o) = (codes.as_ptr(), e4m3_scales.as_ptr(), out.as_mut_ptr());
             let id = BenchmarkId::new(format!("decode-{kind:?}"), format!("{level:?}"));
             // SAFETY: k/2 lines of codes, their scales, 64 values per line out.
             grp.bench_function(id, |b| {
-                b.iter(|| unsafe { decode(c, k / 2, 16, s, &INT4_VALUES, o) })
+                b.iter(|| unsafe { decode(c, k / 2, 16, s, e4m3, &INT4_VALUES, o) })
             });
         }
     }

@@ -642,41 +642,6 @@ impl KGroupExperts {
         Ok(())
     }
 
-    /// The f32 values of the stored scales in `raw` into `out` (one loop per type: this runs
-    /// once per group and panel call).
-    fn scales_f32(&self, raw: &[u8], out: &mut [f32]) {
-        match self.spec.scale_type {
-            ScaleType::E8M0 => {
-                for (o, &u) in out.iter_mut().zip(raw) {
-                    *o = crate::codes::e8m0_to_f32(u);
-                }
-            }
-            ScaleType::E4M3 => {
-                for (o, &b) in out.iter_mut().zip(raw) {
-                    *o = ScaleType::E4M3.value(b as u16);
-                }
-            }
-            ScaleType::Bf16 => {
-                for (o, b) in out.iter_mut().zip(raw.chunks_exact(2)) {
-                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-                }
-            }
-            ScaleType::F16 => {
-                // Converted as a slice (F16C vectors): one call per value took 3% of a
-                // 512-token GPTQ_INT4 layer.
-                use half::slice::HalfFloatSliceExt;
-                let mut bits = [half::f16::ZERO; 64];
-                for (o, r) in out.chunks_mut(64).zip(raw.chunks(128)) {
-                    let bits = &mut bits[..o.len()];
-                    for (h, b) in bits.iter_mut().zip(r.chunks_exact(2)) {
-                        *h = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-                    }
-                    bits.convert_to_f32_slice(o);
-                }
-            }
-        }
-    }
-
     /// Bytes this layer's experts occupy (codes, scales, per-tensor scales).
     pub fn resident_bytes(&self) -> usize {
         self.parts
@@ -872,12 +837,12 @@ impl KGroupExperts {
             let (line0, lines) = (b * block / 2, block / 2);
             let (g0, groups) = (line0 / gl, (lines / gl).max(1));
             let raw = &scales[g0 * PANEL * ss..(g0 + groups) * PANEL * ss];
-            // The least and greatest exponent (a branch-free fold: vector min/max), not `all`:
-            // the per-byte test took 8% of a 512-token MXFP4 layer.
-            let (least, most) = raw
-                .iter()
-                .fold((u8::MAX, u8::MIN), |(a, b), &e| (a.min(e), b.max(e)));
             let in_range = |p: &&kernels::Pow2Decoder| {
+                // The least and greatest exponent (a branch-free fold: vector min/max), not
+                // `all`: the per-byte test took 8% of a 512-token MXFP4 layer.
+                let (least, most) = raw
+                    .iter()
+                    .fold((u8::MAX, u8::MIN), |(a, b), &e| (a.min(e), b.max(e)));
                 p.exponents.contains(&least) && p.exponents.contains(&most)
             };
             if let Some(p) = pow2.filter(in_range) {
@@ -896,18 +861,17 @@ impl KGroupExperts {
                 };
                 return;
             }
-            let mut f32_scales = [0f32; 16 * PANEL];
-            let s = &mut f32_scales[..groups * PANEL];
-            self.scales_f32(raw, s);
             assert!(dst.len() >= PANEL * block);
-            // SAFETY: `lines` lines of codes in, 64 values each out (≤ dst); the decoder's
-            // ISA was checked when the layer was built; NaN codes were refused at load.
+            // SAFETY: `lines` lines of codes in, 64 values each out (≤ dst), the groups'
+            // stored scales (`raw`, 32 per group); the decoder's ISA was checked when the
+            // layer was built; NaN codes and scales were refused at load.
             unsafe {
                 (self.code_kernels.decode)(
                     codes[line0 * lb..].as_ptr(),
                     lines,
                     gl.min(lines),
-                    s.as_ptr(),
+                    raw.as_ptr(),
+                    self.spec.scale_type,
                     table,
                     dst.as_mut_ptr(),
                 )
