@@ -73,3 +73,13 @@ def test_rows_slowed_from_outside_are_marked():
     assert _median_cell({"median_ms": 1.2, "best_ms": 1.0}) == "1.20"
     marked = _median_cell({"median_ms": 1.0 + DISTURBED_SPREAD, "best_ms": 1.0})
     assert marked.endswith(" †") and marked.startswith("2.25")
+
+
+def test_rows_met_with_shared_cores_are_marked():
+    from kt_kernel.bench import SHARED_CORES, _cores_cell
+
+    assert _cores_cell({}) == ""
+    assert _cores_cell({"cores_now": None}) == ""
+    assert _cores_cell({"cores_now": 0.97}) == "; cores 97%"
+    marked = _cores_cell({"cores_now": SHARED_CORES - 0.01})
+    assert marked.endswith(" ‡") and f"{100 * (SHARED_CORES - 0.01):.0f}%" in marked

@@ -87,6 +87,29 @@ DISTURBED_NOTE = (
 )
 
 
+# Between blocks the bench also samples the cores' int8 multiply-add rate. On a shared VM it
+# drops while another tenant shares the cores, and in those minutes the DRAM probe often reads
+# higher than usual (AMD EPYC VM, 2026-11-28: probes of 45-56 GB/s only came with int8 rates at
+# 55-75% of the usual): a decode whose kernel does real work per byte cannot follow such a
+# probe, and a prefill meets a lower compute peak than the run's.
+SHARED_CORES = 0.85
+SHARED_NOTE = (
+    f"‡ the cores' int8 rate sampled between this row's blocks was below {SHARED_CORES:.0%} of "
+    "the run's probe: the cores were shared with something outside the process, so the row "
+    "met less compute than its floor assumes (and a DRAM probe taken then is no bandwidth a "
+    "compute-heavy decode can follow)."
+)
+
+
+def _cores_cell(row: dict) -> str:
+    """The cores' sampled int8 rate as a share of the run's probe, marked ‡ when shared."""
+    share = row.get("cores_now")
+    if share is None:
+        return ""
+    mark = " ‡" if share < SHARED_CORES else ""
+    return f"; cores {100 * share:.0f}%{mark}"
+
+
 def _median_cell(row: dict) -> str:
     """The median, marked † when the row's spread says the machine was disturbed."""
     mark = " †" if row["median_ms"] > DISTURBED_SPREAD * row["best_ms"] else ""
@@ -239,9 +262,10 @@ def _time_rounds(fns: dict, calls: list, probe, rounds: int = 3, warmup: int = 1
     """Time every implementation in alternating blocks: per round, each implementation runs
     ``warmup`` untimed calls and then its share of the calls back to back. Blocks (rather than
     call-by-call alternation) keep torch's spinning OpenMP threads out of our timings;
-    several rounds spread this shared machine's noise bursts over all implementations."""
+    several rounds spread this shared machine's noise bursts over all implementations.
+    ``probe()`` samples the machine after each block; the samples come back in a list."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    dram: list[float] = []
+    dram: list = []
     per_round = max(1, (len(calls) - 1) // rounds)
     for r in range(rounds):
         block = calls[1 + r * per_round : 1 + (r + 1) * per_round] or calls[1:]
@@ -462,15 +486,22 @@ def run(args: argparse.Namespace) -> int:
                     return torch_moe(x, ids, w, *weights[layer])
 
             fns[name] = fn
-        all_times, dram_now = _time_rounds(
+
+        def sample():
+            int8 = engine.measure_peak_gflops("int8", 50) if limits["int8_madd_gops"] else None
+            return engine.measure_read_bandwidth(512 << 20, 2), int8
+
+        all_times, samples = _time_rounds(
             fns,
             calls,
-            lambda: engine.measure_read_bandwidth(512 << 20, 2),
+            sample,
             # Decodes right after the 512 MiB probe (or torch's block) run on cold caches,
             # TLBs and prefetchers, and a block of ten calls is short: three go untimed.
             warmup=3 if tokens <= 4 else 1,
         )
-        dram_median = statistics.median(dram_now)
+        dram_median = statistics.median(d for d, _ in samples)
+        int8_now = [i for _, i in samples if i]
+        cores_now = statistics.median(int8_now) / limits["int8_madd_gops"] if int8_now else None
         for name, fn in fns.items():
             times = all_times[name]
             err = _rel_l2(fn(check_layer, cx, cids, cw), ref)
@@ -491,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
                 "frac_dram": gbps / limits["dram_read_gbps"],
                 "dram_now_gbps": dram_median,
                 "frac_dram_now": gbps / dram_median,
+                "cores_now": cores_now,
                 "best_weight_gbps": distinct * expert_bytes / best / 1e9,
                 "frac_fma_peak": gflops / limits["fp32_fma_gflops"]
                 if limits["fp32_fma_gflops"]
@@ -581,8 +613,9 @@ def run(args: argparse.Namespace) -> int:
     by = {(r["impl"], r["tokens"]): r for r in results}
     lines = [
         "| impl | tokens | median ms | best ms | tok/s | weights GB/s median (% of DRAM read "
-        "sampled between blocks) | GFLOP/s (% fp32-FMA / % bf16-dot peak) | floor ms "
-        "(× floor, bound by) | rel L2 err | × torch (median) |",
+        "sampled between blocks; cores' int8 rate sampled then, % of the run's probe) | "
+        "GFLOP/s (% fp32-FMA / % bf16-dot peak) | floor ms (× floor, bound by) | rel L2 err | "
+        "× torch (median) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -593,13 +626,15 @@ def run(args: argparse.Namespace) -> int:
         lines.append(
             f"| {r['impl']} | {r['tokens']} | {_median_cell(r)} | {r['best_ms']:.2f} | "
             f"{r['tokens_per_s']:.0f} | {r['weight_gbps']:.1f} ({100 * r['frac_dram_now']:.0f}% "
-            f"of {r['dram_now_gbps']:.1f}) | "
+            f"of {r['dram_now_gbps']:.1f}{_cores_cell(r)}) | "
             f"{r['gflops']:.1f} ({fma} / {bf}) | {r['floor_ms']:.2f} ({r['x_floor']:.2f}×, "
             f"{r['floor_bound'] if r['floor_bound'] == 'memory' else r['compute_family']}) | "
             f"{r['rel_l2_err']:.1e} | {speedup} |"
         )
     if any(" †" in line for line in lines):
         lines += ["", DISTURBED_NOTE]
+    if any(" ‡" in line for line in lines):
+        lines += ["", SHARED_NOTE]
     table = "\n".join(lines)
     print(table)
     meta = {
