@@ -93,9 +93,8 @@ def main() -> None:
     x = torch.randn(args.tokens, H, generator=gen).to(torch.bfloat16)
     for rnd in range(args.rounds):
         dram = engine.measure_read_bandwidth(1 << 30, 3)
-        # The cores' int8 rate in the same moment: on shared VMs it drops (a core shared with
-        # another tenant) while the DRAM probe often reads higher, and a decode whose kernel
-        # does real work per byte then cannot follow the probe.
+        # The cores' int8 rate in the same moment: on a shared VM it drops while another
+        # tenant shares the cores, which slows a decode whose kernel does real work per byte.
         int8 = engine.measure_peak_gflops("int8", 100) or 0.0
         print(f"round {rnd}: DRAM {dram:.1f} GB/s, int8 {int8:.0f} GOP/s", flush=True)
         for m in args.methods:

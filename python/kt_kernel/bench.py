@@ -87,17 +87,16 @@ DISTURBED_NOTE = (
 )
 
 
-# Between blocks the bench also samples the cores' int8 multiply-add rate. On a shared VM it
-# drops while another tenant shares the cores, and in those minutes the DRAM probe often reads
-# higher than usual (AMD EPYC VM, 2026-11-28: probes of 45-56 GB/s only came with int8 rates at
-# 55-75% of the usual): a decode whose kernel does real work per byte cannot follow such a
-# probe, and a prefill meets a lower compute peak than the run's.
+# Between blocks the bench also samples the cores' int8 multiply-add rate: on a shared VM it
+# drops while another tenant shares the cores (runs with an int8 probe of 721 against the usual
+# 904-937 GOP/s were seen), and a row timed then meets less compute than its floor assumes.
+# The DRAM sample moves independently of it (AMD EPYC VM, 2026-11-28: 55-60 GB/s in some
+# minutes, 29-35 in others, with the cores at 98-100% in both).
 SHARED_CORES = 0.85
 SHARED_NOTE = (
     f"‡ the cores' int8 rate sampled between this row's blocks was below {SHARED_CORES:.0%} of "
     "the run's probe: the cores were shared with something outside the process, so the row "
-    "met less compute than its floor assumes (and a DRAM probe taken then is no bandwidth a "
-    "compute-heavy decode can follow)."
+    "met less compute than its floor assumes."
 )
 
 
