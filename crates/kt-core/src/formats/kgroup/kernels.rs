@@ -1083,24 +1083,14 @@ mod x86 {
 
     macro_rules! public_decoder {
         ($name:ident, $inner:ident, $what:literal) => {
-            #[doc = concat!("The ", $what, " decoder.")]
-            ///
-            /// # Safety
-            /// The [`super::DecodeFn`] contract; the named features available.
-            pub unsafe fn $name(
-                codes: *const u8,
-                lines: usize,
-                group_lines: usize,
-                scales: *const u8,
-                scale_type: ScaleType,
-                table: &[f32; 16],
-                out: *mut u16,
-            ) {
-                // SAFETY: forwarded.
-                unsafe { $inner(codes, lines, group_lines, scales, scale_type, table, out) }
-            }
+            public_decoder!(
+                $name, $inner, $what, "DecodeFn", scales: *const u8, scale_type: ScaleType
+            );
         };
-        ($name:ident, $inner:ident, $what:literal, $contract:literal, $scales:ident: $ty:ty) => {
+        (
+            $name:ident, $inner:ident, $what:literal, $contract:literal,
+            $($scales:ident: $ty:ty),+
+        ) => {
             #[doc = concat!("The ", $what, " decoder.")]
             ///
             /// # Safety
@@ -1109,12 +1099,12 @@ mod x86 {
                 codes: *const u8,
                 lines: usize,
                 group_lines: usize,
-                $scales: $ty,
+                $($scales: $ty,)+
                 table: &[f32; 16],
                 out: *mut u16,
             ) {
                 // SAFETY: forwarded.
-                unsafe { $inner(codes, lines, group_lines, $scales, table, out) }
+                unsafe { $inner(codes, lines, group_lines, $($scales,)+ table, out) }
             }
         };
     }
