@@ -264,7 +264,7 @@ def _time_rounds(fns: dict, calls: list, probe, rounds: int = 3, warmup: int = 1
     several rounds spread this shared machine's noise bursts over all implementations.
     ``probe()`` samples the machine after each block; the samples come back in a list."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    dram: list = []
+    samples: list = []
     per_round = max(1, (len(calls) - 1) // rounds)
     for r in range(rounds):
         block = calls[1 + r * per_round : 1 + (r + 1) * per_round] or calls[1:]
@@ -275,9 +275,9 @@ def _time_rounds(fns: dict, calls: list, probe, rounds: int = 3, warmup: int = 1
                 t0 = time.perf_counter()
                 fn(*args)
                 times[name].append(time.perf_counter() - t0)
-            # DRAM read bandwidth sampled between blocks: the "same moment" reference.
-            dram.append(probe())
-    return times, dram
+            # The machine sampled between blocks: the "same moment" reference.
+            samples.append(probe())
+    return times, samples
 
 
 def _gguf_bytes_per_expert(gate_up: str, down: str, hidden: int, inter: int) -> int:
