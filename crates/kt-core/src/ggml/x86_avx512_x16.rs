@@ -117,17 +117,17 @@ x8_entry!(
     q4_k => q4_k_rows, "x16 kernel"
 );
 
-/// Prefetches the line at the same place of the next pair of groups (`2 · gb` bytes on, `gb`
-/// the bytes of one group): the next pair of a panel, or the next panel (a forward walks an
-/// expert's panels in memory order). The pair's calls (one per 8 token rows) share the
-/// stream ([`super::x86_avx2_x8::set_pair_share`]), so a pair's first call finds its bytes
-/// in cache instead of streaming them from DRAM at its own pace. AMD Zen 4, LLAMAFILE layer, 2 threads, median
-/// ms (`benches/ab_loop.py`), lines into L2: Q4_K 512 tokens 85.3 -> 74.0, 128 tokens 27.2 ->
-/// 19.2; Q8_0 512 tokens 83.8 -> 80.2. Into L1 rather than L2: one core, weights from DRAM,
-/// 32 rows (`ggml_cycles`), Q8_0 1.83-1.89x -> 1.52-1.59x the int8 peak, Q4_K 1.52-1.61x ->
-/// 1.45-1.52x; in the layer Q8_0 -5%, Q4_K +3% (noise-sized). (A separate prefetch loop
-/// per block made the compiler spill the Q8_0 kernel's registers. Past a part's last pair
-/// the lines lie outside it: a prefetch never faults.)
+/// Prefetches the line at the same place of the next pair of groups (`2 · gb` bytes on, `gb` the
+/// bytes of one group): the next pair of a panel, or the next panel (a forward walks an expert's
+/// panels in memory order). The pair's calls (one per 8 token rows) share the stream
+/// ([`super::x86_avx2_x8::set_pair_share`]), so a pair's first call finds its bytes in cache
+/// instead of streaming them from DRAM at its own pace. AMD Zen 4, LLAMAFILE layer, 2 threads,
+/// median ms (`benches/ab_loop.py`), lines into L2: Q4_K 512 tokens 85.3 -> 74.0, 128 tokens 27.2
+/// -> 19.2; Q8_0 512 tokens 83.8 -> 80.2. Into L1 rather than L2: one core, weights from DRAM, 32
+/// rows (`ggml_cycles`), Q8_0 1.83-1.89x -> 1.52-1.59x the int8 peak, Q4_K 1.52-1.61x ->
+/// 1.45-1.52x; in the layer Q8_0 -5%, Q4_K +3% (noise-sized). (A separate prefetch loop per block
+/// made the compiler spill the Q8_0 kernel's registers. Past a part's last pair the lines lie
+/// outside it: a prefetch never faults.)
 #[inline(always)]
 fn next_pair(gb: usize) -> impl Fn(*const u8) {
     move |p: *const u8| crate::kernels::prefetch::line_into_l1(p.wrapping_add(2 * gb))

@@ -687,12 +687,6 @@ impl KGroupExperts {
         }
     }
 
-    /// `out` (32 per row) = one panel (`codes`: its `k/2` lines; `scales`: its groups' stored
-    /// scales) against `rows`, times `global`.
-    ///
-    /// # Safety
-    /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
-    /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
     /// Down panel `at`'s codes, scales and per-tensor scale, as the kernels read them.
     fn down_codes(&self, at: PanelAt) -> PanelCodes<'_> {
         let PanelAt { part, slot, panel } = at;
@@ -714,6 +708,12 @@ impl KGroupExperts {
         }
     }
 
+    /// `out` (32 per row) = one panel (`codes`: its `k/2` lines; `scales`: its groups' stored
+    /// scales) against `rows`, times `global`.
+    ///
+    /// # Safety
+    /// The [`ExpertFormat::gate_up_panel`] contract for rows of `k` values (staged bf16 rows
+    /// present whenever [`bf16::path_for`] picks a bf16 path for this expert).
     unsafe fn panel(&self, rows: &RowBlock, p: PanelCodes, out: &mut [f32]) {
         let PanelCodes {
             k,
