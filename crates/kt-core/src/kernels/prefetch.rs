@@ -13,8 +13,8 @@
 //! sees), and the faster wins. That stream is still not a decode (on the Emerald Rapids VM
 //! the AMXINT4 stream showed no gain where FP8 decodes ran 30% faster), so the calibration is
 //! only the starting point: the process's first decodes of each family time runs without
-//! prefetching and with lines prefetched into L1 or into L2 ([`tune_begin`], [`tune_end`]) and
-//! keep the fastest.
+//! prefetching, with lines prefetched 4 KiB ahead into L1 or into L2 and 16 KiB ahead into L2
+//! ([`tune_begin`], [`tune_end`]) and keep the fastest.
 //! `KT_KERNEL_PREFETCH=<bytes>|<bytes>:l2|0|auto` overrides both. Prefetching never changes a result,
 //! only speed.
 use crate::{Error, Result};
@@ -27,17 +27,23 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     /// The streaming kernels with little work per byte: AMXINT4's nibble groups, the BF16 /
-    /// fp32 panel dots, the GGUF dots, the FP8 decoders (measured with the AMXINT4 kernel).
+    /// fp32 panel dots, the GGUF dots (measured with the AMXINT4 kernel).
     ByteGroups = 0,
     /// The group-scaled native kernels (RAWINT4, GPTQ_INT4, MXFP4, NVFP4, MXFP8).
     CodeGroups = 1,
     /// AMXINT8's byte groups (a multiply-accumulate per byte: the hardware prefetchers keep
     /// up on more cores than for the others).
     Int8Groups = 2,
+    /// FP8's decode kernels (FP8, FP8_PERCHANNEL): an E4M3 decode and two fp32 FMAs per four
+    /// bytes, so a core computes about as fast as it can read (AMD Zen 4, one core from cache:
+    /// 24-27 GB/s, `byte_cycles`). With the byte groups' setting, which a BF16 layer in the
+    /// same process had tuned, FP8 decoded at 33 GB/s where 4 KiB into L1 gave 39 (Zen 4 VM,
+    /// two threads, memory reading 57-60 GB/s), so FP8 tunes its own.
+    Fp8Codes = 3,
 }
 
 /// Families in all.
-pub const FAMILIES: usize = 3;
+pub const FAMILIES: usize = 4;
 
 /// Bytes ahead of the current load that each family's streaming kernels prefetch (0 = none).
 /// Kernels read it once per call.
@@ -152,6 +158,7 @@ pub fn family_of(method: crate::method::Method) -> Family {
     match method {
         M::AmxInt8 => Family::Int8Groups,
         M::RawInt4 | M::GptqInt4 | M::MxFp4 | M::NvFp4 | M::MxFp8 => Family::CodeGroups,
+        M::Fp8 | M::Fp8PerChannel => Family::Fp8Codes,
         _ => Family::ByteGroups,
     }
 }
@@ -168,14 +175,25 @@ const TUNE_WARMUP: usize = 8;
 /// A family's tuning in the serving process: the calibration (a synthetic stream) only
 /// guesses; the first [`TUNE_SAMPLES`] decodes of each of [`SETTINGS`], in alternating runs,
 /// are timed per expert, and the fastest median is kept from then on.
-/// The settings the tuner compares: off, [`CANDIDATE`] bytes ahead into L1, the same into L2.
-const SETTINGS: [usize; 3] = [0, CANDIDATE, CANDIDATE | INTO_L2];
+/// The far arm's distance: [`FAR`] bytes ahead into L2.
+pub const FAR: usize = 16384;
+
+/// The settings the tuner compares: off, [`CANDIDATE`] bytes ahead into L1, the same into L2,
+/// and [`FAR`] bytes ahead into L2. The far arm serves a core that streams faster than one
+/// [`CANDIDATE`] ahead covers: AMD Zen 4 VM, MXFP4 panels on one thread (`kgroup_stream`),
+/// 73-75% of the read probe at 4096 bytes into L2 against 88-92% at 16-64 KiB; with two
+/// threads it paid only where the VM's memory read 50-60 GB/s, and cost 10-20% where it read
+/// 30-36, so the process's own decodes decide.
+const SETTINGS: [usize; 4] = [0, CANDIDATE, CANDIDATE | INTO_L2, FAR | INTO_L2];
+
+/// Arms the tuner compares.
+const ARMS: usize = SETTINGS.len();
 
 struct Tune {
     /// Decodes seen before timing started.
     warmup: usize,
     /// Seconds per expert of the decodes run with each of [`SETTINGS`].
-    samples: [Vec<f64>; 3],
+    samples: [Vec<f64>; ARMS],
     /// Decided (or never to be tuned: the distance came from the environment).
     done: bool,
 }
@@ -200,7 +218,7 @@ impl Tune {
     const fn new() -> Tune {
         Tune {
             warmup: 0,
-            samples: [Vec::new(), Vec::new(), Vec::new()],
+            samples: [const { Vec::new() }; ARMS],
             done: false,
         }
     }
@@ -224,7 +242,7 @@ impl Tune {
     /// Record a decode; once every setting has its samples, the decision: the setting with
     /// the fastest median if that is 2% faster than no prefetching (off otherwise), and the
     /// medians.
-    fn record(&mut self, arm: usize, secs_per_expert: f64) -> Option<(usize, [f64; 3])> {
+    fn record(&mut self, arm: usize, secs_per_expert: f64) -> Option<(usize, [f64; ARMS])> {
         if self.done || !secs_per_expert.is_finite() {
             return None;
         }
@@ -236,12 +254,8 @@ impl Tune {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let m = [
-            median(&mut self.samples[0]),
-            median(&mut self.samples[1]),
-            median(&mut self.samples[2]),
-        ];
-        let best = (1..SETTINGS.len())
+        let m: [f64; ARMS] = std::array::from_fn(|arm| median(&mut self.samples[arm]));
+        let best = (1..ARMS)
             .min_by(|&a, &b| m[a].total_cmp(&m[b]))
             .unwrap_or(0);
         self.done = true;
@@ -268,7 +282,7 @@ pub fn tune_begin(family: Family) -> Option<usize> {
     Some(arm)
 }
 
-/// After that decode: it took `secs_per_expert`. Once both settings have their samples the
+/// After that decode: it took `secs_per_expert`. Once every setting has its samples the
 /// decision stays for the process.
 pub fn tune_end(family: Family, arm: usize, secs_per_expert: f64) {
     let mut t = TUNES[family as usize]
@@ -280,15 +294,25 @@ pub fn tune_end(family: Family, arm: usize, secs_per_expert: f64) {
     DISTANCE[family as usize].store(chosen, Ordering::Relaxed);
     TUNING[family as usize].store(false, Ordering::Relaxed);
     if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-        let (bytes, l2) = describe(chosen);
+        let arms: Vec<String> = SETTINGS
+            .iter()
+            .zip(m)
+            .map(|(&setting, secs)| format!("{} {:.1}", arm_name(setting), secs * 1e6))
+            .collect();
         eprintln!(
-            "[kt_kernel] prefetch tuned on {TUNE_SAMPLES} decodes each ({family:?}): off \
-             {:.1}, {CANDIDATE} B ahead into L1 {:.1}, into L2 {:.1} µs/expert -> {bytes} bytes{}",
-            m[0] * 1e6,
-            m[1] * 1e6,
-            m[2] * 1e6,
-            if l2 { " into L2" } else { "" }
+            "[kt_kernel] prefetch tuned on {TUNE_SAMPLES} decodes each ({family:?}), µs/expert: \
+             {} -> {}",
+            arms.join(", "),
+            arm_name(chosen)
         );
+    }
+}
+
+/// A setting in words: "off", or "N B into L1/L2".
+fn arm_name(setting: usize) -> String {
+    match describe(setting) {
+        (0, _) => "off".to_string(),
+        (bytes, l2) => format!("{bytes} B into {}", if l2 { "L2" } else { "L1" }),
     }
 }
 
@@ -446,10 +470,16 @@ mod tests {
     #[test]
     fn the_tuner_keeps_the_faster_setting_and_times_runs_of_each() {
         // The fastest setting if 2% faster than off; otherwise off.
-        assert_eq!(decide(|arm| [1.0, 0.9, 0.95][arm]).0, CANDIDATE);
-        assert_eq!(decide(|arm| [1.0, 0.95, 0.9][arm]).0, CANDIDATE | INTO_L2);
-        assert_eq!(decide(|arm| [1.0, 1.1, 1.2][arm]).0, 0);
-        assert_eq!(decide(|arm| [1.0, 0.99, 0.995][arm]).0, 0);
+        assert_eq!(decide(|arm| [1.0, 0.9, 0.95, 0.93][arm]).0, CANDIDATE);
+        assert_eq!(
+            decide(|arm| [1.0, 0.95, 0.9, 0.93][arm]).0,
+            CANDIDATE | INTO_L2
+        );
+        assert_eq!(decide(|arm| [1.0, 0.95, 0.93, 0.9][arm]).0, FAR | INTO_L2);
+        assert_eq!(decide(|arm| [1.0, 1.1, 1.2, 1.05][arm]).0, 0);
+        assert_eq!(decide(|arm| [1.0, 0.99, 0.995, 0.985][arm]).0, 0);
+        assert_eq!(arm_name(FAR | INTO_L2), "16384 B into L2");
+        assert_eq!(arm_name(0), "off");
         assert_eq!(describe(CANDIDATE | INTO_L2), (CANDIDATE, true));
         // Alternating runs of TUNE_RUN, not single decodes.
         assert_eq!(decide(|_| 1.0).1, SETTINGS.len() * TUNE_SAMPLES / TUNE_RUN);

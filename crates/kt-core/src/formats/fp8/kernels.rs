@@ -115,6 +115,36 @@ pub fn fused_variant(level: Level, flush: bool) -> Option<Fused> {
     }
 }
 
+/// FP8's prefetch calibration workload ([`crate::kernels::calibrate::Workload`]): `gate` and
+/// `up` as 32-row panels of 2048 E4M3 codes (block scales 1) through the one-row fused kernel
+/// of `level`, alternating panel by panel. The buffers' bytes are below `0x80`, so a few are
+/// NaN codes: their sums are garbage nobody reads, the timing is a decode's.
+pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
+    let Some(fused) = fused_for(level) else {
+        return;
+    };
+    let k = 2048;
+    let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
+    let scales = vec![1f32; k / BLOCK];
+    let mut out = [0f32; 32];
+    let panel = 32 * k;
+    for (p, buf) in (0..gate.len().min(up.len()) / panel).flat_map(|p| [(p, gate), (p, up)]) {
+        // SAFETY: panel p (32·k codes) lies inside `buf`; one row of k f32; k/128 scales; 32
+        // outputs; k a multiple of 128; the kernel was picked for `level`, which the process
+        // runs at. NaN codes only make garbage sums.
+        unsafe {
+            (fused.run)(
+                &[x.as_ptr()],
+                k,
+                buf.as_ptr().add(p * panel),
+                scales.as_ptr(),
+                out.as_mut_ptr(),
+            )
+        };
+        std::hint::black_box(&out);
+    }
+}
+
 /// The widest decoder `level` allows.
 pub fn decoder_for(level: Level) -> Fp8Decoder {
     #[cfg(target_arch = "x86_64")]
@@ -553,7 +583,12 @@ pub(crate) mod x86 {
                 let mut sum = [[_mm512_setzero_ps(); 2]; R];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
-                    crate::kernels::prefetch::ahead(line, crate::kernels::prefetch::distance());
+                    crate::kernels::prefetch::ahead(
+                        line,
+                        crate::kernels::prefetch::distance_of(
+                            crate::kernels::prefetch::Family::Fp8Codes,
+                        ),
+                    );
                     let v = _mm512_loadu_si512(line as *const __m512i);
                     let halves = [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)];
                     let i = 2 * q - b * super::BLOCK;
@@ -658,7 +693,9 @@ pub(crate) mod x86 {
                         if h0 == 0 {
                             crate::kernels::prefetch::ahead(
                                 line,
-                                crate::kernels::prefetch::distance(),
+                                crate::kernels::prefetch::distance_of(
+                                    crate::kernels::prefetch::Family::Fp8Codes,
+                                ),
                             );
                         }
                         let i = 2 * q - b * super::BLOCK;

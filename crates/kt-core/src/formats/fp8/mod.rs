@@ -136,6 +136,7 @@ impl Fp8Experts {
         kernels: KernelSet,
         scaling: Scaling,
     ) -> Result<Fp8Experts> {
+        prefetch_distance()?;
         let method = match scaling {
             Scaling::Block => Method::Fp8,
             Scaling::PerChannel => Method::Fp8PerChannel,
@@ -769,4 +770,13 @@ impl ExpertFormat for Fp8Experts {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// The prefetch distance of FP8's decode kernels, measured once per process (or
+/// `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
+pub fn prefetch_distance() -> Result<usize> {
+    crate::kernels::calibrate::ensure_prefetch_chosen(
+        crate::kernels::prefetch::Family::Fp8Codes,
+        kernels::calibration_workload,
+    )
 }
