@@ -172,10 +172,7 @@ const TUNE_RUN: usize = 8;
 /// Decodes of a family run before the tuner starts timing (first touches, cold caches).
 const TUNE_WARMUP: usize = 8;
 
-/// A family's tuning in the serving process: the calibration (a synthetic stream) only
-/// guesses; the first [`TUNE_SAMPLES`] decodes of each of [`SETTINGS`], in alternating runs,
-/// are timed per expert, and the fastest median is kept from then on.
-/// The far arm's distance: [`FAR`] bytes ahead into L2.
+/// The tuner's far arm: bytes ahead, into L2.
 pub const FAR: usize = 16384;
 
 /// The settings the tuner compares: off, [`CANDIDATE`] bytes ahead into L1, the same into L2,
@@ -189,6 +186,9 @@ const SETTINGS: [usize; 4] = [0, CANDIDATE, CANDIDATE | INTO_L2, FAR | INTO_L2];
 /// Arms the tuner compares.
 const ARMS: usize = SETTINGS.len();
 
+/// A family's tuning in the serving process: the calibration (a synthetic stream) only
+/// guesses; the first [`TUNE_SAMPLES`] decodes of each of [`SETTINGS`], in alternating runs,
+/// are timed per expert, and the fastest median is kept from then on.
 struct Tune {
     /// Decodes seen before timing started.
     warmup: usize,

@@ -546,6 +546,12 @@ pub(crate) mod x86 {
         }
     }
 
+    /// The fused kernels' prefetch setting (their own tuner family), read once per call.
+    #[inline(always)]
+    fn fp8_distance() -> usize {
+        crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::Fp8Codes)
+    }
+
     /// Output row of lane `i` of the fused kernel's two accumulators (`i < 16`: the one fed by
     /// `vpunpcklbw`, else `vpunpckhbw`): within each 128-bit lane `l` of a 64-byte pair line
     /// the low 8 bytes are rows `16·(l/2) + 8·(l%2) + 0..4`, the high 8 bytes rows `+ 4..8`.
@@ -578,17 +584,13 @@ pub(crate) mod x86 {
             // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads (AVX2
             // one row from cache, AMD Zen 3: 4.0 -> 3.3 ns per 64-byte line, `byte_cycles`).
             let mut x = [[0f32; super::BLOCK]; R];
+            let pf = fp8_distance();
             for b in 0..k / super::BLOCK {
                 crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, UP, &mut x);
                 let mut sum = [[_mm512_setzero_ps(); 2]; R];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
-                    crate::kernels::prefetch::ahead(
-                        line,
-                        crate::kernels::prefetch::distance_of(
-                            crate::kernels::prefetch::Family::Fp8Codes,
-                        ),
-                    );
+                    crate::kernels::prefetch::ahead(line, pf);
                     let v = _mm512_loadu_si512(line as *const __m512i);
                     let halves = [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)];
                     let i = 2 * q - b * super::BLOCK;
@@ -673,6 +675,7 @@ pub(crate) mod x86 {
             // The block's activations times its scale · 2⁶⁴, so each line's broadcasts are
             // plain loads.
             let mut x = [[0f32; super::BLOCK]; R];
+            let pf = fp8_distance();
             for b in 0..k / super::BLOCK {
                 let scale = *scales.add(b) * UP;
                 crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, scale, &mut x);
@@ -691,12 +694,7 @@ pub(crate) mod x86 {
                     for q in lines.clone() {
                         let line = codes.add(q * 64);
                         if h0 == 0 {
-                            crate::kernels::prefetch::ahead(
-                                line,
-                                crate::kernels::prefetch::distance_of(
-                                    crate::kernels::prefetch::Family::Fp8Codes,
-                                ),
-                            );
+                            crate::kernels::prefetch::ahead(line, pf);
                         }
                         let i = 2 * q - b * super::BLOCK;
                         let x0: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i]));
