@@ -21,6 +21,22 @@ pub const CALIBRATION_BYTES: usize = 64 << 20;
 /// prefetchers follow best, and no decode reads one).
 pub type Workload = fn(Level, &[u8], &[u8]);
 
+/// The start of each `panel`-byte panel of `gate` and `up`, alternating (gate's first, up's
+/// first, gate's second, ...) as a decode walks an expert's two matrices: what a
+/// [`Workload`] streams through its kernel, one call of `run` per panel. `run`'s result is
+/// kept from the optimizer.
+pub fn alternate_panels<T>(
+    gate: &[u8],
+    up: &[u8],
+    panel: usize,
+    mut run: impl FnMut(*const u8) -> T,
+) {
+    let panels = gate.len().min(up.len()) / panel;
+    for (p, buf) in (0..panels).flat_map(|p| [(p, gate), (p, up)]) {
+        std::hint::black_box(run(buf[p * panel..].as_ptr()));
+    }
+}
+
 /// Choose `family`'s distance once per process (`KT_KERNEL_PREFETCH`, else a calibration with
 /// `workload`) and apply it; returns it.
 pub fn ensure_prefetch_chosen(family: Family, workload: Workload) -> Result<usize> {

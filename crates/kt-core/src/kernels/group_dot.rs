@@ -99,21 +99,12 @@ impl VectorKernel {
         let a = activation_row(&vec![129u8; k]);
         let sums = [0i32; 32];
         let mut out = [0i32; 32];
-        let groups = gate.len().min(up.len()) / group_bytes;
-        for (g, buf) in (0..groups).flat_map(|g| [(g, gate), (g, up)]) {
-            // SAFETY: group g lies inside `buf`; one activation row of k values; 32 sums and
+        super::calibrate::alternate_panels(gate, up, group_bytes, |group| {
+            // SAFETY: a whole group at `group`; one activation row of k values; 32 sums and
             // outputs; the kernel was picked for a level the process runs at.
-            unsafe {
-                (self.dot)(
-                    &[a.as_ptr()],
-                    k,
-                    buf.as_ptr().add(g * group_bytes),
-                    sums.as_ptr(),
-                    out.as_mut_ptr(),
-                )
-            };
-            std::hint::black_box(&out);
-        }
+            unsafe { (self.dot)(&[a.as_ptr()], k, group, sums.as_ptr(), out.as_mut_ptr()) };
+            out[0]
+        });
     }
 }
 

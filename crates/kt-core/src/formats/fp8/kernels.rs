@@ -127,22 +127,13 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
     let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
     let scales = vec![1f32; k / BLOCK];
     let mut out = [0f32; 32];
-    let panel = 32 * k;
-    for (p, buf) in (0..gate.len().min(up.len()) / panel).flat_map(|p| [(p, gate), (p, up)]) {
-        // SAFETY: panel p (32·k codes) lies inside `buf`; one row of k f32; k/128 scales; 32
+    crate::kernels::calibrate::alternate_panels(gate, up, 32 * k, |codes| {
+        // SAFETY: a whole panel (32·k codes) at `codes`; one row of k f32; k/128 scales; 32
         // outputs; k a multiple of 128; the kernel was picked for `level`, which the process
         // runs at. NaN codes only make garbage sums.
-        unsafe {
-            (fused.run)(
-                &[x.as_ptr()],
-                k,
-                buf.as_ptr().add(p * panel),
-                scales.as_ptr(),
-                out.as_mut_ptr(),
-            )
-        };
-        std::hint::black_box(&out);
-    }
+        unsafe { (fused.run)(&[x.as_ptr()], k, codes, scales.as_ptr(), out.as_mut_ptr()) };
+        out[0]
+    });
 }
 
 /// The widest decoder `level` allows.

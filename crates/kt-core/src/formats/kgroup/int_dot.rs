@@ -616,26 +616,26 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
     prepare_row(&x, chunk, &w, &mut row);
     let scales = vec![127u8; 32 * (k / group)]; // 2⁰
     let mut out = [0f32; 32];
-    let panel = 16 * k;
-    for (p, buf) in (0..gate.len().min(up.len()) / panel).flat_map(|p| [(p, gate), (p, up)]) {
-        // SAFETY: panel p (16·k bytes) lies inside `buf`; one row of row_bytes(k, chunk);
-        // 32 scales per group of the whole range; 32 outputs; the kernel was picked for
-        // `level`, which the process runs at.
+    crate::kernels::calibrate::alternate_panels(gate, up, 16 * k, |codes| {
+        // SAFETY: a whole panel (16·k bytes) at `codes`; one row of row_bytes(k, chunk); 32
+        // scales per group of the whole range; 32 outputs; the kernel was picked for `level`,
+        // which the process runs at.
         unsafe {
+            let (row, s) = (row.as_ptr(), scales.as_ptr());
             kernel(
-                &[row.as_ptr()],
+                &[row],
                 k,
                 (0, k),
                 chunk,
                 group,
-                buf.as_ptr().add(p * panel),
-                scales.as_ptr(),
+                codes,
+                s,
                 &w,
                 out.as_mut_ptr(),
             )
         };
-        std::hint::black_box(&out);
-    }
+        out[0]
+    });
 }
 
 #[cfg(target_arch = "x86_64")]
