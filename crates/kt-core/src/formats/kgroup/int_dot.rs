@@ -621,15 +621,14 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
         // scales per group of the whole range; 32 outputs; the kernel was picked for `level`,
         // which the process runs at.
         unsafe {
-            let (row, s) = (row.as_ptr(), scales.as_ptr());
             kernel(
-                &[row],
+                &[row.as_ptr()],
                 k,
                 (0, k),
                 chunk,
                 group,
                 codes,
-                s,
+                scales.as_ptr(),
                 &w,
                 out.as_mut_ptr(),
             )
