@@ -15,6 +15,9 @@ pub(super) enum X8Mul {
     AvxVnni,
     /// AVX512-VNNI's EVEX `vpdpbusd` on 256-bit vectors (AVX512-VL).
     Avx512Vnni,
+    /// The AVX-VNNI loops with an emulated `vpdpbusd`, on any AVX2 CPU (tests).
+    #[cfg(test)]
+    EmulatedAvxVnni,
 }
 
 impl X8Mul {
@@ -38,12 +41,18 @@ impl X8Mul {
                 crate::isa::allows(crate::isa::Level::Avx2) && crate::isa::has_feature("avx_vnni")
             }
             X8Mul::Avx512Vnni => crate::isa::allows(crate::isa::Level::Avx512Vnni),
+            X8Mul::EmulatedAvxVnni => crate::isa::allows(crate::isa::Level::Avx2),
         }
     }
 
     /// Every multiply, for the twin tests.
     #[cfg(test)]
-    pub(super) const ALL: [X8Mul; 3] = [X8Mul::Avx2, X8Mul::AvxVnni, X8Mul::Avx512Vnni];
+    pub(super) const ALL: [X8Mul; 4] = [
+        X8Mul::Avx2,
+        X8Mul::AvxVnni,
+        X8Mul::Avx512Vnni,
+        X8Mul::EmulatedAvxVnni,
+    ];
 }
 
 /// The x8 kernel for `ty` with Q8_0's multiply `mul`, if `ty` has one.
@@ -56,6 +65,10 @@ pub(super) fn x8_fn(ty: super::GgmlType, mul: X8Mul) -> Option<super::RawX8Fn> {
         (super::GgmlType::Q8_0, X8Mul::Avx2) => Some(q8_0),
         (super::GgmlType::Q8_0, X8Mul::AvxVnni) => Some(q8_0_avxvnni),
         (super::GgmlType::Q8_0, X8Mul::Avx512Vnni) => Some(q8_0_avx512vnni),
+        #[cfg(test)]
+        (super::GgmlType::Q4_K, X8Mul::EmulatedAvxVnni) => Some(q4_k_emulated_vnni),
+        #[cfg(test)]
+        (super::GgmlType::Q8_0, X8Mul::EmulatedAvxVnni) => Some(q8_0_emulated_vnni),
         _ => None,
     }
 }
@@ -158,6 +171,14 @@ x8_entry!(
     /// As [`q4_k`], and the CPU has AVX512-VNNI and AVX512-VL.
     q4_k_avx512vnni => q4_k_rows_avx512vnni
 );
+#[cfg(test)]
+x8_entry!(
+    /// [`q4_k_avxvnni`]'s loops with an emulated `vpdpbusd` (tests).
+    ///
+    /// # Safety
+    /// As [`q4_k`].
+    q4_k_emulated_vnni => q4_k_rows_emulated_vnni
+);
 x8_entry!(
     /// Q6_K x8 against up to [`super::X8_ROWS`] Q8_K rows (contract of [`q4_k`]; no sums).
     ///
@@ -185,6 +206,14 @@ x8_entry!(
     /// # Safety
     /// As [`q4_k`], and the CPU has AVX512-VNNI and AVX512-VL.
     q8_0_avx512vnni => q8_0_rows_avx512vnni
+);
+#[cfg(test)]
+x8_entry!(
+    /// [`q8_0_avxvnni`]'s loops with an emulated `vpdpbusd` (tests).
+    ///
+    /// # Safety
+    /// As [`q4_k`].
+    q8_0_emulated_vnni => q8_0_rows_emulated_vnni
 );
 
 /// Q8_0: `Σ w·x` of signed weight and activation bytes over groups of four, added to the
@@ -337,6 +366,16 @@ impl SignedDot for VexVnni {
     vnni_ops!(_mm256_dpbusd_avx_epi32);
 }
 
+/// AVX-VNNI's loops with the emulated `vpdpbusd` (tests).
+#[cfg(test)]
+struct EmulatedVnni;
+#[cfg(test)]
+impl SignedDot for EmulatedVnni {
+    vnni_ops!(dpbusd_avx2);
+}
+#[cfg(test)]
+use crate::kernels::group_dot::x86::dpbusd_avx2;
+
 /// AVX512-VNNI (EVEX, 256-bit).
 struct EvexVnni;
 impl SignedDot for EvexVnni {
@@ -375,12 +414,26 @@ x8_wrapper!(
     EvexVnni,
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 );
+#[cfg(test)]
+x8_wrapper!(
+    q8_0_rows_emulated_vnni,
+    q8_0_rows,
+    EmulatedVnni,
+    "avx2,fma,f16c"
+);
 x8_wrapper!(q4_k_rows_avx2, q4_k_rows, Maddubs, "avx2,fma,f16c");
 x8_wrapper!(
     q4_k_rows_avxvnni,
     q4_k_rows,
     VexVnni,
     "avx2,fma,f16c,avxvnni"
+);
+#[cfg(test)]
+x8_wrapper!(
+    q4_k_rows_emulated_vnni,
+    q4_k_rows,
+    EmulatedVnni,
+    "avx2,fma,f16c"
 );
 x8_wrapper!(
     q4_k_rows_avx512vnni,

@@ -331,38 +331,75 @@ pub(crate) mod x86 {
         }
     }
 
-    /// AVX-VNNI (VEX-encoded `vpdpbusd`, CPUs with AVX2 but no AVX-512).
-    pub(crate) struct AvxVnni;
-    impl Op256 for AvxVnni {
-        const BIASED: bool = true;
-        type Act = __m256i;
-        #[inline(always)]
-        unsafe fn prep(quad: __m256i) -> __m256i {
-            quad
-        }
-        #[inline(always)]
-        unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
-            // SAFETY: only inlined into functions with avxvnni enabled.
-            unsafe { _mm256_dpbusd_avx_epi32(acc, a, w) }
-        }
-        /// A partial is already i32 lanes.
-        #[inline(always)]
-        unsafe fn dot_nibbles(
-            partial: __m256i,
-            a_lo: __m256i,
-            w_lo: __m256i,
-            a_hi: __m256i,
-            w_hi: __m256i,
-        ) -> __m256i {
-            // SAFETY: as above.
-            unsafe {
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(partial, a_lo, w_lo), a_hi, w_hi)
+    /// An [`Op256`] on biased activations with a `vpdpbusd` of 256-bit lanes, `$dpbusd`.
+    macro_rules! vnni256_op {
+        ($(#[$doc:meta])* $name:ident, $dpbusd:ident) => {
+            $(#[$doc])*
+            pub(crate) struct $name;
+            impl Op256 for $name {
+                const BIASED: bool = true;
+                type Act = __m256i;
+                #[inline(always)]
+                unsafe fn prep(quad: __m256i) -> __m256i {
+                    quad
+                }
+                #[inline(always)]
+                unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
+                    // SAFETY: only inlined into functions with the op's features enabled.
+                    unsafe { $dpbusd(acc, a, w) }
+                }
+                /// A partial is already i32 lanes.
+                #[inline(always)]
+                unsafe fn dot_nibbles(
+                    partial: __m256i,
+                    a_lo: __m256i,
+                    w_lo: __m256i,
+                    a_hi: __m256i,
+                    w_hi: __m256i,
+                ) -> __m256i {
+                    // SAFETY: as above.
+                    unsafe { $dpbusd($dpbusd(partial, a_lo, w_lo), a_hi, w_hi) }
+                }
+                #[inline(always)]
+                unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
+                    // SAFETY: as above.
+                    unsafe { _mm256_add_epi32(acc, partial) }
+                }
             }
-        }
-        #[inline(always)]
-        unsafe fn widen_nibbles(acc: __m256i, partial: __m256i) -> __m256i {
-            // SAFETY: as above.
-            unsafe { _mm256_add_epi32(acc, partial) }
+        };
+    }
+
+    vnni256_op!(
+        /// AVX-VNNI (VEX-encoded `vpdpbusd`, CPUs with AVX2 but no AVX-512).
+        AvxVnni,
+        _mm256_dpbusd_avx_epi32
+    );
+    #[cfg(test)]
+    vnni256_op!(
+        /// [`AvxVnni`] with [`dpbusd_avx2`]: its loops on any AVX2 CPU (tests).
+        EmulatedAvxVnni,
+        dpbusd_avx2
+    );
+
+    /// `vpdpbusd` on 256-bit lanes with AVX2 alone, exactly: `acc + Σ_4 u·s` per i32 lane
+    /// (`u` unsigned, `s` signed bytes; wrapping, as the instruction). The even and odd bytes
+    /// widened to i16 meet in two `vpmaddwd`, whose pair sums (at most 2·255·128) cannot
+    /// overflow. For tests: the AVX-VNNI kernels' loops run with it where the CPU lacks AVX-VNNI.
+    ///
+    /// # Safety
+    /// AVX2 in the caller.
+    #[cfg(test)]
+    #[inline(always)]
+    pub(crate) unsafe fn dpbusd_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: register-only AVX2 operations (the contract).
+        unsafe {
+            let u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF));
+            let u_odd = _mm256_srli_epi16::<8>(u);
+            let s_even = _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(s));
+            let s_odd = _mm256_srai_epi16::<8>(s);
+            let even = _mm256_madd_epi16(u_even, s_even);
+            let odd = _mm256_madd_epi16(u_odd, s_odd);
+            _mm256_add_epi32(acc, _mm256_add_epi32(even, odd))
         }
     }
 
@@ -498,4 +535,89 @@ pub(crate) mod x86 {
         };
     }
     pub(crate) use group_dot_entry;
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use std::arch::x86_64::*;
+
+    /// Eight i32 lanes of `acc + Σ_4 u·s`, as the instruction defines it.
+    fn dpbusd_scalar(acc: [i32; 8], u: [u8; 32], s: [u8; 32]) -> [i32; 8] {
+        std::array::from_fn(|l| {
+            (0..4).fold(acc[l], |sum, b| {
+                sum.wrapping_add(u[4 * l + b] as i32 * s[4 * l + b] as i8 as i32)
+            })
+        })
+    }
+
+    /// The emulated `vpdpbusd` that runs the AVX-VNNI kernels' loops on AVX2 CPUs (tests) is
+    /// the instruction: against its definition on random and extreme bytes (0, 255 against
+    /// −128, 127) and wrapping accumulators, and against the real EVEX and VEX instructions
+    /// where the CPU has them.
+    #[test]
+    fn the_emulated_vpdpbusd_is_the_instruction() {
+        if !std::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let mut rng = crate::rng::Rng::new(41);
+        let extremes = [0u8, 1, 127, 128, 129, 255];
+        for trial in 0..2000 {
+            let byte = |rng: &mut crate::rng::Rng| match trial % 3 {
+                0 => rng.below(256) as u8,
+                1 => extremes[rng.below(extremes.len())],
+                _ => [0u8, 255, 128, 127][rng.below(4)],
+            };
+            let u: [u8; 32] = std::array::from_fn(|_| byte(&mut rng));
+            let s: [u8; 32] = std::array::from_fn(|_| byte(&mut rng));
+            let acc: [i32; 8] = std::array::from_fn(|l| match (trial + l) % 4 {
+                0 => i32::MAX - rng.below(70000) as i32,
+                1 => i32::MIN + rng.below(70000) as i32,
+                _ => rng.below(1 << 20) as i32 - (1 << 19),
+            });
+            let want = dpbusd_scalar(acc, u, s);
+            let load = |v: &[u8]| {
+                // SAFETY: 32 bytes; AVX available (checked above).
+                unsafe { _mm256_loadu_si256(v.as_ptr() as *const __m256i) }
+            };
+            let lanes = |v: __m256i| {
+                let mut out = [0i32; 8];
+                // SAFETY: 8 writable i32.
+                unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, v) };
+                out
+            };
+            // SAFETY: as above.
+            let acc_v = unsafe { _mm256_loadu_si256(acc.as_ptr() as *const __m256i) };
+            // SAFETY: AVX2 checked above.
+            let got = unsafe { emulated(acc_v, load(&u), load(&s)) };
+            assert_eq!(lanes(got), want, "trial {trial}");
+            if std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512vl")
+            {
+                // SAFETY: the features are checked.
+                let real = unsafe { evex(acc_v, load(&u), load(&s)) };
+                assert_eq!(lanes(real), want, "evex, trial {trial}");
+            }
+            if std::is_x86_feature_detected!("avxvnni") {
+                // SAFETY: the feature is checked.
+                let real = unsafe { vex(acc_v, load(&u), load(&s)) };
+                assert_eq!(lanes(real), want, "vex, trial {trial}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn emulated(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: AVX2 enabled here.
+        unsafe { super::x86::dpbusd_avx2(acc, u, s) }
+    }
+
+    #[target_feature(enable = "avx512vnni,avx512vl")]
+    unsafe fn evex(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
+    }
+
+    #[target_feature(enable = "avxvnni")]
+    unsafe fn vex(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, u, s)
+    }
 }

@@ -83,6 +83,8 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
+    #[cfg(test)]
+    use crate::kernels::group_dot::x86::EmulatedAvxVnni;
     use crate::kernels::group_dot::x86::{
         group_dot_entry, quad256, quad512, signed_sum256, store512, Avx2Sign, AvxVnni, Bw512,
         Op256, Op512, Vnni512, NIBBLE_LINES_PER_WIDEN,
@@ -250,6 +252,12 @@ pub(crate) mod x86 {
         dot_int4_avxvnni, int4_avxvnni, int4_256, AvxVnni, "avx2,avxvnni",
         "avxvnni int4 dot"; 1 2 3 4
     );
+    #[cfg(test)]
+    group_dot_entry!(
+        /// The AVX-VNNI loops with an emulated `vpdpbusd`, on any AVX2 CPU (tests).
+        dot_int4_avxvnni_emulated, int4_avxvnni_emulated, int4_256, EmulatedAvxVnni, "avx2",
+        "emulated avxvnni int4 dot"; 1 2 3 4
+    );
     group_dot_entry!(
         /// AMXINT4 with AVX2 (unsigned nibbles against signed activations, i16 partials).
         dot_int4_avx2, int4_avx2, int4_256, Avx2Sign, "avx2", "avx2 int4 dot"; 1 2 3 4
@@ -317,6 +325,10 @@ pub(crate) mod tests {
             }
             if std::is_x86_feature_detected!("avxvnni") {
                 check(&INT4, dot_int4_avxvnni, 4, "avxvnni");
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                // The AVX-VNNI loops, where the CPU lacks the instruction too.
+                check(&INT4, x86::dot_int4_avxvnni_emulated, 4, "emulated avxvnni");
             }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")

@@ -114,6 +114,8 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
+    #[cfg(test)]
+    use crate::kernels::group_dot::x86::EmulatedAvxVnni;
     use crate::kernels::group_dot::x86::{
         group_dot_entry, quad512, store256, store512, Avx2Sign, AvxVnni, Bw512, Op256, Op512,
         Vnni512,
@@ -267,6 +269,12 @@ pub(crate) mod x86 {
         dot_avxvnni, int8_avxvnni, int8_256, AvxVnni, "avx2,avxvnni",
         "avxvnni int8 dot"; 1 2 3 4
     );
+    #[cfg(test)]
+    group_dot_entry!(
+        /// The AVX-VNNI loops with an emulated `vpdpbusd`, on any AVX2 CPU (tests).
+        dot_avxvnni_emulated, int8_avxvnni_emulated, int8_256, EmulatedAvxVnni, "avx2",
+        "emulated avxvnni int8 dot"; 1 2 3 4
+    );
     group_dot_entry!(
         /// AMXINT8 with AVX2 (sign trick).
         dot_avx2, int8_avx2, int8_256, Avx2Sign, "avx2", "avx2 int8 dot"; 1 2 3 4
@@ -359,6 +367,10 @@ pub(crate) mod tests {
             }
             if std::is_x86_feature_detected!("avxvnni") {
                 check(&INT8, dot_avxvnni, 4, "avxvnni");
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                // The AVX-VNNI loops, where the CPU lacks the instruction too.
+                check(&INT8, x86::dot_avxvnni_emulated, 4, "emulated avxvnni");
             }
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512bw")

@@ -967,6 +967,21 @@ pub(crate) mod x86 {
         }
     }
 
+    /// [`Vnni256`] with an emulated `vpdpbusd`
+    /// ([`dpbusd_avx2`](crate::kernels::group_dot::x86::dpbusd_avx2)): the AVX-VNNI loops on
+    /// any AVX2 CPU (tests).
+    #[cfg(test)]
+    pub(crate) struct EmulatedVnni256;
+    #[cfg(test)]
+    impl Acc256 for EmulatedVnni256 {
+        #[inline(always)]
+        unsafe fn acc(a: __m256i, we: __m256i, wo: __m256i, xe: __m256i, xo: __m256i) -> __m256i {
+            use crate::kernels::group_dot::x86::dpbusd_avx2;
+            // SAFETY: only inlined into functions with avx2 enabled.
+            unsafe { dpbusd_avx2(dpbusd_avx2(a, we, xe), wo, xo) }
+        }
+    }
+
     /// One block into a chunk's running sums: i16 lanes where `narrow` (an [`Acc256::NARROW`]
     /// multiply and codes for which [`super::WeightBytes::narrow_sums_fit`] holds), else i32.
     ///
@@ -1149,6 +1164,15 @@ pub(crate) mod x86 {
         /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA, F16C and AVX-VNNI
         /// available.
         int_fused_avxvnni, call256_vnni, "the kgroup int avx-vnni kernel", 1 2
+    );
+    #[cfg(test)]
+    fused_entry!(
+        /// [`int_fused_avxvnni`]'s loops with an emulated `vpdpbusd`, on any AVX2 CPU (tests).
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
+        int_fused_avxvnni_emulated, call256_vnni_emulated, "the emulated kgroup int avx-vnni kernel",
+        1 2
     );
     fused_entry!(
         /// AVX-512 VNNI integer kernel, 1 to 4 rows.
@@ -1387,6 +1411,8 @@ pub(crate) mod x86 {
     }
     gemm256_wrapper!(gemm256_avx2, Maddubs, "avx2,fma,f16c");
     gemm256_wrapper!(gemm256_vnni, Vnni256, "avx2,fma,f16c,avxvnni");
+    #[cfg(test)]
+    gemm256_wrapper!(gemm256_vnni_emulated, EmulatedVnni256, "avx2,fma,f16c");
 
     /// Instantiate `$kernel::<R, LUT>` for every row count up to the kernel's block.
     macro_rules! dispatch_rows {
@@ -1468,6 +1494,15 @@ pub(crate) mod x86 {
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX2, FMA, F16C and AVX-VNNI available.
         int_gemm_avxvnni, gemm256_vnni, false, "the kgroup avx-vnni gemm kernel", 1 2 3 4
+    );
+    #[cfg(test)]
+    gemm_entry!(
+        /// [`int_gemm_avxvnni`]'s loops with an emulated `vpdpbusd`, on any AVX2 CPU (tests).
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+        int_gemm_avxvnni_emulated, gemm256_vnni_emulated, false,
+        "the emulated kgroup avx-vnni gemm kernel", 1 2 3 4
     );
     gemm_entry!(
         /// AVX-512 VNNI many-row kernel with 15-bit activations, 1 to [`FINE_ROWS_512`] rows.
@@ -1924,6 +1959,16 @@ pub(crate) mod x86 {
         /// The [`super::IntFusedFn`] contract; AVX2, FMA, F16C and AVX-VNNI available.
         int_fine_gemm_avxvnni, gemm256_vnni, true, "the kgroup avx-vnni fine gemm kernel", 1 2 3
     );
+    #[cfg(test)]
+    gemm_entry!(
+        /// [`int_fine_gemm_avxvnni`]'s loops with an emulated `vpdpbusd`, on any AVX2 CPU
+        /// (tests).
+        ///
+        /// # Safety
+        /// The [`super::IntFusedFn`] contract; AVX2, FMA and F16C available.
+        int_fine_gemm_avxvnni_emulated, gemm256_vnni_emulated, true,
+        "the emulated kgroup avx-vnni fine gemm kernel", 1 2 3
+    );
 
     type Args<'a> = (
         &'a [*const u8],
@@ -1953,6 +1998,18 @@ pub(crate) mod x86 {
     unsafe fn call256_vnni<const R: usize, const LUT: bool>(a: Args) {
         // SAFETY: forwarded; the features are enabled here.
         unsafe { rows256::<R, LUT, Vnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+    }
+
+    /// `rows256` with the emulated AVX-VNNI multiply (tests).
+    ///
+    /// # Safety
+    /// The few-row [`super::IntFusedFn`] contract with exactly R rows; AVX2, FMA and F16C
+    /// available.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn call256_vnni_emulated<const R: usize, const LUT: bool>(a: Args) {
+        // SAFETY: forwarded; the features are enabled here.
+        unsafe { rows256::<R, LUT, EmulatedVnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
     }
 
     /// AVX2 integer kernel without VNNI, 1 or 2 rows: [`folded256`].
@@ -2152,7 +2209,8 @@ mod tests {
     type TwinOf = fn(Level, bool) -> IntFusedFn;
 
     /// The integer kernels' variants that this CPU (and the variant cap) allows, as (level,
-    /// AVX-VNNI): the AVX2 level with both multiplies where the CPU has AVX-VNNI.
+    /// AVX-VNNI): the AVX2 level with both multiplies, AVX-VNNI's emulated where the CPU lacks
+    /// it ([`runnable`]).
     fn allowed_variants() -> Vec<(Level, bool)> {
         [
             (Level::Avx2, false),
@@ -2160,8 +2218,32 @@ mod tests {
             (Level::Avx512Vnni, false),
         ]
         .into_iter()
-        .filter(|&(l, vnni)| crate::isa::allows(l) && (!vnni || avx_vnni()))
+        .filter(|&(l, _)| crate::isa::allows(l))
         .collect()
+    }
+
+    /// `kernel_with(level, vnni)` as this CPU runs it: where it lacks AVX-VNNI, an AVX-VNNI
+    /// kernel's loops with the emulated `vpdpbusd` (the one thing they do not test is the
+    /// instruction, which `the_emulated_vpdpbusd_is_the_instruction` checks where it runs).
+    fn runnable(kernel_with: KernelWith, level: Level, vnni: bool) -> Option<(IntFusedFn, usize)> {
+        let (kernel, rows) = kernel_with(level, vnni)?;
+        #[cfg(target_arch = "x86_64")]
+        if vnni && level < Level::Avx512Vnni && !avx_vnni() {
+            let emulated: [(IntFusedFn, IntFusedFn); 3] = [
+                (x86::int_fused_avxvnni, x86::int_fused_avxvnni_emulated),
+                (x86::int_gemm_avxvnni, x86::int_gemm_avxvnni_emulated),
+                (
+                    x86::int_fine_gemm_avxvnni,
+                    x86::int_fine_gemm_avxvnni_emulated,
+                ),
+            ];
+            let (_, stand_in) = emulated
+                .into_iter()
+                .find(|&(real, _)| real as usize == kernel as usize)
+                .expect("every AVX-VNNI kernel has an emulated stand-in");
+            return Some((stand_in, rows));
+        }
+        Some((kernel, rows))
     }
 
     /// The twin of the few-row kernel at `(level, vnni)`: the AVX2 one without VNNI folds its
@@ -2283,9 +2365,10 @@ mod tests {
                 want as usize
             );
         }
+        // The AVX-VNNI kernels' loops are tested on every AVX2 CPU, emulated where needed.
         assert_eq!(
             allowed_variants().contains(&(Level::Avx2, true)),
-            crate::isa::allows(Level::Avx2) && avx_vnni()
+            crate::isa::allows(Level::Avx2)
         );
     }
 
@@ -2330,7 +2413,7 @@ mod tests {
             let codes = vec![byte; 16 * k];
             let scales: Vec<u8> = (0..(k / chunk) * 32).flat_map(|_| [0x80u8, 0x3F]).collect();
             for &(level, vnni) in &variants {
-                let Some((kernel, max_rows)) = kernel_with(level, vnni) else {
+                let Some((kernel, max_rows)) = runnable(kernel_with, level, vnni) else {
                     continue;
                 };
                 let twin = twin_of(level, vnni);
@@ -2383,7 +2466,7 @@ mod tests {
             ] {
                 let scales = native_scales(st, (range.1 / group + 1) * 32, &mut rng);
                 for &(level, vnni) in &variants {
-                    let (kernel, max_rows) = kernel_with(level, vnni).unwrap();
+                    let (kernel, max_rows) = runnable(kernel_with, level, vnni).unwrap();
                     let twin = twin_of(level, vnni);
                     for rows in 1..=max_rows {
                         let data: Vec<Vec<u8>> = (0..rows)
