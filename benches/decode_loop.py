@@ -1,10 +1,11 @@
 """Tight-loop forward timing of several methods in one process, rounds alternating.
 
 Builds the S1 layers (Qwen3-30B-A3B shape: 128 experts, top-8, H 2048, I 768, 3 layers cycled,
-2 threads) for each method from the same seeded bf16 weights (online quantization), then per
-round measures the DRAM read bandwidth with the engine's probe and times `--calls` forwards of
-each method back to back (fresh random routing per call). Prints per-round medians and the
-weight bytes streamed per second (distinct experts × the method's bytes per expert).
+`--threads`, default 2) for each method from the same seeded bf16 weights (online
+quantization), then per round measures the DRAM read bandwidth with the engine's probe (on as
+many threads) and times `--calls` forwards of each method back to back (fresh random routing
+per call). Prints per-round medians and the weight bytes streamed per second (distinct
+experts × the method's bytes per expert).
 
     python benches/decode_loop.py --methods FP8 RAWINT4 MXFP4 --tokens 1 --calls 200
 """
@@ -47,8 +48,9 @@ def s1_weights(gen: torch.Generator) -> list:
     ]
 
 
-def s1_layers(method: str, weights: list, tokens: int = 1) -> list:
-    """One 2-thread wrapper per layer of ``weights``, quantized online to ``method``."""
+def s1_layers(method: str, weights: list, tokens: int = 1, threads: int = 2) -> list:
+    """One wrapper of ``threads`` threads per layer of ``weights``, quantized online to
+    ``method``."""
     layers = []
     for li, (g, u, d) in enumerate(weights):
         w = KTMoEWrapper(
@@ -58,7 +60,7 @@ def s1_layers(method: str, weights: list, tokens: int = 1) -> list:
             hidden_size=H,
             moe_intermediate_size=INTER,
             gpu_experts_mask=None,
-            cpuinfer_threads=2,
+            cpuinfer_threads=threads,
             threadpool_count=1,
             weight_path="",
             chunked_prefill_size=max(512, tokens),
@@ -75,13 +77,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="worker threads (and the probe's)")
     args = p.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     weights = s1_weights(gen)
     layers = {}
     for m in args.methods:
-        layers[m] = s1_layers(m, weights, args.tokens)
+        layers[m] = s1_layers(m, weights, args.tokens, args.threads)
         settle_prefetch(layers[m], gen)
         # The tuner's choice moves these rows by up to 15% (the 4-bit kernels on an Emerald
         # Rapids VM: 4 KiB ahead into L2 82-88% of DRAM, into L1 74-77%).

@@ -7,7 +7,8 @@ use kt_core::rng::Rng;
 use std::time::Instant;
 
 fn main() {
-    let pool = kt_benches::pool(2);
+    // THREADS=1: a lone core's decode (the same rate in every memory state of our VMs).
+    let pool = kt_benches::pool(kt_benches::env_or("THREADS", 2));
     // DECODE_I shrinks the intermediate size: with tiny experts what remains is fixed overhead.
     let i: usize = kt_benches::env_or("DECODE_I", 768);
     let (e, k, h) = (128, 8, 2048);
