@@ -34,3 +34,14 @@ fi
 echo "[test] pytest"
 # Run from tests/ so the installed package (not the source tree) is imported.
 "$VENV/bin/python" -m pytest -q tests
+# The layers' numbers at every ISA level below this CPU's (KT_KERNEL_CPU_VARIANT caps it): the
+# kernels' twin tests cover each level's kernels, these the dispatch around them (which kernel
+# takes how many rows, decoded panels or integer sums) that users of smaller CPUs run.
+detected=$(cd tests && "$VENV/bin/python" -c "import kt_kernel; print(kt_kernel.cpu_info()['detected_variant'])")
+for variant in generic avx2 avx512_base avx512_vnni avx512_vbmi avx512_bf16; do
+  [ "$variant" = "$detected" ] && break
+  echo "[test] layer tests at KT_KERNEL_CPU_VARIANT=$variant"
+  (cd tests && KT_KERNEL_CPU_VARIANT=$variant "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    test_forward.py test_amxint8.py test_kgroup.py test_fp8.py test_llamafile.py test_fixtures.py \
+    test_ggml_formats.py)
+done
