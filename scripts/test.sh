@@ -37,7 +37,8 @@ echo "[test] pytest"
 # The layers' numbers at every ISA level below this CPU's (KT_KERNEL_CPU_VARIANT caps it): the
 # kernels' twin tests cover each level's kernels, these the dispatch around them (which kernel
 # takes how many rows, decoded panels or integer sums) that users of smaller CPUs run.
-detected=$(cd tests && "$VENV/bin/python" -c "import kt_kernel; print(kt_kernel.cpu_info()['detected_variant'])")
+detected=$(cd tests && "$VENV/bin/python" -c \
+  "import kt_kernel; print(kt_kernel.cpu_info()['detected_variant'])")
 for variant in generic avx2 avx512_base avx512_vnni avx512_vbmi avx512_bf16; do
   [ "$variant" = "$detected" ] && break
   echo "[test] layer tests at KT_KERNEL_CPU_VARIANT=$variant"

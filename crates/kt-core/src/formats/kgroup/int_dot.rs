@@ -1171,8 +1171,8 @@ pub(crate) mod x86 {
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
-        int_fused_avxvnni_emulated, call256_vnni_emulated, "the emulated kgroup int avx-vnni kernel",
-        1 2
+        int_fused_avxvnni_emulated, call256_vnni_emulated,
+        "the emulated kgroup int avx-vnni kernel", 1 2
     );
     fused_entry!(
         /// AVX-512 VNNI integer kernel, 1 to 4 rows.
