@@ -3,6 +3,8 @@
 //! operations lane by lane).
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
+#[cfg(test)]
+use crate::kernels::group_dot::x86::dpbusd_avx2;
 use std::arch::x86_64::*;
 
 /// The byte multiply of the Q8_0 and Q4_K x8 kernels (Q6_K's sub-blocks of 16 values change
@@ -373,9 +375,6 @@ struct EmulatedVnni;
 impl SignedDot for EmulatedVnni {
     vnni_ops!(dpbusd_avx2);
 }
-#[cfg(test)]
-use crate::kernels::group_dot::x86::dpbusd_avx2;
-
 /// AVX512-VNNI (EVEX, 256-bit).
 struct EvexVnni;
 impl SignedDot for EvexVnni {

@@ -178,19 +178,27 @@ pub(crate) mod x86 {
         unsafe fn dot(acc: __m512i, a: Self::Act, w: __m512i) -> __m512i;
     }
 
+    /// The items an op on biased activations shares at either width: the quad as it is, and
+    /// `$dpbusd` (a `vpdpbusd` on `$vec` lanes) as the multiply-accumulate.
+    macro_rules! biased_dpbusd_items {
+        ($vec:ty, $dpbusd:ident) => {
+            const BIASED: bool = true;
+            type Act = $vec;
+            #[inline(always)]
+            unsafe fn prep(quad: $vec) -> $vec {
+                quad
+            }
+            #[inline(always)]
+            unsafe fn dot(acc: $vec, a: $vec, w: $vec) -> $vec {
+                // SAFETY: only inlined into functions with the op's features enabled.
+                unsafe { $dpbusd(acc, a, w) }
+            }
+        };
+    }
+
     pub(crate) struct Vnni512;
     impl Op512 for Vnni512 {
-        const BIASED: bool = true;
-        type Act = __m512i;
-        #[inline(always)]
-        unsafe fn prep(quad: __m512i) -> __m512i {
-            quad
-        }
-        #[inline(always)]
-        unsafe fn dot(acc: __m512i, a: __m512i, w: __m512i) -> __m512i {
-            // SAFETY: only inlined into functions with avx512vnni enabled.
-            unsafe { _mm512_dpbusd_epi32(acc, a, w) }
-        }
+        biased_dpbusd_items!(__m512i, _mm512_dpbusd_epi32);
     }
 
     /// AVX-512BW without VNNI: the sign trick (AVX-512 has no `vpsignb`: negate under a mask).
@@ -337,17 +345,7 @@ pub(crate) mod x86 {
             $(#[$doc])*
             pub(crate) struct $name;
             impl Op256 for $name {
-                const BIASED: bool = true;
-                type Act = __m256i;
-                #[inline(always)]
-                unsafe fn prep(quad: __m256i) -> __m256i {
-                    quad
-                }
-                #[inline(always)]
-                unsafe fn dot(acc: __m256i, a: __m256i, w: __m256i) -> __m256i {
-                    // SAFETY: only inlined into functions with the op's features enabled.
-                    unsafe { $dpbusd(acc, a, w) }
-                }
+                biased_dpbusd_items!(__m256i, $dpbusd);
                 /// A partial is already i32 lanes.
                 #[inline(always)]
                 unsafe fn dot_nibbles(
@@ -357,7 +355,7 @@ pub(crate) mod x86 {
                     a_hi: __m256i,
                     w_hi: __m256i,
                 ) -> __m256i {
-                    // SAFETY: as above.
+                    // SAFETY: only inlined into functions with the op's features enabled.
                     unsafe { $dpbusd($dpbusd(partial, a_lo, w_lo), a_hi, w_hi) }
                 }
                 #[inline(always)]
