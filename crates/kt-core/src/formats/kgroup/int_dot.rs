@@ -767,7 +767,9 @@ pub(crate) mod x86 {
                         _mm512_srai_epi32(_mm512_slli_epi32(d, 24), 4),
                         _mm512_set1_epi32(0x87F0_0000u32 as i32),
                     );
-                    _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(2f32.powi(120)))
+                    // `vscalefps`, not a multiply: exact alike, and on AMD Zen 4 it leaves the
+                    // multiply pipes to `vpdpbusd`.
+                    _mm512_scalef_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(120.0))
                 }
             }
         }
@@ -829,8 +831,17 @@ pub(crate) mod x86 {
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm512_setzero_ps(); 2]; R];
             for (c, g) in chunks_with_groups((i0, n), chunk, group) {
+                // The sums start at the chunk's bias terms (broadcast loads, no adds after the
+                // loop). With `vscalefps` for E4M3 scales, AMD Zen 4, from cache
+                // (`kgroup_cycles`), ns per 128-byte block, 1 / 2 rows: MXFP4 3.75 / 5.78 ->
+                // 3.47 / 5.23, NVFP4 5.03 / 8.00 -> 4.75 / 6.56, RAWINT4 2.90 -> 2.77.
                 let mut a = [[_mm512_setzero_si512(); 2]; R];
                 let mut b = [[_mm512_setzero_si512(); 2]; R];
+                for r in 0..R {
+                    let rec = chunk_record(rows[r], k, c);
+                    a[r] = [_mm512_set1_epi32(rec.neg_bias_x); 2];
+                    b[r] = [_mm512_set1_epi32(rec.neg_bias_r); 2];
+                }
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                     for h in 0..2 {
                         let at = codes.add(blk * 128 + 64 * h);
@@ -856,14 +867,10 @@ pub(crate) mod x86 {
                 }
                 for r in 0..R {
                     let rec = chunk_record(rows[r], k, c);
-                    let (bx, br) = (
-                        _mm512_set1_epi32(rec.neg_bias_x),
-                        _mm512_set1_epi32(rec.neg_bias_r),
-                    );
                     let sx = _mm512_set1_ps(rec.s_inv_m);
                     for h in 0..2 {
-                        let fa = _mm512_cvtepi32_ps(_mm512_add_epi32(a[r][h], bx));
-                        let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(b[r][h], br));
+                        let fa = _mm512_cvtepi32_ps(a[r][h]);
+                        let fb = _mm512_cvtepi32_ps(b[r][h]);
                         let f = _mm512_fmadd_ps(fb, inv254, fa);
                         let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
                         let sw = _mm512_mul_ps(scales16(at, w.scale_type), sx);
@@ -1084,8 +1091,14 @@ pub(crate) mod x86 {
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::CodeGroups);
             let mut total = [[_mm256_setzero_ps(); 4]; R];
             for (c, g) in chunks_with_groups((i0, n), chunk, group) {
+                // The sums start at the chunk's bias terms, as in rows512.
                 let mut a = [[_mm256_setzero_si256(); 4]; R];
                 let mut b = [[_mm256_setzero_si256(); 4]; R];
+                for r in 0..R {
+                    let rec = chunk_record(rows[r], k, c);
+                    a[r] = [_mm256_set1_epi32(rec.neg_bias_x); 4];
+                    b[r] = [_mm256_set1_epi32(rec.neg_bias_r); 4];
+                }
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                     for o in 0..4 {
                         let (we, wo) = quarter_bytes::<LUT>(codes, blk, o, dist, lut, nib);
@@ -1101,14 +1114,10 @@ pub(crate) mod x86 {
                 }
                 for r in 0..R {
                     let rec = chunk_record(rows[r], k, c);
-                    let (bx, br) = (
-                        _mm256_set1_epi32(rec.neg_bias_x),
-                        _mm256_set1_epi32(rec.neg_bias_r),
-                    );
                     let sx = _mm256_set1_ps(rec.s_inv_m);
                     for o in 0..4 {
-                        let fa = _mm256_cvtepi32_ps(_mm256_add_epi32(a[r][o], bx));
-                        let fb = _mm256_cvtepi32_ps(_mm256_add_epi32(b[r][o], br));
+                        let fa = _mm256_cvtepi32_ps(a[r][o]);
+                        let fb = _mm256_cvtepi32_ps(b[r][o]);
                         let f = _mm256_fmadd_ps(fb, inv254, fa);
                         let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
                         let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
