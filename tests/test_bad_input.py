@@ -21,6 +21,11 @@ def test_bad_shapes_at_construction():
         make_wrapper(e=4, k=5)
     with pytest.raises(ValueError, match="gpu_experts_mask"):
         make_wrapper(e=8, gpu_experts_mask=torch.zeros(7, dtype=torch.bool))
+    # A float mask would turn 0.5 into True (every expert on the GPU, nothing on the CPU).
+    with pytest.raises(TypeError, match="gpu_experts_mask must hold bools"):
+        make_wrapper(e=8, gpu_experts_mask=torch.full((8,), 0.5))
+    with pytest.raises(ValueError, match="1-D"):
+        make_wrapper(e=8, gpu_experts_mask=torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError):
         make_wrapper(layer_idx="0")
     with pytest.raises(ValueError, match="numa_nodes"):
@@ -85,6 +90,21 @@ def test_bad_forward_arguments(small_layer):
         w.forward(x, ids, wt, None)
     w.gpu_experts_mask = saved
     w.forward(x, ids, wt, None)  # still healthy
+
+
+def test_negated_views_are_read_as_their_values(small_layer):
+    # torch's neg bit: a lazily negated view reports contiguous while its memory holds the
+    # values before negation, so a raw pointer would read them with the wrong sign.
+    w, (gate, up, down) = small_layer
+    x = torch.randn(3, 64)
+    ids, wt = random_routing(3, 8, 2)
+    want = w.forward(x, ids, wt).clone()
+    neg = torch._neg_view
+    assert neg(-x).is_neg() and neg(-x).is_contiguous()
+    assert torch.equal(w.forward(neg(-x), neg(-ids), neg(-wt)), want)
+    other = make_wrapper(layer_idx=5, e=8, k=2, h=64, i=96)
+    other.load_weights_from_tensors(neg(-gate), neg(-up), neg(-down), neg(-torch.arange(8)))
+    assert torch.equal(other.forward(x, ids, wt), want)
 
 
 def test_error_inside_a_task_surfaces_at_sync(small_layer):
@@ -336,6 +356,9 @@ def test_named_pipe_as_weight_file_is_refused_not_waited_on(tmp_path, method):
     [
         ("KT_SPIN_US", "abc", False),
         ("KT_SPIN_US", "100", True),
+        # Beyond a second idle workers would never park: refused, not taken.
+        ("KT_SPIN_US", "18446744073709551615", False),
+        ("KT_SPIN_US", "1000001", False),
         # The round count it replaced is refused with the new name, not silently ignored.
         ("KT_SPIN_ROUNDS", "100", False),
         ("KT_KERNEL_AMX_EMULATE", "yes", False),
@@ -376,3 +399,41 @@ def test_a_wrapper_asking_for_another_engine_configuration_is_warned():
     with pytest.warns(RuntimeWarning, match="threadpool_count=2"):
         w = make_wrapper(threadpool_count=2)
     assert w.threadpool_count == 1
+
+
+QUANTIZING_METHODS = [
+    "AMXINT8",
+    "AMXINT4",
+    "FP8",
+    "FP8_PERCHANNEL",
+    "RAWINT4",
+    "GPTQ_INT4",
+    "MXFP4",
+    "NVFP4",
+    "MXFP8",
+]
+
+
+@pytest.mark.parametrize("method", QUANTIZING_METHODS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_quantizing_a_non_finite_weight_is_refused(method, bad):
+    # NaN escapes a max over |w| (f32::max drops it), so it needs its own check.
+    gate, up, down = random_experts(4, 256, 256, dtype=torch.float32)
+    down[1, 3, 5] = bad
+    w = make_wrapper(e=4, h=256, i=256, method=method)
+    with pytest.raises(ValueError, match="non-finite"):
+        w.load_weights_from_tensors(gate, up, down)
+
+
+def test_gptq_group_scale_beyond_fp16_is_refused():
+    # GPTQ_INT4's group scales are fp16: a weight of 1e6 needs a scale above 65504.
+    gate, up, down = random_experts(4, 256, 256, dtype=torch.float32)
+    down[2, 0, 0] = 1e6
+    w = make_wrapper(e=4, h=256, i=256, method="GPTQ_INT4")
+    with pytest.raises(ValueError, match="beyond the range"):
+        w.load_weights_from_tensors(gate, up, down)
+    down[2, 0, 0] = 4e5  # a scale of about 57000: still an fp16 value
+    w.load_weights_from_tensors(gate, up, down)
+    x = torch.randn(4, 256)
+    ids, wt = random_routing(4, 4, 2)
+    assert torch.isfinite(w.forward(x, ids, wt)).all()

@@ -218,6 +218,7 @@ def _ready(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> bool:
         and x.is_contiguous()
         and ids.is_contiguous()
         and w.is_contiguous()
+        and not (x.is_neg() or ids.is_neg() or w.is_neg())
     )
 
 
@@ -244,10 +245,11 @@ def submit(wrapper, dev, hidden_states, topk_ids, topk_weights, stream: int) -> 
         with dev.on(stream, hidden_states.device):
             if x.dtype not in _FLOAT_DTYPES:
                 x = x.to(torch.float32)
-            x = x.contiguous()
+            # resolve_neg: a negated view's memory holds the values before negation.
+            x = x.resolve_neg().contiguous()
             ids = topk_ids if topk_ids.dtype in _ID_DTYPES else topk_ids.to(torch.int64)
-            ids = ids.contiguous()
-            w = topk_weights.to(torch.float32).contiguous()
+            ids = ids.resolve_neg().contiguous()
+            w = topk_weights.to(torch.float32).resolve_neg().contiguous()
             if d > 0:
                 ids, deferred = wrapper.select_deferred_experts(
                     ids, w, wrapper.num_experts_per_tok - d, wrapper.num_experts

@@ -192,6 +192,14 @@ class BaseMoEWrapper:
         if mask is not None:
             if not isinstance(mask, torch.Tensor):
                 raise TypeError("gpu_experts_mask must be a torch.Tensor of bools or None")
+            # Integers are 0/1 flags (non-zero: on the GPU); a float mask would turn 0.5 into
+            # True, so it is refused rather than guessed at.
+            if mask.is_floating_point() or mask.is_complex():
+                raise TypeError(f"gpu_experts_mask must hold bools, got {mask.dtype}")
+            if mask.dim() != 1:
+                raise ValueError(
+                    f"gpu_experts_mask must be 1-D ([num_experts]), got shape {tuple(mask.shape)}"
+                )
             if mask.numel() != self.num_experts:
                 raise ValueError(
                     f"gpu_experts_mask has {mask.numel()} entries, expected num_experts="
@@ -265,7 +273,7 @@ class BaseMoEWrapper:
             raise ValueError(f"physical_to_logical_map_cpu must be 1-D, got shape {tuple(m.shape)}")
         if m.numel() == 0:
             raise ValueError("physical_to_logical_map_cpu is empty; pass None for the identity map")
-        m = m.to("cpu", torch.int64).contiguous()
+        m = m.to("cpu", torch.int64).resolve_neg().contiguous()
         return m.data_ptr(), m.numel(), m
 
     # ----------------------------------------------------------------------------- buffers
@@ -379,16 +387,19 @@ class BaseMoEWrapper:
             x = x.to("cpu")
         if x.dtype not in _FLOAT_DTYPES:
             x = x.to(torch.float32)
+        # A negated view (torch's neg bit) reports contiguous, yet its memory holds the values
+        # before negation: resolve_neg materialises it (and returns the tensor itself otherwise).
+        x = x.resolve_neg()
         if not x.is_contiguous():
             x = x.contiguous()
-        ids = topk_ids
+        ids = topk_ids.resolve_neg()
         if ids.device.type != "cpu":
             ids = ids.to("cpu")
         if ids.dtype not in _ID_DTYPES:
             ids = ids.to(torch.int64)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        w = topk_weights
+        w = topk_weights.resolve_neg()
         if w.device.type != "cpu" or w.dtype != torch.float32:
             w = w.to("cpu", torch.float32)
         if not w.is_contiguous():

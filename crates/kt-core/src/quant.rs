@@ -18,7 +18,7 @@
 //! [`file_runs`] maps between the two, a handful of large copies per matrix.
 
 use crate::pack::MatrixView;
-use crate::{kt_ensure, Result};
+use crate::{kt_bail, kt_ensure, Result};
 
 /// Rows of one group: the kernels' and the tiles' output block (the original's N_STEP).
 pub const GROUP_ROWS: usize = 32;
@@ -203,7 +203,7 @@ pub unsafe fn quantize_matrix(
         let rows = g * GROUP_ROWS..(g + 1) * GROUP_ROWS;
         let group_sums = sums.as_deref_mut().map(|s| &mut s[rows.clone()]);
         // SAFETY: rows of the view (contract); buffers sized above.
-        unsafe {
+        let bad = unsafe {
             quantize_group(
                 view,
                 rows.start,
@@ -214,6 +214,14 @@ pub unsafe fn quantize_matrix(
                 group_sums,
             )
         };
+        if let Some(r) = bad {
+            kt_bail!(
+                Invalid,
+                "weight row {r} of a {n}x{k} matrix holds a non-finite value (NaN or Inf), \
+                 which {} cannot quantize",
+                if int4 { "AMXINT4" } else { "AMXINT8" }
+            );
+        }
         let group = &mut out[matrix_bytes(int4, g * GROUP_ROWS * k, 1)..]
             [..matrix_bytes(int4, GROUP_ROWS * k, 1)];
         scatter_group(&q, k, int4, group);
@@ -226,7 +234,8 @@ pub unsafe fn quantize_matrix(
 ///
 /// # Safety
 /// Rows `r0..r0+32` of `view` exist and its memory is alive; `row` holds `k` values, `q`
-/// `32·k`, `scales` 32, `sums` 32.
+/// `32·k`, `scales` 32, `sums` 32. Returns the first row holding a non-finite value, if any
+/// (the group's outputs are then incomplete).
 unsafe fn quantize_group(
     view: &MatrixView,
     r0: usize,
@@ -235,7 +244,7 @@ unsafe fn quantize_group(
     q: &mut [i8],
     scales: &mut [f32],
     sums: Option<&mut [i32]>,
-) {
+) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
     if crate::isa::allows(crate::isa::Level::Avx2) {
         // SAFETY: the process's ISA level includes AVX2 and FMA; the rest is the caller's
@@ -260,7 +269,7 @@ unsafe fn quantize_group_avx2(
     q: &mut [i8],
     scales: &mut [f32],
     sums: Option<&mut [i32]>,
-) {
+) -> Option<usize> {
     // SAFETY: forwarded.
     unsafe { quantize_group_body(view, r0, int4, row, q, scales, sums) }
 }
@@ -278,13 +287,16 @@ unsafe fn quantize_group_body(
     q: &mut [i8],
     scales: &mut [f32],
     mut sums: Option<&mut [i32]>,
-) {
+) -> Option<usize> {
     let k = row.len();
     // bf16 inputs are already bf16 values: the rounding below would change nothing.
     let round = view.dtype != crate::dtype::FloatType::BF16;
     for i in 0..GROUP_ROWS {
         // SAFETY: row r0 + i exists (contract); `row` holds cols values.
         unsafe { view.row_f32(r0 + i, row) };
+        if !all_finite(row) {
+            return Some(r0 + i);
+        }
         if round {
             for x in row.iter_mut() {
                 *x = round_to_bf16(*x);
@@ -301,6 +313,7 @@ unsafe fn quantize_group_body(
             s[i] = qr.iter().map(|&v| mult * v as i32).sum();
         }
     }
+    None
 }
 
 /// `x` rounded half to even and saturated to i8 (NaN → 0), branch-free so loops vectorise
@@ -331,14 +344,27 @@ fn round_to_bf16(x: f32) -> f32 {
 /// Largest |x| of a row, NaN ignored (as `f32::max` does), on the bit patterns so it vectorises.
 #[inline(always)]
 fn abs_max(row: &[f32]) -> f32 {
-    let lane = |v: f32| {
+    f32::from_bits(max_lane(row, |v| {
         let b = v.to_bits() & 0x7FFF_FFFF;
         if b > 0x7F80_0000 {
             0
         } else {
             b
         }
-    };
+    }))
+}
+
+/// Whether every value is finite (no NaN, no ±Inf): the largest magnitude's bit pattern stays
+/// below infinity's, NaN's lying above it, where `f32::max` would drop a NaN. One integer max
+/// per value, so it vectorises.
+#[inline]
+pub fn all_finite(values: &[f32]) -> bool {
+    max_lane(values, |v| v.to_bits() & 0x7FFF_FFFF) < 0x7F80_0000
+}
+
+/// The largest `lane(v)` over `row` (0 for an empty row).
+#[inline(always)]
+fn max_lane(row: &[f32], lane: impl Fn(f32) -> u32) -> u32 {
     // Eight independent lanes: the shape the vectoriser turns into one register.
     let mut acc = [0u32; 8];
     let chunks = row.chunks_exact(8);
@@ -348,10 +374,8 @@ fn abs_max(row: &[f32]) -> f32 {
             *a = (*a).max(lane(v));
         }
     }
-    let m = tail
-        .iter()
-        .fold(acc.into_iter().max().unwrap_or(0), |m, &v| m.max(lane(v)));
-    f32::from_bits(m)
+    tail.iter()
+        .fold(acc.into_iter().max().unwrap_or(0), |m, &v| m.max(lane(v)))
 }
 
 /// Row-major values of one 32-row group → its tiled bytes: tile t of 64 inputs (INT4: 128,

@@ -73,7 +73,7 @@ class NativeMoEWrapper(BaseMoEWrapper):
                 f"tensors hold {e} experts but num_experts={self.num_experts}; pass a "
                 "physical_to_logical_map_cpu to choose experts"
             )
-        gate, up, down = (t.detach().to("cpu").contiguous() for t in tensors.values())
+        gate, up, down = (t.detach().to("cpu").resolve_neg().contiguous() for t in tensors.values())
         self.moe.load_from_tensors(
             gate.data_ptr(),
             up.data_ptr(),

@@ -86,6 +86,9 @@ impl PoolConfig {
 /// gaps of a few hundred microseconds, so workers keep spinning across such gaps.
 const DEFAULT_SPIN_US: u64 = 1000;
 
+/// The longest spin `KT_SPIN_US` may ask for: one second.
+const MAX_SPIN_US: u64 = 1_000_000;
+
 /// `KT_SPIN_US` if set; a set but unusable value is an error (checked when a pool starts, so it
 /// is never a silent default). `KT_SPIN_ROUNDS`, its predecessor, is refused with the new name.
 fn spin_setting() -> Result<Option<Duration>> {
@@ -96,15 +99,13 @@ fn spin_setting() -> Result<Option<Duration>> {
         )));
     }
     match std::env::var("KT_SPIN_US") {
-        Ok(v) => v
-            .parse()
-            .map(|us| Some(Duration::from_micros(us)))
-            .map_err(|_| {
-                Error::Invalid(format!(
-                    "KT_SPIN_US={v:?} is not a time in microseconds (a whole number >= 0; \
-                 default {DEFAULT_SPIN_US})"
-                ))
-            }),
+        Ok(v) => match v.parse::<u64>() {
+            Ok(us) if us <= MAX_SPIN_US => Ok(Some(Duration::from_micros(us))),
+            _ => Err(Error::Invalid(format!(
+                "KT_SPIN_US={v:?} is not a time in microseconds from 0 to {MAX_SPIN_US} (one \
+                 second; longer would keep idle workers spinning; default {DEFAULT_SPIN_US})"
+            ))),
+        },
         Err(_) => Ok(None),
     }
 }

@@ -289,3 +289,35 @@ fn quantized_values_never_reach_minus_128() {
         assert!(q.contains(&127) || q.contains(&-127));
     }
 }
+
+#[test]
+fn all_finite_sees_nan_and_infinities_anywhere() {
+    // NaN at every position of the 8-lane body and of the tail: f32::max would drop it.
+    let mut rng = Rng::new(9);
+    let row = rng.normals(21, 1.0);
+    assert!(all_finite(&row) && all_finite(&[]) && all_finite(&[f32::MAX, -f32::MAX]));
+    for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in 0..row.len() {
+            let mut r = row.clone();
+            r[at] = bad;
+            assert!(!all_finite(&r), "{bad} at {at}");
+        }
+    }
+}
+
+#[test]
+fn quantizing_a_non_finite_row_is_refused_with_its_index() {
+    let (n, k) = (32, 128);
+    let mut w = Rng::new(10).normals(n * k, 0.1);
+    w[7 * k + 3] = f32::NAN;
+    let view =
+        crate::pack::MatrixView::from_bytes(bytemuck_f32(&w), crate::dtype::FloatType::F32, n, k)
+            .unwrap();
+    for int4 in [false, true] {
+        let mut out = vec![0u8; matrix_bytes(int4, n, k)];
+        let mut scales = vec![0f32; n];
+        // SAFETY: `w` outlives the call.
+        let err = unsafe { quantize_matrix(&view, int4, &mut out, &mut scales, None) };
+        assert!(err.unwrap_err().to_string().contains("weight row 7"));
+    }
+}

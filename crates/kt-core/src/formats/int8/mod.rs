@@ -453,6 +453,7 @@ impl ExpertFormat for IntExperts {
         unsafe {
             crate::quant::quantize_matrix(view, self.layout.is_int4(), mat, scales, Some(sums))
         }
+        .map_err(|e| e.context(&format!("expert slot {slot} {proj:?}")))
     }
 
     fn load_files(

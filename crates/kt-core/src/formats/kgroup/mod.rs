@@ -594,12 +594,12 @@ impl KGroupExperts {
             // SAFETY: row r < n of the live view; `row` has k values.
             unsafe { view.row_f32(r, row) };
         }
-        let amax = rows.iter().fold(0f32, |a, v| a.max(v.abs()));
         kt_ensure!(
-            amax.is_finite(),
+            crate::quant::all_finite(&rows),
             Invalid,
             "expert slot {slot} {proj:?} holds a non-finite weight"
         );
+        let amax = rows.iter().fold(0f32, |a, v| a.max(v.abs()));
         // NVFP4: a per-tensor scale that maps the largest weight to the largest code times the
         // largest E4M3 scale; the others have none.
         let global = if self.spec.global && amax > 0.0 {
@@ -607,6 +607,16 @@ impl KGroupExperts {
         } else {
             1.0
         };
+        // The largest group scale must have a finite code (GPTQ_INT4's fp16 scales end at 65504,
+        // beyond which the group would decode to NaN).
+        let widest = st.encode_at_least(amax / global / kind.max());
+        kt_ensure!(
+            st.value(widest).is_finite(),
+            Invalid,
+            "expert slot {slot} {proj:?}: a weight of magnitude {amax} needs a group scale of \
+             {}, beyond the range of the format's {st:?} scales",
+            amax / global / kind.max()
+        );
         let mut codes = vec![0u8; group];
         for (r, row) in rows.chunks_exact(k).enumerate() {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
