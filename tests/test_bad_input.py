@@ -404,13 +404,7 @@ def test_a_wrapper_asking_for_another_engine_configuration_is_warned():
 QUANTIZING_METHODS = [
     "AMXINT8",
     "AMXINT4",
-    "FP8",
-    "FP8_PERCHANNEL",
-    "RAWINT4",
-    "GPTQ_INT4",
-    "MXFP4",
-    "NVFP4",
-    "MXFP8",
+    *"FP8 FP8_PERCHANNEL RAWINT4 GPTQ_INT4 MXFP4 NVFP4 MXFP8".split(),
 ]
 
 
