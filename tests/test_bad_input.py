@@ -431,3 +431,25 @@ def test_gptq_group_scale_beyond_fp16_is_refused():
     x = torch.randn(4, 256)
     ids, wt = random_routing(4, 4, 2)
     assert torch.isfinite(w.forward(x, ids, wt)).all()
+
+
+@pytest.mark.parametrize("method", ["FP8", "FP8_PERCHANNEL", "MXFP8"])
+@pytest.mark.parametrize("where", ["gate", "down"])
+def test_decode_of_extreme_weights_matches_the_many_row_path(method, where):
+    # The one-to-four-row kernels scale activations by 2^64: a gate weight of 1e20 makes the
+    # down projection's inputs about 1e19 and overflowed them, and a down weight of 1e30 its
+    # block scale. The results are finite fp32 numbers; decode must give them as prefill does.
+    gate, up, down = random_experts(4, 256, 256, dtype=torch.float32)
+    if where == "gate":
+        gate[:, 0, 0] = 1e20
+    else:
+        down[:, 0, 0] = 1e30
+    w = make_wrapper(e=4, h=256, i=256, method=method)
+    w.load_weights_from_tensors(gate, up, down)
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+    x[:, 0] = x[:, 0].abs() + 0.5
+    ids, wt = torch.tensor([[0, 1]] * 32), torch.full((32, 2), 0.5)
+    many = w.forward(x, ids, wt)[:2].clone()
+    few = w.forward(x[:2], ids[:2], wt[:2])
+    assert torch.isfinite(many).all() and torch.isfinite(few).all()
+    assert rel_l2(few, many.double()) < 2e-2

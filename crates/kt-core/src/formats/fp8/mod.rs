@@ -463,7 +463,13 @@ impl Fp8Experts {
                         out.as_mut_ptr(),
                     )
                 };
-                return;
+                // The fused kernels scale activations by 2⁶⁴ and block scales by 2⁵⁶ (AVX2:
+                // activations by scale · 2⁶⁴), which overflows for values no model has (about
+                // 1e19) though the result is finite: then the general path below, in unscaled
+                // arithmetic, redoes the panel (its first block assigns `out`).
+                if crate::quant::all_finite(&out[..n * PANEL]) {
+                    return;
+                }
             }
         }
         if let Some(path) = path {

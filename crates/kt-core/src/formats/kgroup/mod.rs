@@ -822,7 +822,12 @@ impl KGroupExperts {
                 if global != 1.0 {
                     out.iter_mut().for_each(|o| *o *= global);
                 }
-                return;
+                // The fused kernels scale activations by 2⁶⁴ and group scales by 2⁵⁶, which
+                // overflows for values no model has (about 1e19) though the result is finite:
+                // then the decoded blocks below, in unscaled arithmetic, redo the panel.
+                if crate::quant::all_finite(&out[..n * PANEL]) {
+                    return;
+                }
             }
         }
         // Decode blocks of 128 inputs (32 when k is not a multiple of 128, or the group when
