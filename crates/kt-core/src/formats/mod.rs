@@ -123,6 +123,27 @@ unsafe impl Send for GpuRankDst {}
 // SAFETY: as above.
 unsafe impl Sync for GpuRankDst {}
 
+/// A share of one GPU rank's write ([`ExpertFormat::write_gpu_rank`]): the w13 and w2 rows of
+/// every `count`-th 32-row panel from panel `index`, so that several threads fill one rank
+/// (one GPU rank, the usual case, would otherwise be written by one thread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowShare {
+    /// This share's first panel.
+    pub index: usize,
+    /// Shares of the rank.
+    pub count: usize,
+}
+
+impl RowShare {
+    /// The whole rank.
+    pub const WHOLE: RowShare = RowShare { index: 0, count: 1 };
+
+    /// Whether buffer row `row` (of w13's `2·ir` rows or w2's `H`) is this share's to write.
+    pub fn has(self, row: usize) -> bool {
+        (row / PANEL) % self.count == self.index
+    }
+}
+
 /// The part holding intermediate row `row` of a layer split into `ranges`, and the row's index
 /// in it.
 pub(crate) fn locate(ranges: &[Range<usize>], row: usize) -> (usize, usize) {
@@ -290,22 +311,24 @@ pub trait ExpertFormat: Send + Sync + Any {
         )
     }
 
-    /// Write physical `slot`'s weights and scales for GPU tensor-parallel rank `rank` of
-    /// `gpu_tp` into `dst`, in the bytes that method's GPU kernels read (the original's
-    /// `write_weight_scale_to_buffer`).
+    /// Write `share`'s rows of physical `slot`'s weights and scales for GPU tensor-parallel
+    /// rank `rank` of `gpu_tp` into `dst`, in the bytes that method's GPU kernels read (the
+    /// original's `write_weight_scale_to_buffer`). A row's scales go with the row (a block
+    /// scale with the block's first row); other shares' bytes are not touched.
     ///
     /// # Safety
     /// `slot < num_experts`, `rank < gpu_tp`, [`ExpertFormat::gpu_rank_bytes`] succeeded for
-    /// `gpu_tp`, and each buffer of `dst` has that many writable bytes that nothing else reads
-    /// or writes meanwhile.
+    /// `gpu_tp`, and each buffer of `dst` has that many writable bytes that nothing but other
+    /// shares' calls reads or writes meanwhile.
     unsafe fn write_gpu_rank(
         &self,
         slot: usize,
         gpu_tp: usize,
         rank: usize,
+        share: RowShare,
         dst: &GpuRankDst,
     ) -> Result<()> {
-        let _ = (slot, rank, dst);
+        let _ = (slot, rank, share, dst);
         self.gpu_rank_bytes(gpu_tp).map(|_| ())
     }
 

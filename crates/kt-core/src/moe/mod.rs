@@ -10,7 +10,7 @@
 //! - [`load`](self::load): checks and the parallel packing from an [`ExpertSource`] or files;
 //! - [`workspace`](self::workspace): the scratch of forward calls, planned per layer;
 //! - [`forward`](self::forward): the phases of one forward.
-use crate::formats::{ExpertFormat, LayerFiles};
+use crate::formats::{ExpertFormat, LayerFiles, RowShare};
 use crate::kernels::KernelSet;
 use crate::method::Method;
 use crate::pool::Pool;
@@ -205,10 +205,23 @@ impl MoeLayer {
     ) -> Result<()> {
         self.check_gpu_write(slot, dst)?;
         let gpu_tp = dst.len();
+        // Every thread busy: a rank's rows split into shares when there are fewer ranks.
+        let count = pool.total_threads().div_ceil(gpu_tp).max(1);
         let first = crate::error::FirstError::new();
-        pool.parallel_for_all(gpu_tp, &|rank| {
-            // SAFETY: the caller's contract; rank `rank`'s buffers belong to this task.
-            first.record(unsafe { self.experts.write_gpu_rank(slot, gpu_tp, rank, &dst[rank]) });
+        pool.parallel_for_all(gpu_tp * count, &|task| {
+            let (rank, share) = (
+                task / count,
+                RowShare {
+                    index: task % count,
+                    count,
+                },
+            );
+            // SAFETY: the caller's contract; rank `rank`'s buffers belong to its shares' tasks,
+            // each of which writes its own rows.
+            first.record(unsafe {
+                self.experts
+                    .write_gpu_rank(slot, gpu_tp, rank, share, &dst[rank])
+            });
         })?;
         first.into_result()
     }

@@ -7,7 +7,7 @@
 //! Kernels, per expert and forward: the exact fp32 FMA kernel on fp32 activations, or, for
 //! experts with enough rows to be compute-bound, a bf16 dot product (AMX tiles or
 //! `vdpbf16ps`) on activations staged as bf16 pairs.
-use super::{locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
+use super::{locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
 use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{Bf16Path, KernelSet};
 use crate::method::Method;
@@ -715,21 +715,25 @@ impl ExpertFormat for Bf16Experts {
         slot: usize,
         gpu_tp: usize,
         rank: usize,
+        share: RowShare,
         dst: &GpuRankDst,
     ) -> Result<()> {
         let h = self.hidden;
         let ir = self.ranges.last().map_or(0, |r| r.end) / gpu_tp;
         let r0 = rank * ir;
-        // SAFETY: the caller's contract: 2·ir·h and h·ir bf16 values.
-        let (w13, w2) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(dst.w13 as *mut u16, 2 * ir * h),
-                std::slice::from_raw_parts_mut(dst.w2 as *mut u16, h * ir),
-            )
+        // Row `n` of a buffer of rows of `len` bf16 values; only this share's rows are formed
+        // (other shares write the others at the same time).
+        let buffer_row = |base: *mut u8, n: usize, len: usize| {
+            // SAFETY: the caller's contract: w13 holds 2·ir rows of h values, w2 h rows of ir.
+            unsafe { std::slice::from_raw_parts_mut((base as *mut u16).add(n * len), len) }
         };
         // w13: the rank's gate rows then its up rows, row-major bf16.
-        for (which, rows) in w13.chunks_exact_mut(ir * h).enumerate() {
-            for (row, out) in rows.chunks_exact_mut(h).enumerate() {
+        for which in 0..2 {
+            for row in 0..ir {
+                if !share.has(which * ir + row) {
+                    continue;
+                }
+                let out = buffer_row(dst.w13, which * ir + row, h);
                 let (part, local) = locate(&self.ranges, r0 + row);
                 let ip = self.ranges[part].len();
                 let (p, j) = (local / PANEL, local % PANEL);
@@ -748,7 +752,8 @@ impl ExpertFormat for Bf16Experts {
             }
             let (l0, l1, c0, ip) = (g0 - range.start, g1 - range.start, g0 - r0, range.len());
             let down = &self.parts[part].down.as_slice()[slot * h * ip..(slot + 1) * h * ip];
-            for (hrow, out) in w2.chunks_exact_mut(ir).enumerate() {
+            for hrow in (0..h).filter(|&r| share.has(r)) {
+                let out = buffer_row(dst.w2, hrow, ir);
                 for (o, lc) in out[c0..c0 + l1 - l0].iter_mut().zip(l0..l1) {
                     *o = down[packed_index(hrow, lc, ip)];
                 }

@@ -18,7 +18,7 @@
 //!
 //! Loading from an FP8 checkpoint copies codes and scales; from bf16/fp16/fp32 tensors or
 //! checkpoints it quantizes each 128 × 128 block to `amax / 448` (the usual FP8 block recipe).
-use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
+use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
 use crate::dtype::{f32_to_e4m3, FloatType};
 use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{KernelSet, MAX_ROWS};
@@ -638,6 +638,7 @@ impl ExpertFormat for Fp8Experts {
         slot: usize,
         gpu_tp: usize,
         rank: usize,
+        share: RowShare,
         dst: &GpuRankDst,
     ) -> Result<()> {
         let (h, ir) = (self.hidden, self.intermediate() / gpu_tp);
@@ -648,7 +649,7 @@ impl ExpertFormat for Fp8Experts {
         };
         // w13: the rank's gate rows then its up rows, row-major codes; their scales likewise.
         for (which, proj) in [(0, Proj::Gate), (1, Proj::Up)] {
-            for row in 0..ir {
+            for row in (0..ir).filter(|r| share.has(which * ir + r)) {
                 let (part, local) = locate(&self.ranges, r0 + row);
                 let (at, scale_at) = self.offsets(part, slot, proj, local);
                 let (codes, scales) = (
@@ -696,6 +697,9 @@ impl ExpertFormat for Fp8Experts {
                 self.parts[part].down_scales.as_slice(),
             );
             for (hrow, row_scale) in row_scales.iter_mut().enumerate() {
+                if !share.has(hrow) {
+                    continue;
+                }
                 let (at, scale_at) = self.offsets(part, slot, Proj::Down, hrow);
                 if hrow % PANEL == 0 {
                     let ip = range.len();

@@ -25,7 +25,7 @@
 //! Loading copies the codes and scales of a checkpoint in the method's own format and group
 //! size; anything else (bf16/fp16/fp32 tensors, another format) is quantized per group
 //! ([`crate::codes::quantize_group`]).
-use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, Stage};
+use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
 use crate::codes::{quantize_group, CodeKind, CodedMatrix, ScaleType};
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
@@ -1253,6 +1253,7 @@ impl ExpertFormat for KGroupExperts {
         slot: usize,
         gpu_tp: usize,
         rank: usize,
+        share: RowShare,
         dst: &GpuRankDst,
     ) -> Result<()> {
         let (h, ir) = (self.hidden, self.intermediate() / gpu_tp);
@@ -1272,7 +1273,7 @@ impl ExpertFormat for KGroupExperts {
         // `scales [H/g][2·ir]`.
         let n13 = 2 * ir;
         for (which, proj) in [(0, Proj::Gate), (1, Proj::Up)] {
-            for r in 0..ir {
+            for r in (0..ir).filter(|r| share.has(which * ir + r)) {
                 let (part, local) = locate(&self.ranges, r0 + r);
                 let n = which * ir + r;
                 let bytes = &mut row[..h * bits / 8];
@@ -1323,7 +1324,7 @@ impl ExpertFormat for KGroupExperts {
             );
             globals_seen[0] = Some(global);
             let width = (l1 - l0) * bits / 8;
-            for hrow in 0..h {
+            for hrow in (0..h).filter(|&r| share.has(r)) {
                 let bytes = &mut row[..width];
                 self.row_codes(part, slot, Proj::Down, hrow, l0..l1, bytes);
                 if gptq {
