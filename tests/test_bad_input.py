@@ -453,3 +453,19 @@ def test_decode_of_extreme_weights_matches_the_many_row_path(method, where):
     few = w.forward(x[:2], ids[:2], wt[:2])
     assert torch.isfinite(many).all() and torch.isfinite(few).all()
     assert rel_l2(few, many.double()) < 2e-2
+
+
+def test_select_deferred_experts_checks_its_arguments():
+    from kt_kernel.experts_base import BaseMoEWrapper
+
+    split = BaseMoEWrapper.select_deferred_experts
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    with pytest.raises(ValueError, match="one \\[B, k\\] shape"):
+        split(ids, torch.rand(2, 2), 1)
+    with pytest.raises(ValueError, match="num_experts must be"):
+        split(ids, torch.rand(2, 3), 1, num_experts=0)
+    with pytest.raises(ValueError, match="pass num_experts"):
+        split(torch.tensor([[2**40, 1, 2]]), torch.rand(1, 3), 1)
+    # A huge id with num_experts given goes to the spare slot: deferred, never protected.
+    imm, dfr = split(torch.tensor([[2**40, 1, 2]]), torch.tensor([[0.9, 0.5, 0.1]]), 1, 8)
+    assert imm.tolist() == [[-1, -1, -1]] and dfr.tolist() == [[2**40, 1, 2]]

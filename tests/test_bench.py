@@ -53,18 +53,27 @@ def test_the_bench_runs_methods_in_groups(tmp_path):
     ("flag", "value", "message"),
     [
         ("--max-resident-gb", "0", "--max-resident-gb must be > 0 GB"),
-        ("--threads", "-1", "--threads must be >= 1"),
+        ("--threads", "-1", "--threads must be 0"),
+        ("--threads", "100000", "--threads must be 0"),  # torch crashed on thousands
+        ("--tokens", "0", "--tokens must all be >= 1"),
+        ("--experts", "4", "--experts must be at least"),
+        ("--layers", "0", "--layers must be >= 1"),
+        ("--repeats", "-5", "--repeats must be >= 0"),
+        ("--methods", "bogus", "unknown method(s) ['bogus']"),
+        ("--gguf-type", "BOGUS", "'BOGUS' is not a ggml type"),
+        ("--json", "/nonexistent-folder/x.json", "its folder does not exist"),
     ],
 )
 def test_bad_bench_arguments_are_refused(flag, value, message):
+    # Refused before anything loads: a message, not a traceback minutes into the run.
     r = subprocess.run(
-        [sys.executable, "-m", "kt_kernel", "bench", flag, value],
+        [sys.executable, "-m", "kt_kernel", "bench", "--methods", "LLAMAFILE", flag, value],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode != 0
-    assert message in r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_rows_slowed_from_outside_are_marked():

@@ -128,6 +128,40 @@ def test_experts_kept_in_torch_by_a_gpu_mask_give_the_same_model(checkpoint):
     assert _greedy(model) == _greedy(reference)
 
 
+def test_deferred_experts_of_the_last_moe_layer_are_not_dropped(checkpoint):
+    # A layer's deferred experts are added by the next MoE layer; the last one has none after
+    # it, so offload_experts computes all of its experts at once.
+    kind, folder, reference = checkpoint
+    model = _load(kind, folder)
+    modules = offload_experts(
+        model, str(folder), method="BF16", cpuinfer_threads=2, max_deferred_experts_per_token=1
+    )
+    assert [m.wrapper.max_deferred_experts_per_token for m in modules] == [1, 0]
+    # The last MoE block alone gives every expert's output, as the torch block does (with 1
+    # it had dropped the deferred ones: 0.42 relative error).
+    x = torch.randn(1, 5, 128, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours, ref = model.model.layers[-1].mlp(x), reference.model.layers[-1].mlp(x)
+    ours, ref = (t[0] if isinstance(t, tuple) else t for t in (ours, ref))
+    assert _rel(ours, ref) < 1e-2, _rel(ours, ref)
+
+
+def test_gpu_masks_that_offload_cannot_honour_are_refused(checkpoint):
+    kind, folder, _ = checkpoint
+    model = _load(kind, folder)
+    args = dict(method="BF16", cpuinfer_threads=2)
+    with pytest.raises(TypeError, match="bool"):
+        offload_experts(model, str(folder), gpu_experts_mask=torch.full((8,), 0.5), **args)
+    with pytest.raises(ValueError, match="one row per"):
+        offload_experts(model, str(folder), gpu_experts_mask=torch.zeros(3, 8, dtype=bool), **args)
+    masked = torch.zeros(8, dtype=torch.bool)
+    masked[::2] = True
+    with pytest.raises(ValueError, match="nothing would compute them"):
+        offload_experts(
+            model, str(folder), gpu_experts_mask=masked, keep_torch_experts=False, **args
+        )
+
+
 def test_amxint8_from_the_converter_tracks_the_torch_model(checkpoint, tmp_path):
     kind, folder, reference = checkpoint
     out = tmp_path / "int8"

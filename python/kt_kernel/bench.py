@@ -313,6 +313,43 @@ def _write_gguf_layers(folder: str, weights, gate_up: str, down: str, threads: i
         writer.close()
 
 
+def _check_args(args: argparse.Namespace, k: int) -> None:
+    """Refuse arguments the run could not use, before anything is loaded (a clear message, not
+    a traceback minutes into a run, or a run of something else)."""
+    from gguf import GGMLQuantizationType
+
+    def bad(msg: str) -> None:
+        raise SystemExit(f"kt bench: error: {msg}")
+
+    if any(t < 1 for t in args.tokens):
+        bad(f"--tokens must all be >= 1, got {args.tokens}")
+    if args.experts is not None and args.experts < k:
+        bad(f"--experts must be at least the preset's top-{k}, got {args.experts}")
+    if args.layers is not None and args.layers < 1:
+        bad(f"--layers must be >= 1, got {args.layers}")
+    if args.repeats < 0:
+        bad(f"--repeats must be >= 0 (0: automatic), got {args.repeats}")
+    # More threads than CPUs only measures oversubscription (and torch crashes at thousands).
+    cpus = os.cpu_count() or 1
+    if not 0 <= args.threads <= cpus:
+        bad(
+            f"--threads must be 0 (all physical cores) to {cpus} (this machine's CPUs), got "
+            f"{args.threads}"
+        )
+    from .experts import IMPLEMENTED_METHODS as known
+
+    unknown = [m for m in args.methods if m not in known]
+    if unknown:
+        bad(f"unknown method(s) {unknown}; known: {sorted(known)}")
+    if "LLAMAFILE" in args.methods:
+        for ty in [*args.gguf_type, *([args.gguf_down_type] if args.gguf_down_type else [])]:
+            if ty.upper() not in GGMLQuantizationType.__members__:
+                bad(f"--gguf-type/--gguf-down-type {ty!r} is not a ggml type (e.g. Q4_K, Q8_0)")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            bad(f"{flag} {path!r}: its folder does not exist")
+
+
 def run(args: argparse.Namespace) -> int:
     import kt_kernel
     from kt_kernel import KTMoEWrapper
@@ -321,10 +358,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_resident_gb is not None and not args.max_resident_gb > 0:
         raise SystemExit(f"--max-resident-gb must be > 0 GB, got {args.max_resident_gb}")
     experts, k, hidden, inter, default_layers = PRESETS[args.preset]
+    _check_args(args, k)
     experts = args.experts or experts
     layers = args.layers or default_layers
-    if args.threads < 0:
-        raise SystemExit(f"--threads must be >= 1 (0: all physical cores), got {args.threads}")
     args.threads = args.threads or int(kt_kernel.cpu_info()["physical_cores"])
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)

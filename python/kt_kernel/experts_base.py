@@ -412,6 +412,13 @@ class BaseMoEWrapper:
         token's top-``protected_k`` experts (by score) is protected and runs now; every other
         (token, slot) is deferred to the next layer. Entries not in a tensor are -1.
         ``num_experts`` (default: from the ids) sizes the membership table."""
+        if expert_ids.dim() != 2 or tuple(expert_scores.shape) != tuple(expert_ids.shape):
+            raise ValueError(
+                f"expert_ids and expert_scores must share one [B, k] shape, got "
+                f"{tuple(expert_ids.shape)} and {tuple(expert_scores.shape)}"
+            )
+        if num_experts is not None and int(num_experts) < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
         k = expert_ids.shape[1]
         if expert_ids.numel() == 0:
             return expert_ids.clone(), expert_ids.clone()
@@ -425,6 +432,8 @@ class BaseMoEWrapper:
         # GPU nothing waits for the device (the stream path must not block the host).
         ceiling = int(num_experts) if num_experts is not None else int(expert_ids.max()) + 1
         ceiling = max(ceiling, 0)
+        if ceiling > 1 << 24:  # a table of that many flags is a mistake, not a layer
+            raise ValueError(f"expert ids reach {ceiling - 1}; pass num_experts")
 
         def slot(ids):  # -1 and ids beyond the table land on the spare last entry
             return torch.where((ids < 0) | (ids >= ceiling), ceiling, ids).long()

@@ -109,6 +109,11 @@ def offload_experts(
     found = list(moe_layers(model))
     if not found:
         raise ValueError(f"{type(model).__name__} has no fused sparse-MoE experts to offload")
+    if gpu_experts_mask is not None:
+        _check_mask(gpu_experts_mask, len(found), keep_torch_experts)
+    # A layer's deferred experts are added by the next MoE layer: the last has none after it,
+    # so it computes all of its experts at once (as a serving engine sets it).
+    deferred = wrapper_kwargs.pop("max_deferred_experts_per_token", None)
     replaced = []
     for n, (idx, block, attr) in enumerate(found):
         experts = getattr(block, attr)
@@ -131,6 +136,7 @@ def offload_experts(
             weight_path=weight_path,
             chunked_prefill_size=chunked_prefill_size,
             method=method,
+            max_deferred_experts_per_token=None if n == len(found) - 1 else deferred,
             **wrapper_kwargs,
         )
         wrapper.load_weights(torch.arange(e, dtype=torch.int64))
@@ -139,6 +145,25 @@ def offload_experts(
         setattr(block, attr, module)
         replaced.append(module)
     return replaced
+
+
+def _check_mask(mask, layers: int, keep_torch_experts: bool | None) -> None:
+    """``gpu_experts_mask`` as :func:`offload_experts` takes it: bools, ``[num_experts]`` or
+    one row per MoE layer, and torch kept for the masked experts (else no one computes them)."""
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
+        raise TypeError(
+            f"gpu_experts_mask must be a bool tensor, got {getattr(mask, 'dtype', mask)}"
+        )
+    if mask.dim() not in (1, 2) or (mask.dim() == 2 and mask.shape[0] != layers):
+        raise ValueError(
+            f"gpu_experts_mask must be [num_experts] or [{layers}, num_experts] (one row per "
+            f"MoE layer), got shape {tuple(mask.shape)}"
+        )
+    if keep_torch_experts is False and bool(mask.any()):
+        raise ValueError(
+            "gpu_experts_mask marks experts for torch but keep_torch_experts=False drops "
+            "their weights: nothing would compute them"
+        )
 
 
 def _top_k(block: nn.Module, config) -> int:
