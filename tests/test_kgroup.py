@@ -337,3 +337,68 @@ def test_shapes_that_do_not_split_into_groups_are_refused(method):
         make_wrapper(layer_idx=0, e=4, k=2, h=48, i=128, method=method)
     with pytest.raises(ValueError, match="multiple"):
         make_wrapper(layer_idx=0, e=4, k=2, h=128, i=80, method=method)
+
+
+def _checkpoint_load(tmp_path, method: str, edit, config: str | None = None):
+    """Load one layer of `method` written by `native_checkpoints`, its tensors changed by
+    `edit(tensors)` first; returns the loaded wrapper."""
+    import native_checkpoints as nc
+
+    e, h, i = 4, 128, 256
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (
+        (torch.randn(*s, generator=g) * 0.05).bfloat16() for s in ((e, i, h), (e, i, h), (e, h, i))
+    )
+    tensors = nc.layer_tensors(method, 0, gate, up, down)
+    edit(tensors)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    w = make_wrapper(e=e, h=h, i=i, method=method, weight_path=str(tmp_path))
+    w.load_weights(torch.arange(e))
+    return w
+
+
+def test_gptq_zero_points_act_order_and_string_flags_are_refused(tmp_path):
+    import native_checkpoints as nc
+
+    def add(suffix, t, projs=("gate", "up", "down")):
+        def edit(tensors):
+            for p in [prefix("GPTQ_INT4", 0, e, q) for e in range(4) for q in projs]:
+                tensors[f"{p}.{suffix}"] = t(tensors[f"{p}.scales"])
+
+        return edit
+
+    symmetric = add(
+        "qzeros", lambda s: torch.full((s.shape[0], s.shape[1] // 8), 0x77777777, dtype=torch.int32)
+    )
+    _checkpoint_load(tmp_path / "v1", "GPTQ_INT4", symmetric)  # zero point 8, stored as 7
+    asym = add(
+        "qzeros", lambda s: torch.full((s.shape[0], s.shape[1] // 8), 0x33333333, dtype=torch.int32)
+    )
+    with pytest.raises(NotImplementedError, match="asymmetric GPTQ"):
+        _checkpoint_load(tmp_path / "asym", "GPTQ_INT4", asym)
+    flipped = add("g_idx", lambda s: (torch.arange(256).flip(0) // 128).int(), ("down",))
+    with pytest.raises(NotImplementedError, match="activation-order"):
+        _checkpoint_load(tmp_path / "order", "GPTQ_INT4", flipped, nc.GPTQ_CONFIG)
+    in_order = add("g_idx", lambda s: (torch.arange(256) // 128).int(), ("down",))
+    _checkpoint_load(tmp_path / "in-order", "GPTQ_INT4", in_order, nc.GPTQ_CONFIG)
+    as_string = nc.GPTQ_CONFIG.replace('"bits": 4', '"bits": "8"')
+    with pytest.raises(NotImplementedError, match="8 bits"):
+        _checkpoint_load(tmp_path / "bits", "GPTQ_INT4", lambda t: None, as_string)
+
+
+def test_nvfp4_scales_stored_as_bytes_and_overflowing_e8m0_scales_are_refused(tmp_path):
+    def bytes_scales(tensors):
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            tensors[name] = tensors[name].view(torch.uint8)
+
+    with pytest.raises(ValueError, match="F8_E4M3"):
+        _checkpoint_load(tmp_path / "nv", "NVFP4", bytes_scales)
+
+    def huge(tensors):  # E8M0 254 = 2^127: the group's largest code is beyond f32
+        tensors[prefix("MXFP8", 0, 0, "gate") + ".weight_scale_inv"].fill_(254)
+
+    with pytest.raises(ValueError, match="beyond f32"):
+        _checkpoint_load(tmp_path / "mx", "MXFP8", huge)

@@ -232,7 +232,8 @@ impl Checkpoint {
         kt_ensure!(
             t.dtype == "F32" && (t.shape == [rows] || t.shape == [rows, 1]) && t.len == rows * 4,
             Format,
-            "{channel_key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 [{rows}] (one scale              per output channel)",
+            "{channel_key} is {} {:?}; a {rows}x{cols} FP8 weight needs F32 [{rows}] (one \
+             scale per output channel)",
             t.dtype,
             t.shape
         );
@@ -445,7 +446,7 @@ impl Checkpoint {
                 t.shape
             ),
         };
-        self.coded_view(
+        let view = self.coded_view(
             &name,
             CodeKind::Int4,
             (rows, cols),
@@ -454,7 +455,47 @@ impl Checkpoint {
             ScaleType::F16,
             ScaleLayout::Transposed,
             1.0,
-        )
+        )?;
+        let group = view.coded.as_ref().map_or(cols, |c| c.group);
+        self.check_gptq_tensors(prefix, cols, group)?;
+        Ok(view)
+    }
+
+    /// Refuse the GPTQ tensors we would read wrongly whatever the config says (or without
+    /// one): zero points other than the symmetric 8 (stored as 7 by AutoGPTQ's format, 8 by
+    /// its v2) and a `g_idx` other than `i / group` (activation order).
+    fn check_gptq_tensors(&self, prefix: &str, k: usize, group: usize) -> Result<()> {
+        let bytes = |t: &TensorLoc| &self.maps[t.file][t.offset..t.offset + t.len];
+        let zeros = format!("{prefix}.qzeros");
+        if let Some(t) = self.tensors.get(&zeros) {
+            let z = bytes(t);
+            kt_ensure!(
+                t.dtype == "I32" && (z.iter().all(|&b| b == 0x77) || z.iter().all(|&b| b == 0x88)),
+                Unsupported,
+                "{zeros}: zero points other than the symmetric 8 (asymmetric GPTQ) are not \
+                 supported; GPTQ_INT4 reads symmetric 4-bit weights"
+            );
+        }
+        let order = format!("{prefix}.g_idx");
+        if let Some(t) = self.tensors.get(&order) {
+            kt_ensure!(
+                t.dtype == "I32" && t.len == 4 * k,
+                Format,
+                "{order} is {} {:?}; a GPTQ g_idx is I32 [{k}]",
+                t.dtype,
+                t.shape
+            );
+            let in_order = bytes(t).chunks_exact(4).enumerate().all(|(i, w)| {
+                i32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i64 == (i / group) as i64
+            });
+            kt_ensure!(
+                in_order,
+                Unsupported,
+                "{order} is not i / {group}: activation-order groups (desc_act) are not \
+                 supported; re-quantize with desc_act=false"
+            );
+        }
+        Ok(())
     }
 
     /// Refuse GPTQ checkpoints we would read wrongly: `desc_act` (activation-order groups with
@@ -473,7 +514,11 @@ impl Checkpoint {
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
             let q = json.get("quantization_config").unwrap_or(&json);
-            let flag = |k: &str| q.get(k).and_then(|v| v.as_bool());
+            // Bools and numbers, also as strings ("true", "4"): some tools write them so.
+            let flag = |k: &str| {
+                q.get(k)
+                    .and_then(|v| v.as_bool().or_else(|| v.as_str()?.trim().parse().ok()))
+            };
             kt_ensure!(
                 flag("desc_act") != Some(true),
                 Unsupported,
@@ -488,7 +533,9 @@ impl Checkpoint {
                  symmetric 4-bit weights",
                 path.display()
             );
-            let bits = q.get("bits").and_then(|v| v.as_u64());
+            let bits = q
+                .get("bits")
+                .and_then(|v| v.as_u64().or_else(|| v.as_str()?.trim().parse().ok()));
             kt_ensure!(
                 bits.is_none_or(|b| b == 4),
                 Unsupported,
@@ -511,7 +558,19 @@ impl Checkpoint {
             _ => (0, 0),
         };
         let nv = format!("{prefix}.weight_scale");
-        if self.tensors.get(&nv).is_some_and(|s| s.dtype == "F8_E4M3") {
+        let nv_scale = self.tensors.get(&nv);
+        // NVFP4's mark is its per-tensor scale: with it, E4M3 group scales stored as bytes
+        // would read as MXFP4's power-of-two exponents, every weight wrong.
+        if self.has(&format!("{prefix}.weight_scale_2")) {
+            kt_ensure!(
+                nv_scale.is_some_and(|s| s.dtype == "F8_E4M3"),
+                Format,
+                "{nv} is {}; beside weight_scale_2 (NVFP4) the group scales must be stored as \
+                 F8_E4M3",
+                nv_scale.map_or("missing", |s| s.dtype.as_str())
+            );
+        }
+        if nv_scale.is_some_and(|s| s.dtype == "F8_E4M3") {
             let g2 = format!("{prefix}.weight_scale_2");
             let gt = self.tensor(&g2, "the NVFP4 per-tensor scale")?;
             kt_ensure!(

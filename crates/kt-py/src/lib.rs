@@ -768,7 +768,13 @@ impl MoeLayer {
             &w2_scale_ptrs,
         ];
         let counts: Vec<usize> = lists.iter().map(|l| l.len()).collect();
-        if gpu_tp_count == 0 || counts.iter().any(|&n| n != gpu_tp_count) {
+        if gpu_tp_count == 0 || expert_id < 0 {
+            return Err(kt_core::Error::Invalid(format!(
+                "gpu_tp_count ({gpu_tp_count}) must be >= 1 and expert_id ({expert_id}) >= 0"
+            )))
+            .py();
+        }
+        if counts.iter().any(|&n| n != gpu_tp_count) {
             return Err(kt_core::Error::Invalid(format!(
                 "gpu_tp_count={gpu_tp_count} but the pointer lists hold {counts:?} entries"
             )))

@@ -556,6 +556,16 @@ impl KGroupExperts {
                     self.spec.method,
                     self.spec.scale_type
                 );
+                // E8M0 reaches 2^127: its largest codes would be infinite weights.
+                let widest = self.spec.scale_type.value(bits) * self.spec.kind.max() * m.global;
+                kt_ensure!(
+                    widest.is_finite(),
+                    Invalid,
+                    "{} scale of expert slot {slot} {proj:?} row {r}, group {g} of this part \
+                     ({:?} bits {bits:#x}) makes the group's largest code {widest}, beyond f32",
+                    self.spec.method,
+                    self.spec.scale_type
+                );
                 let at = scale_at + (g * PANEL + j) * ss;
                 // SAFETY: this row's scale of group g, this (part, slot, proj)'s alone.
                 unsafe {
