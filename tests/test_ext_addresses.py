@@ -146,3 +146,31 @@ def test_bad_addresses_are_refused_clearly():
         _by_address("gptq_int4", cpu_infer, gptq, g)
     with pytest.raises(NotImplementedError, match="not taken by address"):
         _by_address("bf16", cpu_infer, _original_loader("bf16")[0], 0, cls="MOE")
+
+
+def test_gptq_loader_refuses_what_it_would_read_wrongly(tmp_path):
+    from native_checkpoints import GPTQ_CONFIG, layer_tensors, prefix
+    from safetensors.torch import save_file
+
+    e, h, i = 2, 128, 256
+    g = torch.Generator().manual_seed(0)
+    shapes = ((e, i, h), (e, i, h), (e, h, i))
+    gate, up, down = ((torch.randn(*s, generator=g) * 0.05).bfloat16() for s in shapes)
+
+    def load(folder, extra=None, config=GPTQ_CONFIG):
+        tensors = layer_tensors("GPTQ_INT4", 0, gate, up, down)
+        tensors.update(extra or {})
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(config)
+        return loader.GPTQSafeTensorLoader(str(folder)).load_experts("model.layers.0")
+
+    # Flags written as strings read as their values: "false" is not a refusal.
+    assert len(load(tmp_path / "strings", config=GPTQ_CONFIG.replace("false", '"false"'))["up"])
+    gate0, down0 = prefix("GPTQ_INT4", 0, 0, "gate"), prefix("GPTQ_INT4", 0, 0, "down")
+    zeros = {f"{gate0}.qzeros": torch.full((1, i // 8), 0x33333333, dtype=torch.int32)}
+    with pytest.raises(NotImplementedError, match="asymmetric"):
+        load(tmp_path / "asym", zeros)
+    order = {f"{down0}.g_idx": (torch.arange(i).flip(0) // 128).int()}
+    with pytest.raises(NotImplementedError, match="activation-order"):
+        load(tmp_path / "order", order)

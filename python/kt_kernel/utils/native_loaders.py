@@ -153,8 +153,9 @@ class CompressedSafeTensorLoader(_NativeLoader):
 
 class GPTQSafeTensorLoader(FP8SafeTensorLoader):
     """Symmetric GPTQ int4 (``desc_act`` false): ``qweight`` int32 ``[K/8, N]``, ``scales``
-    as f32 ``[K/group, N]``. A ``config.json`` with ``desc_act`` true or ``sym`` false is
-    refused."""
+    as f32 ``[K/group, N]``. Refused: a ``config.json`` with ``desc_act`` true, ``sym`` false
+    or other than 4 bits (also given as strings), zero points other than the symmetric 8
+    (``qzeros`` of 7s or 8s) and a ``g_idx`` other than ``i // group``."""
 
     WEIGHT = "qweight"
 
@@ -164,19 +165,40 @@ class GPTQSafeTensorLoader(FP8SafeTensorLoader):
             config = folder / "config.json"
             if config.is_file():
                 q = json.loads(config.read_text()).get("quantization_config", {})
-                if q.get("desc_act", False):
+                if _flag(q.get("desc_act", False)):
                     raise NotImplementedError(
                         "GPTQ desc_act=true is not supported; re-quantize with desc_act=false"
                     )
-                if not q.get("sym", True):
+                if not _flag(q.get("sym", True)):
                     raise NotImplementedError("asymmetric GPTQ (sym=false) is not supported")
+                if str(q.get("bits", 4)).strip() != "4":
+                    raise NotImplementedError(f"GPTQ with {q['bits']} bits; GPTQ_INT4 reads 4")
                 break
 
     def _expert(self, key, device):
-        return (
-            self.load_tensor(f"{key}.qweight", device),
-            self.load_tensor(f"{key}.scales", device).float(),
-        )
+        qweight = self.load_tensor(f"{key}.qweight", device)
+        scales = self.load_tensor(f"{key}.scales", device).float()
+        if self.has_tensor(f"{key}.qzeros"):
+            z = self.load_tensor(f"{key}.qzeros", "cpu").view(torch.uint8)
+            if not (bool((z == 0x77).all()) or bool((z == 0x88).all())):
+                raise NotImplementedError(
+                    f"{key}.qzeros: zero points other than the symmetric 8 (asymmetric GPTQ) "
+                    "are not supported"
+                )
+        if self.has_tensor(f"{key}.g_idx"):
+            g_idx = self.load_tensor(f"{key}.g_idx", "cpu").long()
+            k, group = qweight.shape[0] * 8, qweight.shape[0] * 8 // scales.shape[0]
+            if g_idx.shape != (k,) or not bool((g_idx == torch.arange(k) // group).all()):
+                raise NotImplementedError(
+                    f"{key}.g_idx is not i // {group}: activation-order groups (desc_act) are "
+                    "not supported"
+                )
+        return qweight, scales
+
+
+def _flag(v) -> bool:
+    """A config flag as JSON or as a string ("false" is False)."""
+    return v.strip().lower() == "true" if isinstance(v, str) else bool(v)
 
 
 def _e8m0_to_bf16(u8: torch.Tensor) -> torch.Tensor:
