@@ -354,12 +354,19 @@ fn abs_max(row: &[f32]) -> f32 {
     }))
 }
 
-/// Whether every value is finite (no NaN, no ±Inf): the largest magnitude's bit pattern stays
-/// below infinity's, NaN's lying above it, where `f32::max` would drop a NaN. One integer max
-/// per value, so it vectorises.
+/// Whether every value is finite (no NaN, no ±Inf).
 #[inline]
 pub fn all_finite(values: &[f32]) -> bool {
-    max_lane(values, |v| v.to_bits() & 0x7FFF_FFFF) < 0x7F80_0000
+    finite_abs_max(values).is_some()
+}
+
+/// The largest |v| of `values` (0 when empty), or None when one is NaN or ±Inf, in one pass:
+/// positive floats order as their bit patterns, infinity's below NaN's, where `f32::max` would
+/// drop a NaN. One integer max per value, so it vectorises.
+#[inline]
+pub fn finite_abs_max(values: &[f32]) -> Option<f32> {
+    let bits = max_lane(values, |v| v.to_bits() & 0x7FFF_FFFF);
+    (bits < 0x7F80_0000).then(|| f32::from_bits(bits))
 }
 
 /// The largest `lane(v)` over `row` (0 for an empty row).

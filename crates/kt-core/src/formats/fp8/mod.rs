@@ -302,12 +302,12 @@ impl Fp8Experts {
             for r in 0..n {
                 // SAFETY: row r < n of the live view; `row` has k values.
                 unsafe { view.row_f32(r, &mut row) };
-                kt_ensure!(
-                    crate::quant::all_finite(&row),
-                    Invalid,
-                    "expert slot {slot} {proj:?} holds a non-finite weight in row {r}"
-                );
-                let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let Some(amax) = crate::quant::finite_abs_max(&row) else {
+                    kt_bail!(
+                        Invalid,
+                        "expert slot {slot} {proj:?} holds a non-finite weight in row {r}"
+                    );
+                };
                 let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
                 let (at, scale_at) = self.offsets(part, slot, proj, r);
                 for (c, v) in row.iter().enumerate() {
@@ -327,16 +327,16 @@ impl Fp8Experts {
             }
             for b in 0..k / BLOCK {
                 let cols = b * BLOCK..(b + 1) * BLOCK;
-                kt_ensure!(
-                    rows.chunks_exact(k)
-                        .all(|row| crate::quant::all_finite(&row[cols.clone()])),
-                    Invalid,
-                    "expert slot {slot} {proj:?} holds a non-finite weight in block ({rb}, {b})"
-                );
                 let amax = rows
                     .chunks_exact(k)
-                    .flat_map(|row| &row[cols.clone()])
-                    .fold(0f32, |m, v| m.max(v.abs()));
+                    .map(|row| crate::quant::finite_abs_max(&row[cols.clone()]))
+                    .try_fold(0f32, |m, a| a.map(|a| m.max(a)));
+                let Some(amax) = amax else {
+                    kt_bail!(
+                        Invalid,
+                        "expert slot {slot} {proj:?} holds a non-finite weight in block ({rb}, {b})"
+                    );
+                };
                 let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
                 for (i, row) in rows.chunks_exact(k).enumerate() {
                     let r = rb * BLOCK + i;

@@ -604,12 +604,12 @@ impl KGroupExperts {
             // SAFETY: row r < n of the live view; `row` has k values.
             unsafe { view.row_f32(r, row) };
         }
-        kt_ensure!(
-            crate::quant::all_finite(&rows),
-            Invalid,
-            "expert slot {slot} {proj:?} holds a non-finite weight"
-        );
-        let amax = rows.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let Some(amax) = crate::quant::finite_abs_max(&rows) else {
+            kt_bail!(
+                Invalid,
+                "expert slot {slot} {proj:?} holds a non-finite weight"
+            );
+        };
         // NVFP4: a per-tensor scale that maps the largest weight to the largest code times the
         // largest E4M3 scale; the others have none.
         let global = if self.spec.global && amax > 0.0 {
