@@ -142,3 +142,68 @@ def test_gptq_writes_its_own_checkpoint_layout_per_rank():
                     key = f"gpu{gpu_tp}.expert{expert}.{name}.rank{r}"
                     raw = tensor.contiguous().view(torch.uint8).flatten()
                     assert torch.equal(got[key], raw), key
+
+
+@pytest.mark.parametrize("method", ["BF16", "NVFP4", "MXFP8"])
+def test_rank_slices_off_the_panel_grid(method, tmp_path):
+    """A rank of 80 intermediate rows (I = 160 at 2 GPU ranks: BF16, NVFP4's group of 16) is
+    two whole 32-row panels and rows off the grid: whole panels are transposed at once, the
+    rest row by row; both must give the checkpoint's rows. MXFP8 (group 32) at 3 ranks of 64
+    rows. BF16 from tensors, the others from their checkpoints. Written under the best CPU
+    variant, AVX2 and plain Rust (the transposes differ per ISA)."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import torch, native_checkpoints as nc, test_write_weight_scale as t
+from pathlib import Path
+from conftest import make_wrapper
+method, e, h, i, tp = {method!r}, 3, 64, 160 if {method!r} != "MXFP8" else 192, 2
+if method == "MXFP8":
+    tp = 3
+g = torch.Generator().manual_seed(7)
+gate, up, down = ((torch.randn(s, generator=g) * 0.05).bfloat16()
+                  for s in ((e, i, h), (e, i, h), (e, h, i)))
+w = make_wrapper(layer_idx=1, e=e, k=2, h=h, i=i, method=method,
+                 weight_path="" if method == "BF16" else {str(tmp_path)!r})
+if method == "BF16":
+    w.load_weights_from_tensors(gate, up, down, torch.arange(e))
+else:
+    nc.write_checkpoint(method, Path({str(tmp_path)!r}), 1, gate, up, down)
+    w.load_weights(torch.arange(e))
+    ckpt = nc.layer_tensors(method, 1, gate, up, down)
+ir = i // tp
+for expert in (0, 2):
+    got = t.write(w, tp, expert)
+    for r in range(tp):
+        rows = slice(r * ir, (r + 1) * ir)
+        if method == "BF16":
+            want = {{"w13_weight": torch.cat([gate[expert][rows], up[expert][rows]]),
+                     "w2_weight": down[expert][:, rows]}}
+        else:
+            def mat(proj):
+                p = nc.prefix(method, 1, expert, proj)
+                if method == "NVFP4":
+                    s = ckpt[p + ".weight_scale"].float() * ckpt[p + ".weight_scale_2"].float()
+                    return ckpt[p + ".weight"].view(torch.uint8), s.bfloat16()
+                return ckpt[p + ".weight"].view(torch.uint8), ckpt[p + ".weight_scale_inv"]
+            (gw, gs), (uw, us), (dw, ds) = mat("gate"), mat("up"), mat("down")
+            grp = nc.GROUP[method]
+            cols = slice(r * ir // grp, (r + 1) * ir // grp)
+            code_cols = slice(r * ir // 2, (r + 1) * ir // 2) if method == "NVFP4" else rows
+            want = {{"w13_weight": torch.cat([gw[rows], uw[rows]]),
+                     "w13_scale": torch.cat([gs[rows], us[rows]]),
+                     "w2_weight": dw[:, code_cols], "w2_scale": ds[:, cols]}}
+        for name, tensor in want.items():
+            key = f"gpu{{tp}}.expert{{expert}}.{{name}}.rank{{r}}"
+            raw = tensor.contiguous().view(torch.uint8).flatten()
+            assert torch.equal(got[key], raw), key
+print("ok")
+"""
+    variants = ["", "avx2", "generic"]
+    for variant in variants:
+        env = dict(os.environ)
+        env.pop("KT_KERNEL_CPU_VARIANT", None)
+        if variant:
+            env["KT_KERNEL_CPU_VARIANT"] = variant
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert r.returncode == 0 and "ok" in r.stdout, (variant, r.stderr[-3000:])

@@ -42,6 +42,7 @@ pub mod gguf;
 pub mod isa;
 pub mod kernels;
 pub mod layerwise;
+pub mod lines;
 pub mod method;
 pub mod moe;
 pub mod pack;

@@ -727,24 +727,44 @@ impl ExpertFormat for Bf16Experts {
             // SAFETY: the caller's contract: w13 holds 2·ir rows of h values, w2 h rows of ir.
             unsafe { std::slice::from_raw_parts_mut((base as *mut u16).add(n * len), len) }
         };
-        // w13: the rank's gate rows then its up rows, row-major bf16.
+        // w13: the rank's gate rows then its up rows, row-major bf16. A whole panel of the
+        // part that is a whole 32-row block of the buffer is transposed at once (each panel
+        // line holds a pair of inputs of its 32 rows); rows off that grid one at a time.
         for which in 0..2 {
-            for row in 0..ir {
-                if !share.has(which * ir + row) {
-                    continue;
-                }
-                let out = buffer_row(dst.w13, which * ir + row, h);
+            let mut row = 0;
+            while row < ir {
+                let n = which * ir + row;
                 let (part, local) = locate(&self.ranges, r0 + row);
                 let ip = self.ranges[part].len();
                 let (p, j) = (local / PANEL, local % PANEL);
                 let off = slot * 2 * ip * h + (2 * p + which) * panel_len(h);
                 let panel = &self.parts[part].gate_up.as_slice()[off..off + panel_len(h)];
-                for (c, o) in out.iter_mut().enumerate() {
-                    *o = panel[packed_index(j, c, h)];
+                let whole = j == 0 && n.is_multiple_of(PANEL) && row + PANEL <= ir;
+                if share.has(n) {
+                    if whole {
+                        // SAFETY: the panel holds h/2 lines of 32 input pairs; buffer rows
+                        // n..n+32 of h values (the caller's contract), this share's.
+                        unsafe {
+                            crate::lines::lines_to_rows(
+                                panel.as_ptr() as *const u8,
+                                h / 2,
+                                4,
+                                dst.w13.add(n * h * 2),
+                                h * 2,
+                            )
+                        };
+                    } else {
+                        let out = buffer_row(dst.w13, n, h);
+                        for (c, o) in out.iter_mut().enumerate() {
+                            *o = panel[packed_index(j, c, h)];
+                        }
+                    }
                 }
+                row += if whole { PANEL } else { 1 };
             }
         }
-        // w2: every output row over the rank's columns, row-major bf16, part by part.
+        // w2: every output row over the rank's columns, row-major bf16, part by part; a
+        // panel's 32 rows at once where the columns are whole input pairs.
         for (part, range) in self.ranges.iter().enumerate() {
             let (g0, g1) = (range.start.max(r0), range.end.min(r0 + ir));
             if g0 >= g1 {
@@ -752,10 +772,29 @@ impl ExpertFormat for Bf16Experts {
             }
             let (l0, l1, c0, ip) = (g0 - range.start, g1 - range.start, g0 - r0, range.len());
             let down = &self.parts[part].down.as_slice()[slot * h * ip..(slot + 1) * h * ip];
-            for hrow in (0..h).filter(|&r| share.has(r)) {
-                let out = buffer_row(dst.w2, hrow, ir);
-                for (o, lc) in out[c0..c0 + l1 - l0].iter_mut().zip(l0..l1) {
-                    *o = down[packed_index(hrow, lc, ip)];
+            let pairs = l0.is_multiple_of(2) && l1.is_multiple_of(2);
+            // h is a multiple of 32 (MoeConfig), so the buffer's rows are whole panels.
+            for p0 in (0..h).step_by(PANEL).filter(|&r| share.has(r)) {
+                if pairs {
+                    let first = packed_index(p0, l0, ip);
+                    // SAFETY: panel p0/32 from input pair l0/2 holds (l1 − l0)/2 lines;
+                    // buffer rows p0..p0+32 of ir values from column c0 (the contract).
+                    unsafe {
+                        crate::lines::lines_to_rows(
+                            down[first..].as_ptr() as *const u8,
+                            (l1 - l0) / 2,
+                            4,
+                            dst.w2.add((p0 * ir + c0) * 2),
+                            ir * 2,
+                        )
+                    };
+                    continue;
+                }
+                for hrow in p0..p0 + PANEL {
+                    let out = buffer_row(dst.w2, hrow, ir);
+                    for (o, lc) in out[c0..c0 + l1 - l0].iter_mut().zip(l0..l1) {
+                        *o = down[packed_index(hrow, lc, ip)];
+                    }
                 }
             }
         }

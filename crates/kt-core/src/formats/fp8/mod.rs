@@ -99,21 +99,16 @@ pub fn kernel_name(kernels: &KernelSet) -> String {
 
 /// Copy columns `cols` (even bounds) of a panel's 32 rows (`panel`: their codes in panel order)
 /// into row-major memory: row j at `dst + j·stride`, column c at offset `c − cols.start`. Each
-/// 64-byte line of the panel holds one input pair of every row, so it becomes 32 two-byte
-/// stores.
+/// 64-byte line of the panel holds one input pair of every row ([`crate::lines`]).
 ///
 /// # Safety
 /// `dst` has 32 rows of `stride` bytes, each with room for `cols.len()` bytes, writable.
 unsafe fn unpanel(panel: &[u8], cols: Range<usize>, dst: *mut u8, stride: usize) {
     debug_assert!(cols.start.is_multiple_of(2) && cols.end.is_multiple_of(2));
-    for q in cols.start / 2..cols.end / 2 {
-        let at = 2 * q - cols.start;
-        // Pair i of the line (byte 2i) is row i: half i/16, lane i%16 (the bf16 panel order).
-        for (row, pair) in panel[q * 64..q * 64 + 64].chunks_exact(2).enumerate() {
-            // SAFETY: row < 32 and at + 2 ≤ cols.len() (the contract).
-            unsafe { std::ptr::copy_nonoverlapping(pair.as_ptr(), dst.add(row * stride + at), 2) };
-        }
-    }
+    let lines = &panel[cols.start * PANEL..cols.end * PANEL];
+    // SAFETY: `lines` holds (cols.len() / 2) lines of 32 two-byte elements; the rows are the
+    // caller's.
+    unsafe { crate::lines::lines_to_rows(lines.as_ptr(), cols.len() / 2, 2, dst, stride) };
 }
 
 /// The FP8 experts of one layer.

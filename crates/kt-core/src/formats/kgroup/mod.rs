@@ -292,6 +292,14 @@ struct Part {
     global_dst: SyncPtr<f32>,
 }
 
+/// The GPU bytes (bf16) of every one-byte scale code times one per-tensor scale, built once
+/// per per-tensor scale while writing an expert for a GPU.
+struct GpuScaleTable {
+    /// The per-tensor scale's bits the table was built for.
+    global: Option<u32>,
+    bytes: [[u8; 2]; 256],
+}
+
 /// The experts of one layer in a group-scaled method.
 pub struct KGroupExperts {
     spec: Spec,
@@ -998,6 +1006,55 @@ impl KGroupExperts {
         }
     }
 
+    /// The GPU bytes of the scales of groups `groups` of the panel holding local row `row0`
+    /// of `slot`'s `proj` in `part`, in line order (per group, the panel's 32 rows) into `out`.
+    /// One-byte codes converted to bf16 values go through `table`, filled for `global`.
+    #[allow(clippy::too_many_arguments)]
+    fn panel_gpu_scales(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        row0: usize,
+        groups: Range<usize>,
+        global: f32,
+        table: &mut GpuScaleTable,
+        out: &mut Vec<u8>,
+    ) {
+        let (_, scales, _) = self.buffers(part, proj);
+        let (_, at) = self.offsets(part, slot, proj, row0);
+        let (stored, gss) = (self.spec.scale_type.size(), self.gpu_scale_size());
+        let stored_lines =
+            &scales[at + groups.start * PANEL * stored..at + groups.end * PANEL * stored];
+        out.clear();
+        if self.spec.gpu_scales == GpuScales::Native {
+            out.extend_from_slice(stored_lines);
+            return;
+        }
+        out.resize(stored_lines.len() / stored * gss, 0);
+        if stored == 1 {
+            if table.global != Some(global.to_bits()) {
+                for (code, v) in table.bytes.iter_mut().enumerate() {
+                    let mut b = [0u8; 2];
+                    self.gpu_scale(code as u16, global, &mut b);
+                    *v = b;
+                }
+                table.global = Some(global.to_bits());
+            }
+            for (&code, o) in stored_lines.iter().zip(out.chunks_exact_mut(2)) {
+                o.copy_from_slice(&table.bytes[code as usize]);
+            }
+            return;
+        }
+        for (bytes, o) in stored_lines
+            .chunks_exact(stored)
+            .zip(out.chunks_exact_mut(gss))
+        {
+            let bits = u16::from_le_bytes([bytes[0], bytes[1]]);
+            self.gpu_scale(bits, global, o);
+        }
+    }
+
     /// The bytes of one scale as the GPU reads them.
     fn gpu_scale(&self, bits: u16, global: f32, out: &mut [u8]) {
         match self.spec.gpu_scales {
@@ -1278,43 +1335,103 @@ impl ExpertFormat for KGroupExperts {
         };
         let mut row = vec![0u8; h.max(ir) * bits / 8];
         let mut row_scales = vec![0u8; (h / ggu).max(ir / gdown) * ss];
+        let mut panel_scales = Vec::new();
+        let mut table = GpuScaleTable {
+            global: None,
+            bytes: [[0; 2]; 256],
+        };
+        // Codes as lines of one element per row ([`crate::lines`]): a 4-byte word of 8 inputs
+        // (4-bit kinds), a byte pair of 2 inputs (8-bit).
+        let (elem, per_elem) = if bits == 4 { (4, 8) } else { (2, 2) };
+        let elem_line = PANEL * elem;
         // w13: gate rows of the rank, then up rows. Row-major codes `[2·ir][H]` and scales
         // `[2·ir][H/g]`; GPTQ: `qweight [H/8][2·ir]` (one u32 per 8 inputs of a row) and
-        // `scales [H/g][2·ir]`.
+        // `scales [H/g][2·ir]`. A part's panel that is a whole 32-row block of the buffer goes
+        // at once (GPTQ's lines are already its rows of words); other rows one at a time.
         let n13 = 2 * ir;
         for (which, proj) in [(0, Proj::Gate), (1, Proj::Up)] {
-            for r in (0..ir).filter(|r| share.has(which * ir + r)) {
+            let mut r = 0;
+            while r < ir {
                 let (part, local) = locate(&self.ranges, r0 + r);
                 let n = which * ir + r;
-                let bytes = &mut row[..h * bits / 8];
-                self.row_codes(part, slot, proj, local, 0..h, bytes);
-                if gptq {
-                    for (w, word) in bytes.chunks_exact(4).enumerate() {
-                        put(dst.w13, (w * n13 + n) * 4, word);
-                    }
-                } else {
-                    put(dst.w13, n * bytes.len(), bytes);
-                }
+                let whole =
+                    local.is_multiple_of(PANEL) && n.is_multiple_of(PANEL) && r + PANEL <= ir;
                 let global = self.buffers(part, proj).2[Self::global_index(slot, proj)];
-                for g in 0..h / ggu {
-                    let bits = self.scale_bits(part, slot, proj, local, g);
-                    self.gpu_scale(bits, global, &mut row_scales[g * ss..(g + 1) * ss]);
+                if whole && share.has(n) {
+                    let (codes, _, _) = self.buffers(part, proj);
+                    let (at, _) = self.offsets(part, slot, proj, local);
+                    let lines = &codes[at..at + h / per_elem * elem_line];
+                    self.panel_gpu_scales(
+                        part,
+                        slot,
+                        proj,
+                        local,
+                        0..h / ggu,
+                        global,
+                        &mut table,
+                        &mut panel_scales,
+                    );
                     if gptq {
-                        put(
-                            dst.w13_scale,
-                            (g * n13 + n) * ss,
-                            &row_scales[g * ss..(g + 1) * ss],
-                        );
+                        for (w, line) in lines.chunks_exact(elem_line).enumerate() {
+                            put(dst.w13, (w * n13 + n) * 4, line);
+                        }
+                        for (g, line) in panel_scales.chunks_exact(PANEL * ss).enumerate() {
+                            put(dst.w13_scale, (g * n13 + n) * ss, line);
+                        }
+                    } else {
+                        let (row_bytes, scale_bytes) = (h * bits / 8, (h / ggu) * ss);
+                        // SAFETY: h/per_elem lines of the panel; buffer rows n..n+32 of
+                        // row_bytes codes and scale_bytes scales (the caller's contract).
+                        unsafe {
+                            crate::lines::lines_to_rows(
+                                lines.as_ptr(),
+                                h / per_elem,
+                                elem,
+                                dst.w13.add(n * row_bytes),
+                                row_bytes,
+                            );
+                            crate::lines::lines_to_rows(
+                                panel_scales.as_ptr(),
+                                h / ggu,
+                                ss,
+                                dst.w13_scale.add(n * scale_bytes),
+                                scale_bytes,
+                            );
+                        }
+                    }
+                } else if !whole && share.has(n) {
+                    let bytes = &mut row[..h * bits / 8];
+                    self.row_codes(part, slot, proj, local, 0..h, bytes);
+                    if gptq {
+                        for (w, word) in bytes.chunks_exact(4).enumerate() {
+                            put(dst.w13, (w * n13 + n) * 4, word);
+                        }
+                    } else {
+                        put(dst.w13, n * bytes.len(), bytes);
+                    }
+                    for g in 0..h / ggu {
+                        let bits = self.scale_bits(part, slot, proj, local, g);
+                        self.gpu_scale(bits, global, &mut row_scales[g * ss..(g + 1) * ss]);
+                        if gptq {
+                            put(
+                                dst.w13_scale,
+                                (g * n13 + n) * ss,
+                                &row_scales[g * ss..(g + 1) * ss],
+                            );
+                        }
+                    }
+                    if !gptq {
+                        // The row's scales are contiguous in the row-major buffer: one copy.
+                        let len = (h / ggu) * ss;
+                        put(dst.w13_scale, n * len, &row_scales[..len]);
                     }
                 }
-                if !gptq {
-                    // The row's scales are contiguous in the row-major buffer: one copy.
-                    let len = (h / ggu) * ss;
-                    put(dst.w13_scale, n * len, &row_scales[..len]);
-                }
+                r += if whole { PANEL } else { 1 };
             }
         }
-        // w2: every output row over the rank's columns r0..r0+ir, which may span parts.
+        // w2: every output row over the rank's columns r0..r0+ir, which may span parts; a
+        // panel's 32 rows at once (H is a multiple of 32, and the columns of a part are whole
+        // groups of at least 8 inputs, so whole lines and groups).
         let mut globals_seen: Vec<Option<f32>> = vec![None; 1];
         for (part, range) in self.ranges.iter().enumerate() {
             let (g0, g1) = (range.start.max(r0), range.end.min(r0 + ir));
@@ -1333,33 +1450,53 @@ impl ExpertFormat for KGroupExperts {
                 self.spec.method
             );
             globals_seen[0] = Some(global);
-            let width = (l1 - l0) * bits / 8;
-            for hrow in (0..h).filter(|&r| share.has(r)) {
-                let bytes = &mut row[..width];
-                self.row_codes(part, slot, Proj::Down, hrow, l0..l1, bytes);
+            debug_assert!(l0.is_multiple_of(per_elem) && l1.is_multiple_of(gdown));
+            let (first, groups) = (l0 / gdown, (l1 - l0) / gdown);
+            let lines = (l1 - l0) / per_elem;
+            let (codes, _, _) = self.buffers(part, Proj::Down);
+            for p0 in (0..h).step_by(PANEL).filter(|&r| share.has(r)) {
+                let (at, _) = self.offsets(part, slot, Proj::Down, p0);
+                let from = at + l0 / per_elem * elem_line;
+                let panel_lines = &codes[from..from + lines * elem_line];
+                let groups_range = first..first + groups;
+                self.panel_gpu_scales(
+                    part,
+                    slot,
+                    Proj::Down,
+                    p0,
+                    groups_range,
+                    global,
+                    &mut table,
+                    &mut panel_scales,
+                );
                 if gptq {
-                    for (w, word) in bytes.chunks_exact(4).enumerate() {
-                        put(dst.w2, ((c0 / 8 + w) * h + hrow) * 4, word);
+                    for (w, line) in panel_lines.chunks_exact(elem_line).enumerate() {
+                        put(dst.w2, ((c0 / 8 + w) * h + p0) * 4, line);
+                    }
+                    for (i, line) in panel_scales.chunks_exact(PANEL * ss).enumerate() {
+                        put(dst.w2_scale, ((c0 / gdown + i) * h + p0) * ss, line);
                     }
                 } else {
-                    put(dst.w2, hrow * (ir * bits / 8) + c0 * bits / 8, bytes);
-                }
-                let (first, groups) = (l0 / gdown, (l1 - l0) / gdown);
-                for (i, g) in (first..first + groups).enumerate() {
-                    let bits = self.scale_bits(part, slot, Proj::Down, hrow, g);
-                    self.gpu_scale(bits, global, &mut row_scales[i * ss..(i + 1) * ss]);
-                    let gg = c0 / gdown + i;
-                    if gptq {
-                        put(
-                            dst.w2_scale,
-                            (gg * h + hrow) * ss,
-                            &row_scales[i * ss..(i + 1) * ss],
+                    let (row_bytes, scale_bytes) = (ir * bits / 8, (ir / gdown) * ss);
+                    // SAFETY: `lines` lines of the panel from input l0; buffer rows p0..p0+32,
+                    // from column c0 (codes) and group c0/gdown (scales), inside the rank's
+                    // buffers (the caller's contract).
+                    unsafe {
+                        crate::lines::lines_to_rows(
+                            panel_lines.as_ptr(),
+                            lines,
+                            elem,
+                            dst.w2.add(p0 * row_bytes + c0 * bits / 8),
+                            row_bytes,
+                        );
+                        crate::lines::lines_to_rows(
+                            panel_scales.as_ptr(),
+                            groups,
+                            ss,
+                            dst.w2_scale.add(p0 * scale_bytes + c0 / gdown * ss),
+                            scale_bytes,
                         );
                     }
-                }
-                if !gptq {
-                    let at = (hrow * (ir / gdown) + c0 / gdown) * ss;
-                    put(dst.w2_scale, at, &row_scales[..groups * ss]);
                 }
             }
         }

@@ -1,0 +1,336 @@
+//! Panel lines back to rows, for `write_weight_scale_to_buffer`.
+//!
+//! The packed layouts hold a 32-row panel as *lines*: line `q` is one element (2 or 4 bytes:
+//! an input pair of 8-bit codes, an input pair of bf16, 8 inputs of 4-bit codes) of each of the
+//! 32 rows, row `j` at byte `j·elem`. The GPU buffers want rows. Gathering each element on its
+//! own made those writes 5-10 times slower than a copy of the same bytes; the SIMD variants
+//! transpose a square block of lines in registers (a register per line in, a register per row
+//! out) and store whole rows of it.
+//!
+//! The block transpose swaps the off-diagonal halves of every 2×2 block of registers, from the
+//! largest distance down to one element: at distance `s`, register `i` (bit `s` of `i` clear)
+//! takes the elements of register `i + s` that sit `s` lower, and that one takes `i`'s upper
+//! ones. After the last distance, element `r` of register `i` is element `i` of register `r`
+//! before. [`lines_to_rows_scalar`] is the twin: every variant writes the same bytes.
+use crate::isa::{self, Level};
+
+/// Rows of a panel (one element each per line).
+const ROWS: usize = crate::pack::PANEL;
+
+/// `dst[j·stride + q·elem ..][..elem] = src[(q·32 + j)·elem ..][..elem]` for lines `q < lines`
+/// and rows `j < 32`, with the widest registers this process may use.
+///
+/// # Safety
+/// `src` has `lines·32·elem` readable bytes; each of the 32 rows at `dst + j·stride` has
+/// `lines·elem` writable bytes that nothing else reads or writes meanwhile and that do not
+/// overlap `src`.
+pub unsafe fn lines_to_rows(
+    src: *const u8,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+    stride: usize,
+) {
+    assert!(
+        matches!(elem, 1 | 2 | 4),
+        "elements of 1, 2 or 4 bytes, got {elem}"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if elem > 1 && isa::allows(Level::Avx512Base) {
+            // SAFETY: forwarded; the CPU has AVX-512 F/BW (the level says so).
+            return unsafe { x86::lines_to_rows_avx512(src, lines, elem, dst, stride) };
+        }
+        if elem > 1 && isa::allows(Level::Avx2) {
+            // SAFETY: forwarded; the CPU has AVX2.
+            return unsafe { x86::lines_to_rows_avx2(src, lines, elem, dst, stride) };
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { lines_to_rows_scalar(src, lines, elem, dst, stride) }
+}
+
+/// The twin: one element at a time.
+///
+/// # Safety
+/// As [`lines_to_rows`].
+pub unsafe fn lines_to_rows_scalar(
+    src: *const u8,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+    stride: usize,
+) {
+    // A copy of a constant size per element (a call to memmove per element otherwise).
+    unsafe fn copy<const E: usize>(src: *const u8, lines: usize, dst: *mut u8, stride: usize) {
+        for q in 0..lines {
+            for j in 0..ROWS {
+                // SAFETY: inside the line and the row (the caller's contract).
+                unsafe {
+                    let v = (src.add((q * ROWS + j) * E) as *const [u8; E]).read_unaligned();
+                    (dst.add(j * stride + q * E) as *mut [u8; E]).write_unaligned(v);
+                }
+            }
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe {
+        match elem {
+            1 => copy::<1>(src, lines, dst, stride),
+            2 => copy::<2>(src, lines, dst, stride),
+            4 => copy::<4>(src, lines, dst, stride),
+            _ => unreachable!("elements of 1, 2 or 4 bytes"),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{lines_to_rows_scalar, ROWS};
+    use std::arch::x86_64::*;
+
+    /// Blocks of lines in registers of `REG` bytes: the lines of a block are as many as a
+    /// register holds elements, and a line is `32·elem / REG` registers (row groups), each
+    /// transposed on its own. Lines past the last whole block go to the twin.
+    ///
+    /// # Safety
+    /// As [`super::lines_to_rows`]; `load`, `store` and `transpose` need only what the caller's
+    /// target features give.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn blocks<R: Copy, const N: usize>(
+        src: *const u8,
+        lines: usize,
+        elem: usize,
+        dst: *mut u8,
+        stride: usize,
+        load: impl Fn(*const u8) -> R,
+        store: impl Fn(*mut u8, R),
+        transpose: impl Fn(&mut [R; N]),
+    ) {
+        let reg = N * elem;
+        let (line_bytes, groups) = (ROWS * elem, ROWS * elem / reg);
+        let whole = lines / N * N;
+        for q0 in (0..whole).step_by(N) {
+            for g in 0..groups {
+                // Lines q0..q0+N exist (q0 + N ≤ lines) and register g of each is inside its
+                // line (g·reg + reg ≤ line_bytes).
+                let first = src.wrapping_add(q0 * line_bytes + g * reg);
+                let mut z: [R; N] = [load(first); N];
+                for (q, v) in z.iter_mut().enumerate().skip(1) {
+                    *v = load(first.wrapping_add(q * line_bytes));
+                }
+                transpose(&mut z);
+                for (j, &v) in z.iter().enumerate() {
+                    // Row g·N + j < 32, elements q0..q0+N of it (the contract).
+                    store(dst.wrapping_add((g * N + j) * stride + q0 * elem), v);
+                }
+            }
+        }
+        // SAFETY: the remaining lines, rows as the contract gives them.
+        unsafe {
+            lines_to_rows_scalar(
+                src.add(whole * line_bytes),
+                lines - whole,
+                elem,
+                dst.add(whole * elem),
+                stride,
+            )
+        };
+    }
+
+    /// Swap the off-diagonal halves of registers `a` (upper elements) and `b` (lower ones)
+    /// at a distance of `bytes`.
+    #[inline(always)]
+    unsafe fn swap512<const BYTES: usize>(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
+        // SAFETY: register operations; the caller has AVX-512 F/BW.
+        unsafe {
+            match BYTES {
+                32 => (
+                    _mm512_shuffle_i64x2::<0x44>(a, b),
+                    _mm512_shuffle_i64x2::<0xEE>(a, b),
+                ),
+                16 => {
+                    let lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+                    let hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+                    (
+                        _mm512_permutex2var_epi64(a, lo, b),
+                        _mm512_permutex2var_epi64(a, hi, b),
+                    )
+                }
+                8 => (_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)),
+                4 => (
+                    _mm512_mask_blend_epi32(0xAAAA, a, _mm512_slli_epi64::<32>(b)),
+                    _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64::<32>(a), b),
+                ),
+                2 => (
+                    _mm512_mask_blend_epi16(0xAAAA_AAAA, a, _mm512_slli_epi32::<16>(b)),
+                    _mm512_mask_blend_epi16(0xAAAA_AAAA, _mm512_srli_epi32::<16>(a), b),
+                ),
+                _ => unreachable!("distances of 2 to 32 bytes"),
+            }
+        }
+    }
+
+    /// Swap as [`swap512`] in 32-byte registers.
+    #[inline(always)]
+    unsafe fn swap256<const BYTES: usize>(a: __m256i, b: __m256i) -> (__m256i, __m256i) {
+        // SAFETY: register operations; the caller has AVX2.
+        unsafe {
+            match BYTES {
+                16 => (
+                    _mm256_permute2x128_si256::<0x20>(a, b),
+                    _mm256_permute2x128_si256::<0x31>(a, b),
+                ),
+                8 => (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)),
+                4 => (
+                    _mm256_blend_epi32::<0xAA>(a, _mm256_slli_epi64::<32>(b)),
+                    _mm256_blend_epi32::<0xAA>(_mm256_srli_epi64::<32>(a), b),
+                ),
+                2 => (
+                    _mm256_blend_epi16::<0xAA>(a, _mm256_slli_epi32::<16>(b)),
+                    _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(a), b),
+                ),
+                _ => unreachable!("distances of 2 to 16 bytes"),
+            }
+        }
+    }
+
+    /// One distance of the transpose: registers `i` and `i + S` for every `i` with bit `S`
+    /// clear, swapped by `swap` (at `S` elements' distance in bytes). Constant indices, so the
+    /// block stays in registers.
+    #[inline(always)]
+    fn stage<R: Copy, const N: usize, const S: usize>(
+        z: &mut [R; N],
+        swap: impl Fn(R, R) -> (R, R),
+    ) {
+        for base in (0..N).step_by(2 * S) {
+            for i in base..base + S {
+                (z[i], z[i + S]) = swap(z[i], z[i + S]);
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`super::lines_to_rows`], `elem` 2 or 4, and the CPU has AVX-512 F/BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn lines_to_rows_avx512(
+        src: *const u8,
+        lines: usize,
+        elem: usize,
+        dst: *mut u8,
+        stride: usize,
+    ) {
+        // SAFETY: the loads and stores stay inside what `blocks` hands them (the contract).
+        let load = |p: *const u8| unsafe { _mm512_loadu_si512(p as *const _) };
+        // SAFETY: as the load.
+        let store = |p: *mut u8, v| unsafe { _mm512_storeu_si512(p as *mut _, v) };
+        // SAFETY (the swaps): register operations (AVX-512 F/BW, this function's features).
+        // SAFETY: forwarded.
+        unsafe {
+            match elem {
+                2 => blocks::<__m512i, 32>(src, lines, 2, dst, stride, load, store, |z| {
+                    stage::<_, 32, 16>(z, |a, b| swap512::<32>(a, b));
+                    stage::<_, 32, 8>(z, |a, b| swap512::<16>(a, b));
+                    stage::<_, 32, 4>(z, |a, b| swap512::<8>(a, b));
+                    stage::<_, 32, 2>(z, |a, b| swap512::<4>(a, b));
+                    stage::<_, 32, 1>(z, |a, b| swap512::<2>(a, b));
+                }),
+                4 => blocks::<__m512i, 16>(src, lines, 4, dst, stride, load, store, |z| {
+                    stage::<_, 16, 8>(z, |a, b| swap512::<32>(a, b));
+                    stage::<_, 16, 4>(z, |a, b| swap512::<16>(a, b));
+                    stage::<_, 16, 2>(z, |a, b| swap512::<8>(a, b));
+                    stage::<_, 16, 1>(z, |a, b| swap512::<4>(a, b));
+                }),
+                _ => unreachable!("elements of 2 or 4 bytes"),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`super::lines_to_rows`], `elem` 2 or 4, and the CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn lines_to_rows_avx2(
+        src: *const u8,
+        lines: usize,
+        elem: usize,
+        dst: *mut u8,
+        stride: usize,
+    ) {
+        // SAFETY: as in the AVX-512 variant.
+        let load = |p: *const u8| unsafe { _mm256_loadu_si256(p as *const _) };
+        // SAFETY: as the load.
+        let store = |p: *mut u8, v| unsafe { _mm256_storeu_si256(p as *mut _, v) };
+        // SAFETY (the swaps): register operations (AVX2, this function's feature).
+        // SAFETY: forwarded.
+        unsafe {
+            match elem {
+                2 => blocks::<__m256i, 16>(src, lines, 2, dst, stride, load, store, |z| {
+                    stage::<_, 16, 8>(z, |a, b| swap256::<16>(a, b));
+                    stage::<_, 16, 4>(z, |a, b| swap256::<8>(a, b));
+                    stage::<_, 16, 2>(z, |a, b| swap256::<4>(a, b));
+                    stage::<_, 16, 1>(z, |a, b| swap256::<2>(a, b));
+                }),
+                4 => blocks::<__m256i, 8>(src, lines, 4, dst, stride, load, store, |z| {
+                    stage::<_, 8, 4>(z, |a, b| swap256::<16>(a, b));
+                    stage::<_, 8, 2>(z, |a, b| swap256::<8>(a, b));
+                    stage::<_, 8, 1>(z, |a, b| swap256::<4>(a, b));
+                }),
+                _ => unreachable!("elements of 2 or 4 bytes"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// Every variant this CPU has writes what the twin writes, for whole blocks and remainders,
+    /// with padded row strides, and touches no byte between the rows.
+    #[test]
+    fn every_variant_writes_what_the_twin_writes() {
+        let mut rng = Rng::new(11);
+        for elem in [2usize, 4] {
+            for lines in [0usize, 1, 7, 8, 15, 16, 17, 32, 33, 64, 100] {
+                let src: Vec<u8> = (0..lines * ROWS * elem)
+                    .map(|_| rng.next_u64() as u8)
+                    .collect();
+                let stride = lines * elem + 3 * elem;
+                let run = |f: unsafe fn(*const u8, usize, usize, *mut u8, usize)| {
+                    let mut dst = vec![0xA5u8; ROWS * stride];
+                    // SAFETY: src holds the lines, dst 32 rows of `stride` ≥ lines·elem bytes.
+                    unsafe { f(src.as_ptr(), lines, elem, dst.as_mut_ptr(), stride) };
+                    dst
+                };
+                let twin = run(lines_to_rows_scalar);
+                for (j, row) in twin.chunks(stride).enumerate() {
+                    for q in 0..lines {
+                        let at = (q * ROWS + j) * elem;
+                        assert_eq!(&row[q * elem..(q + 1) * elem], &src[at..at + elem]);
+                    }
+                    assert!(row[lines * elem..].iter().all(|&b| b == 0xA5));
+                }
+                assert_eq!(
+                    run(lines_to_rows),
+                    twin,
+                    "dispatched, elem {elem}, {lines} lines"
+                );
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if crate::isa::allows(Level::Avx2) {
+                        assert_eq!(run(x86::lines_to_rows_avx2), twin, "avx2 {elem} {lines}");
+                    }
+                    if crate::isa::allows(Level::Avx512Base) {
+                        assert_eq!(
+                            run(x86::lines_to_rows_avx512),
+                            twin,
+                            "avx512 {elem} {lines}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
