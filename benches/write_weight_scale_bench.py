@@ -1,69 +1,187 @@
 """GB/s written by write_weight_scale_to_buffer (one expert into every GPU rank's buffers) for
-the methods that have it, on an S1 (Qwen3-30B-A3B) expert shape.
+the methods that have it, on an S1 (Qwen3-30B-A3B) expert shape, against a plain copy of as
+many bytes (torch, same threads) in the same run, and against the original kt-kernel.
 
     python benches/write_weight_scale_bench.py [--experts 8] [--threads 2] [--repeats 20]
+
+The layer is loaded from a native checkpoint of each method (written once into
+`--weights-dir` by tests/native_checkpoints.py), since the original has no online
+quantization for these methods. With `--original` (run with the original's venv) the same
+files go through the original; `--json` keeps each run's figures and `--merge OURS ORIGINAL`
+prints the table of both. Bytes written are found with a sentinel fill (the original has no
+size query).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from kt_kernel import KTMoEWrapper
+
+HERE = Path(__file__).resolve().parent
+METHODS = ["BF16", "FP8", "FP8_PERCHANNEL", "RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8"]
+SENTINEL = 0xA5
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        default=[
-            "BF16",
-            "FP8",
-            "FP8_PERCHANNEL",
-            "RAWINT4",
-            "GPTQ_INT4",
-            "MXFP4",
-            "NVFP4",
-            "MXFP8",
-        ],
-    )
-    args = p.parse_args()
-    e, h, i = args.experts, args.hidden, args.intermediate
+def checkpoint(folder: Path, method: str, e: int, h: int, i: int) -> Path:
+    """`folder/<method>/`: one layer (index 0) of seeded weights in `method`'s native format."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import native_checkpoints as nc
+    from safetensors.torch import save_file
+
+    out = folder / method.lower()
+    if (out / "model.safetensors").exists():
+        return out
     gen = torch.Generator().manual_seed(0)
 
     def weights(*shape):
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
     gate, up, down = weights(e, i, h), weights(e, i, h), weights(e, h, i)
-    print("| method | GPU ranks | MB per expert | median ms | GB/s written |")
-    print("|---|---|---|---|---|")
-    for layer, method in enumerate(args.methods):
-        w = KTMoEWrapper(layer, e, 2, h, i, None, args.threads, 1, "", 16, method=method)
-        w.load_weights_from_tensors(gate, up, down, torch.arange(e))
+    if method == "BF16":
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            f"{nc.prefix(method, 0, x, p)}.weight": m[x].contiguous()
+            for p, m in (("gate", gate), ("up", up), ("down", down))
+            for x in range(e)
+        }
+        save_file(tensors, str(out / "model.safetensors"))
+    else:
+        nc.write_checkpoint(method, out, 0, gate, up, down)
+    return out
+
+
+def copy_ms(nbytes: int, repeats: int, sources: int = 8) -> float:
+    """Median ms of a torch copy of `nbytes` from rotating sources (as the experts rotate)."""
+    srcs = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8) for _ in range(sources)]
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for rep in range(repeats + 2):
+        t0 = time.perf_counter()
+        dst.copy_(srcs[rep % sources])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) * 1e3
+
+
+def measure(args) -> dict:
+    if args.original:
+        sys.path.insert(0, str(HERE))
+        import compare_original
+
+        compare_original.patch_for_cpu_only_original(torch)
+        # The original runs NVFP4 (group 16) only with its AVX2 FP4 kernels.
+        os.environ.setdefault("KT_MXFP4_BACKEND", "avx2")
+    from kt_kernel import KTMoEWrapper
+
+    torch.set_num_threads(args.threads)
+    e, h, i = args.experts, args.hidden, args.intermediate
+    results = {}
+    for method in args.methods:
+        folder = checkpoint(args.weights_dir, method, e, h, i)
+        try:
+            w = KTMoEWrapper(0, e, 2, h, i, None, args.threads, 1, str(folder), 16, method=method)
+            w.load_weights(torch.arange(e))
+        except Exception as err:  # the original lacks some methods on some CPUs
+            results[method] = {"error": f"{type(err).__name__}: {err}"[:200]}
+            continue
         for gpu_tp in (1, 2):
-            sizes = w.moe.gpu_rank_bytes(gpu_tp)
-            bufs = [[torch.empty(n, dtype=torch.uint8) for _ in range(gpu_tp)] for n in sizes]
+            # Every buffer as large as a whole expert; the sentinel shows what was written.
+            full = 3 * h * i * 2
+            bufs = [
+                [torch.full((full,), SENTINEL, dtype=torch.uint8) for _ in range(gpu_tp)]
+                for _ in range(4)
+            ]
             ptrs = [[b.data_ptr() for b in ranks] for ranks in bufs]
-            total = sum(sizes) * gpu_tp
+            try:
+                w.submit_write_weight_scale_to_buffer(gpu_tp, 0, *ptrs)
+                w.sync_write_weight_scale_to_buffer()
+            except Exception as err:
+                results[f"{method}/{gpu_tp}"] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                continue
+            written = 0
+            for ranks in bufs:
+                for b in ranks:
+                    nz = (b != SENTINEL).nonzero()
+                    written += int(nz.max()) + 1 if len(nz) else 0
             times = []
             for rep in range(args.repeats + 2):
                 t0 = time.perf_counter()
                 w.submit_write_weight_scale_to_buffer(gpu_tp, rep % e, *ptrs)
                 w.sync_write_weight_scale_to_buffer()
                 times.append(time.perf_counter() - t0)
-            med = statistics.median(times[2:])
-            print(
-                f"| {method} | {gpu_tp} | {total / 1e6:.2f} | {med * 1e3:.2f} | "
-                f"{total / med / 1e9:.2f} |"
-            )
+            ms = statistics.median(times[2:]) * 1e3
+            results[f"{method}/{gpu_tp}"] = {
+                "bytes": written,
+                "ms": ms,
+                "copy_ms": copy_ms(written, args.repeats),
+            }
+        del w
+    return results
+
+
+def table(ours: dict, original: dict | None) -> str:
+    head = "| method | GPU ranks | MB per expert | median ms | GB/s written | ms × a copy's"
+    rule = "|---|---|---|---|---|---"
+    if original is not None:
+        head += " | original ms | speed-up over the original"
+        rule += "|---|---"
+    lines = [head + " |", rule + "|"]
+    for key, r in ours.items():
+        if "/" not in key:
+            continue
+        method, tp = key.split("/")
+        if "error" in r:
+            lines.append(f"| {method} | {tp} | | {r['error'].replace('|', '/')} | | |")
+            continue
+        row = (
+            f"| {method} | {tp} | {r['bytes'] / 1e6:.2f} | {r['ms']:.2f} | "
+            f"{r['bytes'] / r['ms'] / 1e6:.2f} | {r['ms'] / r['copy_ms']:.2f}"
+        )
+        if original is not None:
+            o = original.get(key) or original.get(method) or {}
+            if "ms" in o:
+                same = "" if o["bytes"] == r["bytes"] else f" ({o['bytes'] / 1e6:.2f} MB)"
+                row += f" | {o['ms']:.2f}{same} | {o['ms'] / r['ms']:.1f}×"
+            else:
+                why = o.get("error", "not measured").replace("|", "/")
+                row += f" | not run: {why} | –"
+        lines.append(row + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "kt-kernel" / "wwsb-ckpt",
+        help="native checkpoints, written here once",
+    )
+    p.add_argument("--original", action="store_true", help="run the original kt-kernel")
+    p.add_argument("--json", type=Path, help="write this run's figures here")
+    p.add_argument("--merge", nargs=2, type=Path, metavar=("OURS", "ORIGINAL"))
+    args = p.parse_args()
+    if args.merge:
+        ours = json.loads(args.merge[0].read_text())
+        original = json.loads(args.merge[1].read_text()) if args.merge[1].exists() else None
+        print(table(ours, original))
+        return 0
+    results = measure(args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(table(results, None))
     return 0
 
 

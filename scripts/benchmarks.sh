@@ -35,7 +35,16 @@ fi
 
 if step wwsb; then
 echo "[benchmarks] write_weight_scale_to_buffer (one expert into every GPU rank's buffers)"
-"$VENV/bin/python" benches/write_weight_scale_bench.py >"$OUT/wwsb.md"
+"$VENV/bin/python" benches/write_weight_scale_bench.py --json "$OUT/wwsb-ours.json" >/dev/null
+rm -f "$OUT/wwsb-original.json"
+# The original on the same native files, where its venv can be set up.
+if [ "${KT_SKIP_ORIGINAL:-0}" != 1 ] && bash benches/setup_original_venv.sh >"$OUT/orig-setup.log" 2>&1; then
+  "${KT_ORIG_VENV:-/root/.cache/kt-kernel/orig-venv}/bin/python" benches/write_weight_scale_bench.py \
+    --original --json "$OUT/wwsb-original.json" >"$OUT/wwsb-original.log" 2>&1 \
+    || echo "[benchmarks] the original's write_weight_scale_to_buffer failed; see $OUT/wwsb-original.log"
+fi
+"$VENV/bin/python" benches/write_weight_scale_bench.py --merge "$OUT/wwsb-ours.json" \
+  "$OUT/wwsb-original.json" >"$OUT/wwsb.md"
 fi
 
 if step cargo; then
@@ -121,7 +130,11 @@ lines += ["", "## Converter and loading converted weights (`benches/convert_benc
 lines.append(section("convert.md", "Converter and loading converted weights"))
 lines += ["", "## write_weight_scale_to_buffer (`benches/write_weight_scale_bench.py`)", "",
           "One S1 expert (H=2048, I=768) written from the CPU parts into every GPU rank's "
-          "buffers, in the bytes the original writes (tests compare them); ranks in parallel.", ""]
+          "buffers, in the bytes the original writes (tests compare them); ranks in parallel; "
+          "2 threads, loaded from native checkpoints, the experts taken in turn. The copy "
+          "column: a torch copy of as many bytes in the same run (a plain copy has no "
+          "transposing to do; most of it comes from cache at these sizes). The original: "
+          "kt-kernel 0.7.2 on the same files, one run after ours.", ""]
 lines.append(section("wwsb.md", "write_weight_scale_to_buffer"))
 lines += ["", "## Kernels and pool (`cargo bench -p kt-benches`)", "",
           "Median of criterion's estimate. Panel kernels: throughput counts 2 flops per "
