@@ -1,11 +1,11 @@
-//! Panel lines back to rows, for `write_weight_scale_to_buffer`.
+//! Panel lines to rows and back: `write_weight_scale_to_buffer` and loading checkpoints.
 //!
 //! The packed layouts hold a 32-row panel as *lines*: line `q` is one element (2 or 4 bytes:
 //! an input pair of 8-bit codes, an input pair of bf16, 8 inputs of 4-bit codes) of each of the
-//! 32 rows, row `j` at byte `j·elem`. The GPU buffers want rows. Gathering each element on its
-//! own made those writes 5-10 times slower than a copy of the same bytes; the SIMD variants
-//! transpose a square block of lines in registers (a register per line in, a register per row
-//! out) and store whole rows of it.
+//! 32 rows, row `j` at byte `j·elem`. The GPU buffers and the checkpoints hold rows. Moving
+//! each element on its own made those copies 5-10 times slower than a copy of the same bytes;
+//! the SIMD variants transpose a square block in registers (a register per line in, a register
+//! per row out, or the other way) and store whole registers.
 //!
 //! The block transpose swaps the off-diagonal halves of every 2×2 block of registers, from the
 //! largest distance down to one element: at distance `s`, register `i` (bit `s` of `i` clear)
@@ -16,6 +16,15 @@ use crate::isa::{self, Level};
 
 /// Rows of a panel (one element each per line).
 const ROWS: usize = crate::pack::PANEL;
+
+/// Which way [`transpose`] moves the elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// Panel lines (contiguous) to 32 rows of a stride.
+    LinesToRows,
+    /// 32 rows of a stride to panel lines.
+    RowsToLines,
+}
 
 /// `dst[j·stride + q·elem ..][..elem] = src[(q·32 + j)·elem ..][..elem]` for lines `q < lines`
 /// and rows `j < 32`, with the widest registers this process may use.
@@ -31,6 +40,38 @@ pub unsafe fn lines_to_rows(
     dst: *mut u8,
     stride: usize,
 ) {
+    // SAFETY: forwarded.
+    unsafe { transpose(Way::LinesToRows, src, lines, elem, dst, stride) }
+}
+
+/// The way back: `dst[(q·32 + j)·elem ..][..elem] = src[j·stride + q·elem ..][..elem]` for lines
+/// `q < lines` and rows `j < 32`.
+///
+/// # Safety
+/// Each of the 32 rows at `src + j·stride` has `lines·elem` readable bytes; `dst` has
+/// `lines·32·elem` writable bytes that nothing else reads or writes meanwhile and that do not
+/// overlap the rows.
+pub unsafe fn rows_to_lines(
+    src: *const u8,
+    stride: usize,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+) {
+    // SAFETY: forwarded (the rows are `src`'s, the lines `dst`).
+    unsafe { transpose(Way::RowsToLines, src, lines, elem, dst, stride) }
+}
+
+/// # Safety
+/// As [`lines_to_rows`] or [`rows_to_lines`] for `way` (`stride` is the rows').
+unsafe fn transpose(
+    way: Way,
+    src: *const u8,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+    stride: usize,
+) {
     assert!(
         matches!(elem, 1 | 2 | 4),
         "elements of 1, 2 or 4 bytes, got {elem}"
@@ -39,18 +80,18 @@ pub unsafe fn lines_to_rows(
     {
         if elem > 1 && isa::allows(Level::Avx512Base) {
             // SAFETY: forwarded; the CPU has AVX-512 F/BW (the level says so).
-            return unsafe { x86::lines_to_rows_avx512(src, lines, elem, dst, stride) };
+            return unsafe { x86::transpose_avx512(way, src, lines, elem, dst, stride) };
         }
         if elem > 1 && isa::allows(Level::Avx2) {
             // SAFETY: forwarded; the CPU has AVX2.
-            return unsafe { x86::lines_to_rows_avx2(src, lines, elem, dst, stride) };
+            return unsafe { x86::transpose_avx2(way, src, lines, elem, dst, stride) };
         }
     }
     // SAFETY: forwarded.
-    unsafe { lines_to_rows_scalar(src, lines, elem, dst, stride) }
+    unsafe { transpose_scalar(way, src, lines, elem, dst, stride) }
 }
 
-/// The twin: one element at a time.
+/// The twin of [`lines_to_rows`]: one element at a time.
 ///
 /// # Safety
 /// As [`lines_to_rows`].
@@ -61,14 +102,54 @@ pub unsafe fn lines_to_rows_scalar(
     dst: *mut u8,
     stride: usize,
 ) {
+    // SAFETY: forwarded.
+    unsafe { transpose_scalar(Way::LinesToRows, src, lines, elem, dst, stride) }
+}
+
+/// The twin of [`rows_to_lines`]: one element at a time.
+///
+/// # Safety
+/// As [`rows_to_lines`].
+pub unsafe fn rows_to_lines_scalar(
+    src: *const u8,
+    stride: usize,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+) {
+    // SAFETY: forwarded.
+    unsafe { transpose_scalar(Way::RowsToLines, src, lines, elem, dst, stride) }
+}
+
+/// # Safety
+/// As [`transpose`].
+unsafe fn transpose_scalar(
+    way: Way,
+    src: *const u8,
+    lines: usize,
+    elem: usize,
+    dst: *mut u8,
+    stride: usize,
+) {
     // A copy of a constant size per element (a call to memmove per element otherwise).
-    unsafe fn copy<const E: usize>(src: *const u8, lines: usize, dst: *mut u8, stride: usize) {
+    unsafe fn copy<const E: usize>(
+        way: Way,
+        src: *const u8,
+        lines: usize,
+        dst: *mut u8,
+        stride: usize,
+    ) {
         for q in 0..lines {
             for j in 0..ROWS {
+                let (line, row) = ((q * ROWS + j) * E, j * stride + q * E);
+                let (from, to) = match way {
+                    Way::LinesToRows => (line, row),
+                    Way::RowsToLines => (row, line),
+                };
                 // SAFETY: inside the line and the row (the caller's contract).
                 unsafe {
-                    let v = (src.add((q * ROWS + j) * E) as *const [u8; E]).read_unaligned();
-                    (dst.add(j * stride + q * E) as *mut [u8; E]).write_unaligned(v);
+                    let v = (src.add(from) as *const [u8; E]).read_unaligned();
+                    (dst.add(to) as *mut [u8; E]).write_unaligned(v);
                 }
             }
         }
@@ -76,9 +157,9 @@ pub unsafe fn lines_to_rows_scalar(
     // SAFETY: forwarded.
     unsafe {
         match elem {
-            1 => copy::<1>(src, lines, dst, stride),
-            2 => copy::<2>(src, lines, dst, stride),
-            4 => copy::<4>(src, lines, dst, stride),
+            1 => copy::<1>(way, src, lines, dst, stride),
+            2 => copy::<2>(way, src, lines, dst, stride),
+            4 => copy::<4>(way, src, lines, dst, stride),
             _ => unreachable!("elements of 1, 2 or 4 bytes"),
         }
     }
@@ -86,19 +167,20 @@ pub unsafe fn lines_to_rows_scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{lines_to_rows_scalar, ROWS};
+    use super::{transpose_scalar, Way, ROWS};
     use std::arch::x86_64::*;
 
-    /// Blocks of lines in registers of `REG` bytes: the lines of a block are as many as a
-    /// register holds elements, and a line is `32·elem / REG` registers (row groups), each
-    /// transposed on its own. Lines past the last whole block go to the twin.
+    /// Blocks of lines in registers of `N·elem` bytes: the lines of a block are as many as a
+    /// register holds elements, and a line is `32·elem / (N·elem)` registers (row groups),
+    /// each transposed on its own. Lines past the last whole block go to the twin.
     ///
     /// # Safety
-    /// As [`super::lines_to_rows`]; `load`, `store` and `transpose` need only what the caller's
+    /// As [`super::transpose`]; `load`, `store` and `transpose` need only what the caller's
     /// target features give.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn blocks<R: Copy, const N: usize>(
+        way: Way,
         src: *const u8,
         lines: usize,
         elem: usize,
@@ -111,29 +193,41 @@ mod x86 {
         let reg = N * elem;
         let (line_bytes, groups) = (ROWS * elem, ROWS * elem / reg);
         let whole = lines / N * N;
+        // Register i of a block: line q0 + i's row group g, or row g·N + i from line q0 on,
+        // as byte steps per (q0, g, i).
+        let line_steps = [line_bytes, reg, line_bytes];
+        let row_steps = [elem, N * stride, stride];
+        let (from, to) = match way {
+            Way::LinesToRows => (line_steps, row_steps),
+            Way::RowsToLines => (row_steps, line_steps),
+        };
+        let at = |s: [usize; 3], q0: usize, g: usize, i: usize| q0 * s[0] + g * s[1] + i * s[2];
         for q0 in (0..whole).step_by(N) {
             for g in 0..groups {
-                // Lines q0..q0+N exist (q0 + N ≤ lines) and register g of each is inside its
-                // line (g·reg + reg ≤ line_bytes).
-                let first = src.wrapping_add(q0 * line_bytes + g * reg);
-                let mut z: [R; N] = [load(first); N];
-                for (q, v) in z.iter_mut().enumerate().skip(1) {
-                    *v = load(first.wrapping_add(q * line_bytes));
+                // Lines q0..q0+N exist (q0 + N ≤ lines), register g of each is inside its line
+                // (g·reg + reg ≤ line_bytes), and rows g·N.. < 32 hold elements q0..q0+N.
+                let mut z: [R; N] = [load(src.wrapping_add(at(from, q0, g, 0))); N];
+                for (i, v) in z.iter_mut().enumerate().skip(1) {
+                    *v = load(src.wrapping_add(at(from, q0, g, i)));
                 }
                 transpose(&mut z);
-                for (j, &v) in z.iter().enumerate() {
-                    // Row g·N + j < 32, elements q0..q0+N of it (the contract).
-                    store(dst.wrapping_add((g * N + j) * stride + q0 * elem), v);
+                for (i, &v) in z.iter().enumerate() {
+                    store(dst.wrapping_add(at(to, q0, g, i)), v);
                 }
             }
         }
+        let (rest_src, rest_dst) = match way {
+            Way::LinesToRows => (whole * line_bytes, whole * elem),
+            Way::RowsToLines => (whole * elem, whole * line_bytes),
+        };
         // SAFETY: the remaining lines, rows as the contract gives them.
         unsafe {
-            lines_to_rows_scalar(
-                src.add(whole * line_bytes),
+            transpose_scalar(
+                way,
+                src.add(rest_src),
                 lines - whole,
                 elem,
-                dst.add(whole * elem),
+                dst.add(rest_dst),
                 stride,
             )
         };
@@ -212,9 +306,10 @@ mod x86 {
     }
 
     /// # Safety
-    /// As [`super::lines_to_rows`], `elem` 2 or 4, and the CPU has AVX-512 F/BW.
+    /// As [`super::transpose`], `elem` 2 or 4, and the CPU has AVX-512 F/BW.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn lines_to_rows_avx512(
+    pub(super) unsafe fn transpose_avx512(
+        way: Way,
         src: *const u8,
         lines: usize,
         elem: usize,
@@ -229,14 +324,14 @@ mod x86 {
         // SAFETY: forwarded.
         unsafe {
             match elem {
-                2 => blocks::<__m512i, 32>(src, lines, 2, dst, stride, load, store, |z| {
+                2 => blocks::<__m512i, 32>(way, src, lines, 2, dst, stride, load, store, |z| {
                     stage::<_, 32, 16>(z, |a, b| swap512::<32>(a, b));
                     stage::<_, 32, 8>(z, |a, b| swap512::<16>(a, b));
                     stage::<_, 32, 4>(z, |a, b| swap512::<8>(a, b));
                     stage::<_, 32, 2>(z, |a, b| swap512::<4>(a, b));
                     stage::<_, 32, 1>(z, |a, b| swap512::<2>(a, b));
                 }),
-                4 => blocks::<__m512i, 16>(src, lines, 4, dst, stride, load, store, |z| {
+                4 => blocks::<__m512i, 16>(way, src, lines, 4, dst, stride, load, store, |z| {
                     stage::<_, 16, 8>(z, |a, b| swap512::<32>(a, b));
                     stage::<_, 16, 4>(z, |a, b| swap512::<16>(a, b));
                     stage::<_, 16, 2>(z, |a, b| swap512::<8>(a, b));
@@ -248,9 +343,10 @@ mod x86 {
     }
 
     /// # Safety
-    /// As [`super::lines_to_rows`], `elem` 2 or 4, and the CPU has AVX2.
+    /// As [`super::transpose`], `elem` 2 or 4, and the CPU has AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn lines_to_rows_avx2(
+    pub(super) unsafe fn transpose_avx2(
+        way: Way,
         src: *const u8,
         lines: usize,
         elem: usize,
@@ -265,13 +361,13 @@ mod x86 {
         // SAFETY: forwarded.
         unsafe {
             match elem {
-                2 => blocks::<__m256i, 16>(src, lines, 2, dst, stride, load, store, |z| {
+                2 => blocks::<__m256i, 16>(way, src, lines, 2, dst, stride, load, store, |z| {
                     stage::<_, 16, 8>(z, |a, b| swap256::<16>(a, b));
                     stage::<_, 16, 4>(z, |a, b| swap256::<8>(a, b));
                     stage::<_, 16, 2>(z, |a, b| swap256::<4>(a, b));
                     stage::<_, 16, 1>(z, |a, b| swap256::<2>(a, b));
                 }),
-                4 => blocks::<__m256i, 8>(src, lines, 4, dst, stride, load, store, |z| {
+                4 => blocks::<__m256i, 8>(way, src, lines, 4, dst, stride, load, store, |z| {
                     stage::<_, 8, 4>(z, |a, b| swap256::<16>(a, b));
                     stage::<_, 8, 2>(z, |a, b| swap256::<8>(a, b));
                     stage::<_, 8, 1>(z, |a, b| swap256::<4>(a, b));
@@ -287,24 +383,61 @@ mod tests {
     use super::*;
     use crate::rng::Rng;
 
-    /// Every variant this CPU has writes what the twin writes, for whole blocks and remainders,
-    /// with padded row strides, and touches no byte between the rows.
+    type Variant = unsafe fn(Way, *const u8, usize, usize, *mut u8, usize);
+
+    /// Every variant this CPU has writes what the twin writes, both ways, for whole blocks and
+    /// remainders, with padded row strides, and touches no byte between the rows; the twin
+    /// writes what the definition says, and the way back restores the lines.
     #[test]
     fn every_variant_writes_what_the_twin_writes() {
+        let mut variants: Vec<(&str, Variant)> = vec![("dispatched", transpose)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::isa::allows(Level::Avx2) {
+                variants.push(("avx2", x86::transpose_avx2));
+            }
+            if crate::isa::allows(Level::Avx512Base) {
+                variants.push(("avx512", x86::transpose_avx512));
+            }
+        }
         let mut rng = Rng::new(11);
-        for elem in [2usize, 4] {
+        for elem in [1usize, 2, 4] {
             for lines in [0usize, 1, 7, 8, 15, 16, 17, 32, 33, 64, 100] {
                 let src: Vec<u8> = (0..lines * ROWS * elem)
                     .map(|_| rng.next_u64() as u8)
                     .collect();
                 let stride = lines * elem + 3 * elem;
-                let run = |f: unsafe fn(*const u8, usize, usize, *mut u8, usize)| {
+                let rows_of = |f: Variant, lines_in: &[u8]| {
                     let mut dst = vec![0xA5u8; ROWS * stride];
-                    // SAFETY: src holds the lines, dst 32 rows of `stride` ≥ lines·elem bytes.
-                    unsafe { f(src.as_ptr(), lines, elem, dst.as_mut_ptr(), stride) };
+                    // SAFETY: lines_in holds the lines, dst 32 rows of stride ≥ lines·elem.
+                    unsafe {
+                        f(
+                            Way::LinesToRows,
+                            lines_in.as_ptr(),
+                            lines,
+                            elem,
+                            dst.as_mut_ptr(),
+                            stride,
+                        )
+                    };
                     dst
                 };
-                let twin = run(lines_to_rows_scalar);
+                let lines_of = |f: Variant, rows: &[u8]| {
+                    let mut dst = vec![0x5Au8; lines * ROWS * elem];
+                    // SAFETY: rows holds 32 rows of stride ≥ lines·elem, dst the lines.
+                    unsafe {
+                        f(
+                            Way::RowsToLines,
+                            rows.as_ptr(),
+                            lines,
+                            elem,
+                            dst.as_mut_ptr(),
+                            stride,
+                        )
+                    };
+                    dst
+                };
+                let twin = rows_of(transpose_scalar, &src);
                 for (j, row) in twin.chunks(stride).enumerate() {
                     for q in 0..lines {
                         let at = (q * ROWS + j) * elem;
@@ -313,22 +446,24 @@ mod tests {
                     assert!(row[lines * elem..].iter().all(|&b| b == 0xA5));
                 }
                 assert_eq!(
-                    run(lines_to_rows),
-                    twin,
-                    "dispatched, elem {elem}, {lines} lines"
+                    lines_of(transpose_scalar, &twin),
+                    src,
+                    "twin back, {elem} {lines}"
                 );
-                #[cfg(target_arch = "x86_64")]
-                {
-                    if crate::isa::allows(Level::Avx2) {
-                        assert_eq!(run(x86::lines_to_rows_avx2), twin, "avx2 {elem} {lines}");
+                for (name, f) in &variants {
+                    if elem == 1 && *name != "dispatched" {
+                        continue; // one-byte elements (scales) always take the twin
                     }
-                    if crate::isa::allows(Level::Avx512Base) {
-                        assert_eq!(
-                            run(x86::lines_to_rows_avx512),
-                            twin,
-                            "avx512 {elem} {lines}"
-                        );
-                    }
+                    assert_eq!(
+                        rows_of(*f, &src),
+                        twin,
+                        "{name} to rows, elem {elem}, {lines}"
+                    );
+                    assert_eq!(
+                        lines_of(*f, &twin),
+                        src,
+                        "{name} to lines, elem {elem}, {lines}"
+                    );
                 }
             }
         }

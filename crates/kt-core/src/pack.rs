@@ -364,6 +364,23 @@ impl MatrixView {
 pub unsafe fn pack_panel(src: &MatrixView, p: usize, dst: &mut [u16]) {
     let k = src.cols;
     debug_assert_eq!(dst.len(), panel_len(k));
+    if src.dtype == FloatType::BF16 && src.block_scale.is_none() && src.coded.is_none() {
+        // bf16 rows are the panel's values already: each line holds an input pair (4 bytes)
+        // of every row, so the panel is the rows transposed a pair at a time, bit for bit.
+        let row_bytes = src.row_stride * 2;
+        // SAFETY: rows p·32.. of the live view, k values each (the contract); dst holds the
+        // panel's k/2 lines.
+        unsafe {
+            crate::lines::rows_to_lines(
+                src.ptr.add(p * PANEL * row_bytes),
+                row_bytes,
+                k / 2,
+                4,
+                dst.as_mut_ptr() as *mut u8,
+            )
+        };
+        return;
+    }
     for r in 0..PANEL {
         let (h, j) = (r / 16, r % 16);
         let n = p * PANEL + r;

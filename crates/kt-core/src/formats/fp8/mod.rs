@@ -228,6 +228,7 @@ impl Fp8Experts {
         let (n, k) = (view.rows, view.cols);
         let idx = (proj == Proj::Down) as usize;
         let (dst, scale_dst) = (self.parts[part].dst[idx], self.parts[part].scale_dst[idx]);
+        debug_assert!(n.is_multiple_of(PANEL) && k.is_multiple_of(2));
         for r in 0..n {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
             // SAFETY: row r of the view holds k one-byte codes (the view is alive); the
@@ -238,7 +239,8 @@ impl Fp8Experts {
                     std::slice::from_raw_parts_mut(dst.get().add(at), PANEL * k),
                 )
             };
-            if let Some(c) = src.iter().position(|&b| b & 0x7F == 0x7F) {
+            if crate::codes::any_e4m3_nan(src) {
+                let c = src.iter().position(|&b| b & 0x7F == 0x7F).unwrap_or(0);
                 kt_bail!(
                     Invalid,
                     "FP8 weight of expert slot {slot} {proj:?} holds a NaN code ({:#04x}) at \
@@ -246,8 +248,20 @@ impl Fp8Experts {
                     src[c]
                 );
             }
-            for (c, &b) in src.iter().enumerate() {
-                out[Self::in_panel(r, c)] = b;
+            if r % PANEL == PANEL - 1 {
+                // The panel's rows are checked: its codes, transposed a byte pair at a time
+                // (each line holds an input pair of every row, [`Self::in_panel`]).
+                let first = r + 1 - PANEL;
+                // SAFETY: rows first..=r of the live view, k codes each; the panel's k/2 lines.
+                unsafe {
+                    crate::lines::rows_to_lines(
+                        view.ptr.add(first * view.row_stride),
+                        view.row_stride,
+                        k / 2,
+                        2,
+                        out.as_mut_ptr(),
+                    )
+                };
             }
             if self.scaling == Scaling::PerChannel {
                 // SAFETY: (r, 0) is inside the view; its scales are alive.

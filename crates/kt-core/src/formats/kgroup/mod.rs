@@ -26,7 +26,7 @@
 //! size; anything else (bf16/fp16/fp32 tensors, another format) is quantized per group
 //! ([`crate::codes::quantize_group`]).
 use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
-use crate::codes::{quantize_group, CodeKind, CodedMatrix, ScaleType};
+use crate::codes::{quantize_group, CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
 use crate::kernels::{KernelSet, MAX_ROWS};
@@ -498,6 +498,127 @@ impl KGroupExperts {
             }
     }
 
+    /// [`KGroupExperts::copy_codes`] a panel at a time, where the view's codes are whole
+    /// elements of the panel lines ([`crate::lines`]: rows of bytes, or GPTQ's words, which
+    /// are the lines already) and every code and scale passes the checks; false (nothing
+    /// written) otherwise, for the element-wise copy to run and name what it finds.
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::pack`]; `m` is `view`'s codes in this method's kind, scale type and
+    /// group size.
+    unsafe fn copy_panels(
+        &self,
+        part: usize,
+        slot: usize,
+        proj: Proj,
+        view: &MatrixView,
+        m: &CodedMatrix,
+    ) -> bool {
+        let (n, k, group) = (view.rows, view.cols, self.group(proj));
+        let (bits, ss) = (self.spec.kind.bits(), self.spec.scale_type.size());
+        // One element of a line: a byte pair (8-bit codes), a word of 8 inputs (4-bit).
+        let (elem, per_elem) = if bits == 8 { (2, 2) } else { (4, 8) };
+        let gptq = m.layout == CodeLayout::GptqColumns;
+        // GPTQ's words are 4-bit codes only.
+        if !n.is_multiple_of(PANEL)
+            || !k.is_multiple_of(per_elem)
+            || !m.col0.is_multiple_of(per_elem)
+            || (gptq && bits == 8)
+        {
+            return false;
+        }
+        let (groups, all_groups) = (k / group, m.cols / group);
+        let scale_index = |r: usize, g: usize| match m.scale_layout {
+            ScaleLayout::RowMajor => (m.row0 + r) * all_groups + m.col0 / group + g,
+            ScaleLayout::Transposed => (m.col0 / group + g) * m.rows + m.row0 + r,
+        };
+        // The checks of the element-wise copy, on every scale and code first.
+        let kind = self.spec.kind;
+        let scale_ok = |bits: u16| {
+            self.spec.scale_type.is_valid(bits)
+                && (self.spec.scale_type.value(bits) * kind.max() * m.global).is_finite()
+        };
+        let ok_byte: [bool; 256] = std::array::from_fn(|b| scale_ok(b as u16));
+        for r in 0..n {
+            for g in 0..groups {
+                // SAFETY: (r, g) is a scale of the live view.
+                let bits = unsafe { self.spec.scale_type.read(m.scales, scale_index(r, g)) };
+                let ok = if ss == 1 {
+                    ok_byte[bits as usize]
+                } else {
+                    scale_ok(bits)
+                };
+                if !ok {
+                    return false;
+                }
+            }
+        }
+        let row_bytes = m.cols * bits / 8;
+        let row_start = |r: usize| (m.row0 + r) * row_bytes + m.col0 * bits / 8;
+        if kind == CodeKind::E4M3 {
+            debug_assert!(bits == 8 && !gptq);
+            for r in 0..n {
+                // SAFETY: row r's k codes of the live view.
+                let codes = unsafe { std::slice::from_raw_parts(m.codes.add(row_start(r)), k) };
+                if crate::codes::any_e4m3_nan(codes) {
+                    return false;
+                }
+            }
+        }
+        let idx = (proj == Proj::Down) as usize;
+        let p = &self.parts[part];
+        let (dst, scale_dst) = (p.dst[idx], p.scale_dst[idx]);
+        let line = PANEL * elem;
+        for r0 in (0..n).step_by(PANEL) {
+            let (at, scale_at) = self.offsets(part, slot, proj, r0);
+            // SAFETY: the panel's k/per_elem lines and its groups' scales, this (part, slot,
+            // proj)'s alone (the caller's contract); the sources are rows r0..r0+32 of the live
+            // view (rows of row_bytes, or GPTQ's word columns of m.rows words).
+            unsafe {
+                let (codes, scales) = (dst.get().add(at), scale_dst.get().add(scale_at));
+                if gptq {
+                    for w in 0..k / 8 {
+                        let word = (m.col0 / 8 + w) * m.rows + m.row0 + r0;
+                        std::ptr::copy_nonoverlapping(
+                            m.codes.add(word * 4),
+                            codes.add(w * line),
+                            line,
+                        );
+                    }
+                } else {
+                    crate::lines::rows_to_lines(
+                        m.codes.add(row_start(r0)),
+                        row_bytes,
+                        k / per_elem,
+                        elem,
+                        codes,
+                    );
+                }
+                match m.scale_layout {
+                    ScaleLayout::RowMajor => crate::lines::rows_to_lines(
+                        m.scales.add(scale_index(r0, 0) * ss),
+                        all_groups * ss,
+                        groups,
+                        ss,
+                        scales,
+                    ),
+                    ScaleLayout::Transposed => {
+                        for g in 0..groups {
+                            std::ptr::copy_nonoverlapping(
+                                m.scales.add(scale_index(r0, g) * ss),
+                                scales.add(g * PANEL * ss),
+                                PANEL * ss,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: this (part, slot, proj)'s per-tensor scale, written by this task alone.
+        unsafe { *p.global_dst.get().add(Self::global_index(slot, proj)) = m.global };
+        true
+    }
+
     /// Copy a view of this method's own codes and group size.
     ///
     /// # Safety
@@ -526,6 +647,10 @@ impl KGroupExperts {
             self.spec.method,
             m.global
         );
+        // SAFETY: forwarded.
+        if unsafe { self.copy_panels(part, slot, proj, view, m) } {
+            return Ok(());
+        }
         for r in 0..n {
             let (at, scale_at) = self.offsets(part, slot, proj, r);
             let j = r % PANEL;
