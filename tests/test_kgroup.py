@@ -234,6 +234,19 @@ def _inf_bf16_scale(t, p):
     t[f"{p}.weight_scale"][0, 0] = float("inf")
 
 
+def _huge_bf16_scale(t, p):
+    # finite, but 7 times it is not: the largest of the view's scales, away from [0, 0]
+    t[f"{p}.weight_scale"][7, 2] = 1e38
+
+
+def _negative_inf_bf16_scale(t, p):
+    t[f"{p}.weight_scale"][-1, -1] = float("-inf")
+
+
+def _inf_f16_gptq_scale(t, p):
+    t[f"{p}.scales"][0, 5] = float("inf")
+
+
 def _missing_scale(t, p):
     del t[f"{p}.weight_scale"]
 
@@ -256,6 +269,9 @@ def _truncated_codes(t, p):
         ("MXFP8", _nan_code, ValueError, "NaN code"),
         ("MXFP4", _nan_e8m0, ValueError, "not a finite number"),
         ("RAWINT4", _inf_bf16_scale, ValueError, "not a finite number"),
+        ("RAWINT4", _huge_bf16_scale, ValueError, "beyond f32"),
+        ("RAWINT4", _negative_inf_bf16_scale, ValueError, "not a finite number"),
+        ("GPTQ_INT4", _inf_f16_gptq_scale, ValueError, "not a finite number"),
         ("RAWINT4", _missing_scale, ValueError, "weight_scale is missing"),
         ("RAWINT4", _group_not_dividing, ValueError, r"weight_scale .*group size that divides"),
         ("RAWINT4", _wrong_scale_dtype, ValueError, r"weight_scale is F32 .*Bf16"),

@@ -538,20 +538,35 @@ impl KGroupExperts {
             self.spec.scale_type.is_valid(bits)
                 && (self.spec.scale_type.value(bits) * kind.max() * m.global).is_finite()
         };
-        let ok_byte: [bool; 256] = std::array::from_fn(|b| scale_ok(b as u16));
-        for r in 0..n {
-            for g in 0..groups {
-                // SAFETY: (r, g) is a scale of the live view.
-                let bits = unsafe { self.spec.scale_type.read(m.scales, scale_index(r, g)) };
-                let ok = if ss == 1 {
-                    ok_byte[bits as usize]
-                } else {
-                    scale_ok(bits)
-                };
-                if !ok {
-                    return false;
-                }
-            }
+        // The view's scales as runs of contiguous stored scales: a row's groups, or (GPTQ) a
+        // group's rows.
+        let runs: Vec<&[u8]> = match m.scale_layout {
+            ScaleLayout::RowMajor => (0..n)
+                .map(|r| (scale_index(r, 0), groups))
+                .collect::<Vec<_>>(),
+            ScaleLayout::Transposed => (0..groups).map(|g| (scale_index(0, g), n)).collect(),
+        }
+        .into_iter()
+        // SAFETY: each run is inside the live view's scales.
+        .map(|(i, len)| unsafe { std::slice::from_raw_parts(m.scales.add(i * ss), len * ss) })
+        .collect();
+        let all_ok = if ss == 1 {
+            let ok: [bool; 256] = std::array::from_fn(|b| scale_ok(b as u16));
+            runs.iter().all(|run| run.iter().all(|&b| ok[b as usize]))
+        } else {
+            // bf16 and f16 order their magnitudes as their bits without the sign (infinities,
+            // then NaNs, above every finite value), and the check is monotonic in the
+            // magnitude: the largest magnitude passing clears them all.
+            let largest = runs
+                .iter()
+                .flat_map(|run| run.chunks_exact(2))
+                .map(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7FFF)
+                .max()
+                .unwrap_or(0);
+            scale_ok(largest)
+        };
+        if !all_ok {
+            return false;
         }
         let row_bytes = m.cols * bits / 8;
         let row_start = |r: usize| (m.row0 + r) * row_bytes + m.col0 * bits / 8;
