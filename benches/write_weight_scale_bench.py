@@ -1,6 +1,7 @@
 """GB/s written by write_weight_scale_to_buffer (one expert into every GPU rank's buffers) for
 the methods that have it, on an S1 (Qwen3-30B-A3B) expert shape, against a plain copy of as
-many bytes (torch, same threads) in the same run, and against the original kt-kernel.
+many bytes (torch, same threads) in the same run, and against the original kt-kernel; and the
+time `load_weights` takes to load the layer's native checkpoint from the page cache.
 
     python benches/write_weight_scale_bench.py [--experts 8] [--threads 2] [--repeats 20]
 
@@ -69,6 +70,18 @@ def copy_ms(nbytes: int, repeats: int, sources: int = 8) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
+def read_ms(file: Path, repeats: int = 5) -> float:
+    """Median ms of reading `file` from the page cache into a reused 1 MiB buffer."""
+    buf, times = bytearray(1 << 20), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with open(file, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def measure(args) -> dict:
     if args.original:
         sys.path.insert(0, str(HERE))
@@ -81,15 +94,30 @@ def measure(args) -> dict:
 
     torch.set_num_threads(args.threads)
     e, h, i = args.experts, args.hidden, args.intermediate
+    # Touch twice the largest layer's memory once: a VM's first touch of memory new to the
+    # process is several times slower than later reuse, and would land on the first method.
+    torch.ones(2 * e * 3 * h * i * 2 // 4, dtype=torch.float32).sum()
     results = {}
     for method in args.methods:
         folder = checkpoint(args.weights_dir, method, e, h, i)
+        file = folder / "model.safetensors"
         try:
-            w = KTMoEWrapper(0, e, 2, h, i, None, args.threads, 1, str(folder), 16, method=method)
-            w.load_weights(torch.arange(e))
+            loads = []
+            for _ in range(args.loads + 1):
+                w = KTMoEWrapper(
+                    0, e, 2, h, i, None, args.threads, 1, str(folder), 16, method=method
+                )
+                t0 = time.perf_counter()
+                w.load_weights(torch.arange(e))
+                loads.append(time.perf_counter() - t0)
         except Exception as err:  # the original lacks some methods on some CPUs
             results[method] = {"error": f"{type(err).__name__}: {err}"[:200]}
             continue
+        results[method] = {
+            "load_ms": statistics.median(loads[1:]) * 1e3,
+            "file_bytes": file.stat().st_size,
+            "read_ms": read_ms(file),
+        }
         for gpu_tp in (1, 2):
             # Every buffer as large as a whole expert; the sentinel shows what was written.
             full = 3 * h * i * 2
@@ -155,6 +183,32 @@ def table(ours: dict, original: dict | None) -> str:
     return "\n".join(lines)
 
 
+def load_table(ours: dict, original: dict | None) -> str:
+    head = (
+        "| method | checkpoint MB | load ms (median) | GB/s | × the page-cache read of the file "
+        "(1 thread)"
+    )
+    rule = "|---|---|---|---|---"
+    if original is not None:
+        head += " | original load ms | speed-up over the original"
+        rule += "|---|---"
+    lines = [head + " |", rule + "|"]
+    for method, r in ours.items():
+        if "/" in method or "load_ms" not in r:
+            continue
+        mb, ms = r["file_bytes"] / 1e6, r["load_ms"]
+        row = f"| {method} | {mb:.1f} | {ms:.1f} | {mb / ms:.2f} | {r['read_ms'] / ms:.2f}"
+        if original is not None:
+            o = original.get(method, {})
+            if "load_ms" in o:
+                row += f" | {o['load_ms']:.1f} | {o['load_ms'] / ms:.1f}×"
+            else:
+                why = o.get("error", "not measured").replace("|", "/")
+                row += f" | not run: {why} | –"
+        lines.append(row + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8)
@@ -162,6 +216,7 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--loads", type=int, default=5, help="timed loads per method")
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument(
         "--weights-dir",
@@ -177,11 +232,15 @@ def main() -> int:
         ours = json.loads(args.merge[0].read_text())
         original = json.loads(args.merge[1].read_text()) if args.merge[1].exists() else None
         print(table(ours, original))
+        print("\nLoading each method's checkpoint (8 experts, one layer, from the page cache):\n")
+        print(load_table(ours, original))
         return 0
     results = measure(args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(table(results, None))
+    print()
+    print(load_table(results, None))
     return 0
 
 

@@ -128,13 +128,15 @@ lines += ["", "## Converter and loading converted weights (`benches/convert_benc
           "(fsync included). Load times include the first touch of the layer's fresh memory, "
           "which is slow on this VM the first time a process uses it.", ""]
 lines.append(section("convert.md", "Converter and loading converted weights"))
-lines += ["", "## write_weight_scale_to_buffer (`benches/write_weight_scale_bench.py`)", "",
+lines += ["", "## write_weight_scale_to_buffer and native loads (`benches/write_weight_scale_bench.py`)", "",
           "One S1 expert (H=2048, I=768) written from the CPU parts into every GPU rank's "
           "buffers, in the bytes the original writes (tests compare them); ranks in parallel; "
           "2 threads, loaded from native checkpoints, the experts taken in turn. The copy "
           "column: a torch copy of as many bytes in the same run (a plain copy has no "
           "transposing to do; most of it comes from cache at these sizes). The original: "
-          "kt-kernel 0.7.2 on the same files, one run after ours.", ""]
+          "kt-kernel 0.7.2 on the same files, one run after ours. The second table times "
+          "`load_weights` of the same checkpoints (fresh layer each time, file in the page "
+          "cache), against a 1-thread read of the file in the same run.", ""]
 lines.append(section("wwsb.md", "write_weight_scale_to_buffer"))
 lines += ["", "## Kernels and pool (`cargo bench -p kt-benches`)", "",
           "Median of criterion's estimate. Panel kernels: throughput counts 2 flops per "
