@@ -153,13 +153,19 @@ def measure(args) -> dict:
     return results
 
 
-def table(ours: dict, original: dict | None) -> str:
-    head = "| method | GPU ranks | MB per expert | median ms | GB/s written | ms × a copy's"
-    rule = "|---|---|---|---|---|---"
+def header(columns: list[str], original: dict | None, original_columns: list[str]) -> list[str]:
+    """A markdown table's head and rule, with the original's columns when it ran."""
     if original is not None:
-        head += " | original ms | speed-up over the original"
-        rule += "|---|---"
-    lines = [head + " |", rule + "|"]
+        columns = columns + original_columns
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def table(ours: dict, original: dict | None) -> str:
+    lines = header(
+        ["method", "GPU ranks", "MB per expert", "median ms", "GB/s written", "ms × a copy's"],
+        original,
+        ["original ms", "speed-up over the original"],
+    )
     for key, r in ours.items():
         if "/" not in key:
             continue
@@ -184,15 +190,17 @@ def table(ours: dict, original: dict | None) -> str:
 
 
 def load_table(ours: dict, original: dict | None) -> str:
-    head = (
-        "| method | checkpoint MB | load ms (median) | GB/s | × the page-cache read of the file "
-        "(1 thread)"
+    lines = header(
+        [
+            "method",
+            "checkpoint MB",
+            "load ms (median)",
+            "GB/s",
+            "× the page-cache read of the file (1 thread)",
+        ],
+        original,
+        ["original load ms", "speed-up over the original"],
     )
-    rule = "|---|---|---|---|---"
-    if original is not None:
-        head += " | original load ms | speed-up over the original"
-        rule += "|---|---"
-    lines = [head + " |", rule + "|"]
     for method, r in ours.items():
         if "/" in method or "load_ms" not in r:
             continue

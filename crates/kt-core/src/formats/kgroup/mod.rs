@@ -448,6 +448,16 @@ impl KGroupExperts {
         PANEL * 2 * self.spec.kind.bits() / 8
     }
 
+    /// The codes of a panel line as one element per row ([`crate::lines`]): its bytes and the
+    /// inputs it holds (a byte pair of 2 inputs for 8-bit codes, a word of 8 for 4-bit).
+    fn line_element(&self) -> (usize, usize) {
+        if self.spec.kind.bits() == 8 {
+            (2, 2)
+        } else {
+            (4, 8)
+        }
+    }
+
     /// `(n, k)` of `proj` in `part`.
     fn shape(&self, part: usize, proj: Proj) -> (usize, usize) {
         let (h, ip) = (self.hidden, self.ranges[part].len());
@@ -516,8 +526,7 @@ impl KGroupExperts {
     ) -> bool {
         let (n, k, group) = (view.rows, view.cols, self.group(proj));
         let (bits, ss) = (self.spec.kind.bits(), self.spec.scale_type.size());
-        // One element of a line: a byte pair (8-bit codes), a word of 8 inputs (4-bit).
-        let (elem, per_elem) = if bits == 8 { (2, 2) } else { (4, 8) };
+        let (elem, per_elem) = self.line_element();
         let gptq = m.layout == CodeLayout::GptqColumns;
         // GPTQ's words are 4-bit codes only.
         if !n.is_multiple_of(PANEL)
@@ -1480,9 +1489,7 @@ impl ExpertFormat for KGroupExperts {
             global: None,
             bytes: [[0; 2]; 256],
         };
-        // Codes as lines of one element per row ([`crate::lines`]): a 4-byte word of 8 inputs
-        // (4-bit kinds), a byte pair of 2 inputs (8-bit).
-        let (elem, per_elem) = if bits == 4 { (4, 8) } else { (2, 2) };
+        let (elem, per_elem) = self.line_element();
         let elem_line = PANEL * elem;
         // w13: gate rows of the rank, then up rows. Row-major codes `[2·ir][H]` and scales
         // `[2·ir][H/g]`; GPTQ: `qweight [H/8][2·ir]` (one u32 per 8 inputs of a row) and
