@@ -10,7 +10,7 @@ import sys
 
 import kt_kernel
 import pytest
-from kt_kernel.bench import _memory_groups
+from kt_kernel.bench import _compute_family, _memory_groups, _set_floor
 
 
 def test_memory_groups_keep_order_and_respect_the_budget():
@@ -19,6 +19,31 @@ def test_memory_groups_keep_order_and_respect_the_budget():
     groups = _memory_groups(variants, sizes.__getitem__, 8)
     assert [[v[0] for v in g] for g in groups] == [["a", "b"], ["c", "d"], ["e"]]
     assert len(_memory_groups(variants, sizes.__getitem__, float("inf"))) == 1
+
+
+def test_the_15_bit_kernels_floor_counts_two_int8_passes():
+    """GPTQ_INT4/MXFP4/NVFP4 below their bf16-panel rows run the 15-bit kernel (two int8
+    multiply-adds per product): their floor is half the int8 peak's rate; RAWINT4's 8-bit
+    kernel and the bf16 panels keep theirs."""
+    info = {
+        "kernels": {"AMX": "none", "BF16": "avx512-fma+bf16dot"},
+        "amx_min_rows": 0,
+        "prefill_kernels": {
+            "GPTQ_INT4": "int15-gemm-avx512-vnni; bf16-panels from 16 rows",
+            "MXFP4": "int15-gemm-avx2",
+            "RAWINT4": "int8-gemm-avx512-vnni",
+        },
+    }
+    assert _compute_family("GPTQ_INT4", info, 8) == "int15"
+    assert _compute_family("GPTQ_INT4", info, 32) == "bf16"
+    assert _compute_family("MXFP4", info, 64) == "int15"
+    assert _compute_family("RAWINT4", info, 8) == "int8"
+    rows = [{"giga_ops": 10.0, "memory_floor_ms": 1.0, "median_ms": 30.0} for _ in range(2)]
+    for row, family in zip(rows, ("int8", "int15"), strict=True):
+        row["compute_family"] = family
+        _set_floor(row, {"int8_madd_gops": 1000.0})
+    assert [r["floor_ms"] for r in rows] == [10.0, 20.0]
+    assert [r["x_floor"] for r in rows] == [3.0, 1.5]
 
 
 def test_the_bench_runs_methods_in_groups(tmp_path):

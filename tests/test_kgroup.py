@@ -6,6 +6,7 @@ torch quantizer), and bad checkpoints refused with the tensor's name."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -418,3 +419,68 @@ def test_nvfp4_scales_stored_as_bytes_and_overflowing_e8m0_scales_are_refused(tm
 
     with pytest.raises(ValueError, match="beyond f32"):
         _checkpoint_load(tmp_path / "mx", "MXFP8", huge)
+
+
+def _grouped_checkpoint(folder: Path, method: str, group_gu: int, group_down: int, h: int, i: int):
+    """One layer of 3 experts in `method` with its own group sizes for gate/up and down."""
+    import native_checkpoints as nc
+
+    gate, up, down = random_experts(3, h, i, seed=4)
+    default, tensors = nc.GROUP[method], {}
+    try:
+        for proj, mats, g in (
+            ("gate", gate, group_gu),
+            ("up", up, group_gu),
+            ("down", down, group_down),
+        ):
+            nc.GROUP[method] = g
+            for e in range(3):
+                for suffix, t in nc.matrix_tensors(method, mats[e]).items():
+                    tensors[f"{prefix(method, 0, e, proj)}.{suffix}"] = t
+    finally:
+        nc.GROUP[method] = default
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return make_wrapper(layer_idx=0, e=3, k=2, h=h, i=i, method=method, weight_path=str(folder))
+
+
+@pytest.mark.parametrize(
+    "method,group_gu,group_down",
+    [
+        ("RAWINT4", 32, 40),
+        ("RAWINT4", 48, 32),
+        ("MXFP4", 24, 32),
+        ("MXFP8", 32, 6),
+        ("NVFP4", 16, 48),
+    ],
+)
+def test_groups_that_straddle_the_kernels_chunks_are_refused(
+    tmp_path, method, group_gu, group_down
+):
+    """The integer kernels cut activations in chunks of 32 and the decoder works in blocks of 32
+    or 128: a group of 24, 40 or 48 (or 6) straddles them. Such checkpoints loaded and gave NaN
+    or wrong sums (or a panic in the forward); now the load names the group."""
+    h, i = math.lcm(32, group_gu) * 2, math.lcm(32, group_down) * 2
+    w = _grouped_checkpoint(tmp_path, method, group_gu, group_down, h, i)
+    with pytest.raises(ValueError, match=r"group size \d+ \((gate/up|down)\) is not supported"):
+        w.load_weights(torch.arange(3))
+
+
+@pytest.mark.parametrize("method,group", [("RAWINT4", 96), ("RAWINT4", 256), ("MXFP8", 4)])
+def test_unusual_groups_that_tile_the_chunks_compute_right(tmp_path, method, group):
+    h = i = math.lcm(64, group)
+    w = _grouped_checkpoint(tmp_path, method, group, group, h, i)
+    w.load_weights(torch.arange(3))
+    t = load_tensors(tmp_path / "model.safetensors")
+    gate, up, down = (
+        torch.stack([dequantize(method, t, prefix(method, 0, e, p)) for e in range(3)])
+        for p in ("gate", "up", "down")
+    )
+    gen = torch.Generator().manual_seed(1)
+    for tokens in (1, 40):
+        x = torch.randn(tokens, h, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        out = w.forward(x, ids, weights, None).double()
+        ref = moe_reference(x, ids, weights, gate, up, down)
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-2, (method, group, tokens)

@@ -42,17 +42,22 @@ LIMIT_OF = {
     "fma": "fp32_fma_gflops",
     "bf16": "bf16_dot_gflops",
     "int8": "int8_madd_gops",
+    "int15": "int8_madd_gops",
     "amx-bf16": "amx_bf16_gflops",
     "amx-int8": "amx_int8_gops",
 }
+# Products per multiply-add of the limit: the 15-bit kernels (GPTQ_INT4, MXFP4, NVFP4 below
+# their bf16-panel rows) multiply each code by two-byte activations in two int8 passes.
+PASSES = {"int15": 2}
 
 
 def _compute_family(name: str, info: dict, rows_per_expert: float) -> str:
     """The instruction family a method's many-row (prefill) kernels compute with on this CPU:
     AMX tiles where they are in use (int8 tiles for AMXINT8/AMXINT4, bf16 tiles for the formats
     that decode to bf16 panels), else the vector kernel's (bf16 dot or fp32 FMA, as the BF16
-    calibration chose; int8 multiply-adds for the integer formats and GGUF, and for the 15-bit
-    kinds below the row count from which they decode bf16 panels, at the mean rows per expert)."""
+    calibration chose; int8 multiply-adds for the integer formats and GGUF; for the 15-bit
+    kinds below the row count from which they decode bf16 panels (at the mean rows per expert)
+    `int15`: two int8 multiply-adds per product)."""
     method = name.split("-")[0]
     if method == "torch":
         return "fma"
@@ -64,15 +69,19 @@ def _compute_family(name: str, info: dict, rows_per_expert: float) -> str:
     if amx:
         return "amx-bf16"
     if method in ("RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4"):
-        found = re.search(r"bf16-panels from (\d+) rows", info["prefill_kernels"][method])
-        return "bf16" if found and rows_per_expert >= int(found.group(1)) else "int8"
+        kernel = info["prefill_kernels"][method]
+        found = re.search(r"bf16-panels from (\d+) rows", kernel)
+        if found and rows_per_expert >= int(found.group(1)):
+            return "bf16"
+        return "int15" if kernel.startswith("int15") else "int8"
     return "bf16" if "bf16dot" in info["kernels"]["BF16"] else "fma"
 
 
 def _set_floor(row: dict, limits: dict) -> None:
     """The row's roofline floor: its weight bytes at the sampled DRAM bandwidth, or its
     operations at the peak of its compute family, whichever takes longer."""
-    compute_ms = row["giga_ops"] / limits[LIMIT_OF[row["compute_family"]]] * 1e3
+    family = row["compute_family"]
+    compute_ms = row["giga_ops"] * PASSES.get(family, 1) / limits[LIMIT_OF[family]] * 1e3
     row["floor_ms"] = max(row["memory_floor_ms"], compute_ms)
     row["floor_bound"] = "memory" if row["memory_floor_ms"] >= compute_ms else "compute"
     row["x_floor"] = row["median_ms"] / row["floor_ms"]
@@ -714,7 +723,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{probes['bf16']}; DRAM in huge pages, as the weights). The floor column: the "
                 f"larger of the weight bytes at the DRAM bandwidth sampled during the row and "
                 f"the multiply-adds at the peak of the instruction the method's many-row "
-                f"kernels compute with. Weight prefetch chosen by the process's first decodes: "
+                f"kernels compute with (int15: the 15-bit kernels, two int8 multiply-adds per "
+                f"product). Weight prefetch chosen by the process's first decodes: "
                 f"{prefetch_summary(args.methods)}.\n\n{table}\n"
             )
     return 0

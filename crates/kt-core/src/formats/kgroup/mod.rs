@@ -357,6 +357,19 @@ impl KGroupExperts {
             "{method}: group sizes {group_gu} and {group_down} must be multiples of 8 (4-bit \
              codes are kept in words of 8)"
         );
+        // The integer kernels cut activations in chunks of 32 inputs and the decoder works in
+        // blocks of 32 or 128 inputs: a group must tile them or be tiled by them. A group such
+        // as 24, 40 or 48 straddles the chunks (the kernels gave wrong sums, without an error).
+        let tiles =
+            |g: usize| 32 % g == 0 || (g.is_multiple_of(32) && (g <= 128 || g.is_multiple_of(128)));
+        for (g, which) in [(group_gu, "gate/up"), (group_down, "down")] {
+            kt_ensure!(
+                tiles(g),
+                Invalid,
+                "{method}: group size {g} ({which}) is not supported: groups must divide 32 or \
+                 be 64, 96 or 128, or a multiple of 128"
+            );
+        }
         // Each part's down slice holds whole groups and whole panels.
         let unit = lcm(PANEL, group_down);
         kt_ensure!(
@@ -1447,12 +1460,12 @@ impl ExpertFormat for KGroupExperts {
         let (h, i) = (self.hidden, self.intermediate());
         let [ggu, gdown] = self.groups;
         kt_ensure!(
-            gpu_tp >= 1 && i.is_multiple_of(gpu_tp) && (i / gpu_tp).is_multiple_of(gdown.max(8)),
+            gpu_tp >= 1 && i.is_multiple_of(gpu_tp) && (i / gpu_tp).is_multiple_of(lcm(gdown, 8)),
             Invalid,
             "{}: moe_intermediate_size {i} does not split into {gpu_tp} GPU ranks of whole \
              {}-input groups",
             self.spec.method,
-            gdown.max(8)
+            lcm(gdown, 8)
         );
         let ir = i / gpu_tp;
         let (bits, ss) = (self.spec.kind.bits(), self.gpu_scale_size());
