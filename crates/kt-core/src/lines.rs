@@ -14,8 +14,9 @@
 //! before. [`lines_to_rows_scalar`] is the twin: every variant writes the same bytes.
 use crate::isa::{self, Level};
 
-/// Rows of a panel (one element each per line).
-const ROWS: usize = crate::pack::PANEL;
+/// Rows of a panel (one element each per line): [`crate::pack::PANEL`], which checks that the
+/// two agree (this module sits below `pack`, which uses it).
+pub const ROWS: usize = 32;
 
 /// Which way [`transpose`] moves the elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,6 +13,10 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 
 /// Outputs per panel.
 pub const PANEL: usize = 32;
+const _: () = assert!(
+    PANEL == crate::lines::ROWS,
+    "the line transposes assume 32-row panels"
+);
 
 /// Elements (bf16) of one packed panel with `k` inputs.
 pub const fn panel_len(k: usize) -> usize {
