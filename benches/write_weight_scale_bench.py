@@ -71,15 +71,11 @@ def copy_ms(nbytes: int, repeats: int, sources: int = 8) -> float:
 
 
 def read_ms(file: Path, repeats: int = 5) -> float:
-    """Median ms of reading `file` from the page cache into a reused 1 MiB buffer."""
-    buf, times = bytearray(1 << 20), []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        with open(file, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median ms of a 1-thread page-cache read of `file` (`load_loop.read_gbps`)."""
+    from load_loop import read_gbps
+
+    size = file.stat().st_size
+    return statistics.median(size / read_gbps([str(file)], 1)[0] / 1e6 for _ in range(repeats))
 
 
 def measure(args) -> dict:
@@ -160,6 +156,15 @@ def header(columns: list[str], original: dict | None, original_columns: list[str
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
+def versus(o: dict, field: str, ours_ms: float, digits: int, note: str = "") -> str:
+    """The original's cells of a row: its time `o[field]` and our speed-up, or why it did
+    not run."""
+    if field not in o:
+        why = o.get("error", "not measured").replace("|", "/")
+        return f" | not run: {why} | –"
+    return f" | {o[field]:.{digits}f}{note} | {o[field] / ours_ms:.1f}×"
+
+
 def table(ours: dict, original: dict | None) -> str:
     lines = header(
         ["method", "GPU ranks", "MB per expert", "median ms", "GB/s written", "ms × a copy's"],
@@ -179,12 +184,10 @@ def table(ours: dict, original: dict | None) -> str:
         )
         if original is not None:
             o = original.get(key) or original.get(method) or {}
-            if "ms" in o:
-                same = "" if o["bytes"] == r["bytes"] else f" ({o['bytes'] / 1e6:.2f} MB)"
-                row += f" | {o['ms']:.2f}{same} | {o['ms'] / r['ms']:.1f}×"
-            else:
-                why = o.get("error", "not measured").replace("|", "/")
-                row += f" | not run: {why} | –"
+            same = (
+                "" if o.get("bytes", r["bytes"]) == r["bytes"] else f" ({o['bytes'] / 1e6:.2f} MB)"
+            )
+            row += versus(o, "ms", r["ms"], 2, same)
         lines.append(row + " |")
     return "\n".join(lines)
 
@@ -207,12 +210,7 @@ def load_table(ours: dict, original: dict | None) -> str:
         mb, ms = r["file_bytes"] / 1e6, r["load_ms"]
         row = f"| {method} | {mb:.1f} | {ms:.1f} | {mb / ms:.2f} | {r['read_ms'] / ms:.2f}"
         if original is not None:
-            o = original.get(method, {})
-            if "load_ms" in o:
-                row += f" | {o['load_ms']:.1f} | {o['load_ms'] / ms:.1f}×"
-            else:
-                why = o.get("error", "not measured").replace("|", "/")
-                row += f" | not run: {why} | –"
+            row += versus(original.get(method, {}), "load_ms", ms, 1)
         lines.append(row + " |")
     return "\n".join(lines)
 
@@ -236,6 +234,9 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write this run's figures here")
     p.add_argument("--merge", nargs=2, type=Path, metavar=("OURS", "ORIGINAL"))
     args = p.parse_args()
+    for name in ("experts", "hidden", "intermediate", "threads", "repeats", "loads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.merge:
         ours = json.loads(args.merge[0].read_text())
         original = json.loads(args.merge[1].read_text()) if args.merge[1].exists() else None

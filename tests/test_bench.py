@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import kt_kernel
 import pytest
@@ -117,3 +118,10 @@ def test_rows_met_with_shared_cores_are_marked():
     assert _cores_cell({"cores_now": 0.97}) == "; cores 97%"
     marked = _cores_cell({"cores_now": SHARED_CORES - 0.01})
     assert marked.endswith(" ‡") and f"{100 * (SHARED_CORES - 0.01):.0f}%" in marked
+
+
+@pytest.mark.parametrize("flag", ["--loads", "--repeats", "--experts", "--threads"])
+def test_write_weight_scale_bench_refuses_counts_below_one(flag):
+    script = Path(__file__).resolve().parents[1] / "benches" / "write_weight_scale_bench.py"
+    r = subprocess.run([sys.executable, str(script), flag, "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and f"{flag} must be >= 1" in r.stderr, r.stderr

@@ -237,10 +237,10 @@ mod x86 {
     /// Swap the off-diagonal halves of registers `a` (upper elements) and `b` (lower ones)
     /// at a distance of `bytes`.
     #[inline(always)]
-    unsafe fn swap512<const BYTES: usize>(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
+    unsafe fn swap512(bytes: usize, a: __m512i, b: __m512i) -> (__m512i, __m512i) {
         // SAFETY: register operations; the caller has AVX-512 F/BW.
         unsafe {
-            match BYTES {
+            match bytes {
                 32 => (
                     _mm512_shuffle_i64x2::<0x44>(a, b),
                     _mm512_shuffle_i64x2::<0xEE>(a, b),
@@ -269,10 +269,10 @@ mod x86 {
 
     /// Swap as [`swap512`] in 32-byte registers.
     #[inline(always)]
-    unsafe fn swap256<const BYTES: usize>(a: __m256i, b: __m256i) -> (__m256i, __m256i) {
+    unsafe fn swap256(bytes: usize, a: __m256i, b: __m256i) -> (__m256i, __m256i) {
         // SAFETY: register operations; the caller has AVX2.
         unsafe {
-            match BYTES {
+            match bytes {
                 16 => (
                     _mm256_permute2x128_si256::<0x20>(a, b),
                     _mm256_permute2x128_si256::<0x31>(a, b),
@@ -306,6 +306,26 @@ mod x86 {
         }
     }
 
+    /// The whole transpose of `N` registers of `N` elements of `elem` bytes: every distance
+    /// from `N/2` elements down to one, swapped by `swap(bytes, a, b)` (its distance in bytes
+    /// is a constant once inlined into a variant's `elem` arm).
+    #[inline(always)]
+    fn all_stages<R: Copy, const N: usize>(
+        z: &mut [R; N],
+        elem: usize,
+        swap: impl Fn(usize, R, R) -> (R, R),
+    ) {
+        if N > 16 {
+            stage::<R, N, 16>(z, |a, b| swap(16 * elem, a, b));
+        }
+        if N > 8 {
+            stage::<R, N, 8>(z, |a, b| swap(8 * elem, a, b));
+        }
+        stage::<R, N, 4>(z, |a, b| swap(4 * elem, a, b));
+        stage::<R, N, 2>(z, |a, b| swap(2 * elem, a, b));
+        stage::<R, N, 1>(z, |a, b| swap(elem, a, b));
+    }
+
     /// # Safety
     /// As [`super::transpose`], `elem` 2 or 4, and the CPU has AVX-512 F/BW.
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -325,18 +345,11 @@ mod x86 {
         // SAFETY: forwarded.
         unsafe {
             match elem {
-                2 => blocks::<__m512i, 32>(way, src, lines, 2, dst, stride, load, store, |z| {
-                    stage::<_, 32, 16>(z, |a, b| swap512::<32>(a, b));
-                    stage::<_, 32, 8>(z, |a, b| swap512::<16>(a, b));
-                    stage::<_, 32, 4>(z, |a, b| swap512::<8>(a, b));
-                    stage::<_, 32, 2>(z, |a, b| swap512::<4>(a, b));
-                    stage::<_, 32, 1>(z, |a, b| swap512::<2>(a, b));
+                2 => blocks::<_, 32>(way, src, lines, 2, dst, stride, load, store, |z| {
+                    all_stages(z, 2, |d, a, b| swap512(d, a, b))
                 }),
-                4 => blocks::<__m512i, 16>(way, src, lines, 4, dst, stride, load, store, |z| {
-                    stage::<_, 16, 8>(z, |a, b| swap512::<32>(a, b));
-                    stage::<_, 16, 4>(z, |a, b| swap512::<16>(a, b));
-                    stage::<_, 16, 2>(z, |a, b| swap512::<8>(a, b));
-                    stage::<_, 16, 1>(z, |a, b| swap512::<4>(a, b));
+                4 => blocks::<_, 16>(way, src, lines, 4, dst, stride, load, store, |z| {
+                    all_stages(z, 4, |d, a, b| swap512(d, a, b))
                 }),
                 _ => unreachable!("elements of 2 or 4 bytes"),
             }
@@ -362,16 +375,11 @@ mod x86 {
         // SAFETY: forwarded.
         unsafe {
             match elem {
-                2 => blocks::<__m256i, 16>(way, src, lines, 2, dst, stride, load, store, |z| {
-                    stage::<_, 16, 8>(z, |a, b| swap256::<16>(a, b));
-                    stage::<_, 16, 4>(z, |a, b| swap256::<8>(a, b));
-                    stage::<_, 16, 2>(z, |a, b| swap256::<4>(a, b));
-                    stage::<_, 16, 1>(z, |a, b| swap256::<2>(a, b));
+                2 => blocks::<_, 16>(way, src, lines, 2, dst, stride, load, store, |z| {
+                    all_stages(z, 2, |d, a, b| swap256(d, a, b))
                 }),
-                4 => blocks::<__m256i, 8>(way, src, lines, 4, dst, stride, load, store, |z| {
-                    stage::<_, 8, 4>(z, |a, b| swap256::<16>(a, b));
-                    stage::<_, 8, 2>(z, |a, b| swap256::<8>(a, b));
-                    stage::<_, 8, 1>(z, |a, b| swap256::<4>(a, b));
+                4 => blocks::<_, 8>(way, src, lines, 4, dst, stride, load, store, |z| {
+                    all_stages(z, 4, |d, a, b| swap256(d, a, b))
                 }),
                 _ => unreachable!("elements of 2 or 4 bytes"),
             }
