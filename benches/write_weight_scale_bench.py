@@ -93,7 +93,11 @@ def measure(args) -> dict:
     # Touch twice the largest layer's memory once: a VM's first touch of memory new to the
     # process is several times slower than later reuse, and would land on the first method.
     torch.ones(2 * e * 3 * h * i * 2 // 4, dtype=torch.float32).sum()
-    results = {}
+    import kt_kernel
+    from compare_original import _cpu_model
+
+    variant = getattr(kt_kernel, "__cpu_variant__", "?")
+    results = {"_machine": {"cpu": _cpu_model(), "variant": variant, "threads": args.threads}}
     for method in args.methods:
         folder = checkpoint(args.weights_dir, method, e, h, i)
         file = folder / "model.safetensors"
@@ -240,6 +244,14 @@ def main() -> int:
     if args.merge:
         ours = json.loads(args.merge[0].read_text())
         original = json.loads(args.merge[1].read_text()) if args.merge[1].exists() else None
+        if "_machine" in ours:
+            m = ours["_machine"]
+            theirs = (original or {}).get("_machine", {}).get("variant")
+            print(
+                f"CPU: {m['cpu']}, {m['threads']} threads; our variant {m['variant']}"
+                + (f", the original's {theirs}" if theirs else "")
+                + ".\n"
+            )
         print(table(ours, original))
         print("\nLoading each method's checkpoint (8 experts, one layer, from the page cache):\n")
         print(load_table(ours, original))
