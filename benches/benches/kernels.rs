@@ -326,8 +326,44 @@ fn ggml_kernels(c: &mut Criterion) {
     grp.finish();
 }
 
+/// Online quantization's inner loop (`load_weights_from_tensors` for the native formats): 32
+/// rows of 2048 f32 values (in cache) to codes and group scales, the dispatched vector variant
+/// against the scalar twin; throughput in bytes of f32 input.
+fn online_quantize(c: &mut Criterion) {
+    use kt_core::codes::{CodeKind, ScaleType};
+    use kt_core::encode::{quantize_row, quantize_row_scalar};
+    let (k, rows) = (2048, 32);
+    let values = Rng::new(6).normals(rows * k, 0.02);
+    let mut g = c.benchmark_group("online_quantize_k2048");
+    g.throughput(Throughput::Bytes((4 * rows * k) as u64));
+    let cases = [
+        ("MXFP4", CodeKind::E2M1, ScaleType::E8M0, 1.0, 32),
+        ("NVFP4", CodeKind::E2M1, ScaleType::E4M3, 1e-4, 16),
+        ("RAWINT4", CodeKind::Int4, ScaleType::Bf16, 1.0, 128),
+        ("MXFP8", CodeKind::E4M3, ScaleType::E8M0, 1.0, 32),
+    ];
+    type Quantizer = fn(CodeKind, ScaleType, f32, &[f32], usize, &mut [u8], &mut [u16]);
+    let variants: [(&str, Quantizer); 2] =
+        [("vector", quantize_row), ("scalar", quantize_row_scalar)];
+    for (name, kind, st, global, group) in cases {
+        let mut codes = vec![0u8; k * kind.bits() / 8];
+        let mut scales = vec![0u16; k / group];
+        for (variant, f) in variants {
+            g.bench_function(BenchmarkId::new(name, variant), |b| {
+                b.iter(|| {
+                    for row in values.chunks_exact(k) {
+                        f(kind, st, global, row, group, &mut codes, &mut scales);
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    online_quantize,
     panel_kernels,
     int_kernels,
     kgroup_kernels,

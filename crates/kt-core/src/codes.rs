@@ -27,7 +27,10 @@ pub const E2M1_VALUES: [f32; 16] = [
 
 /// Midpoints between consecutive E2M1 magnitudes (codes 0..=7): `E2M1_MIDPOINTS[c]` lies
 /// between codes `c` and `c + 1`.
-const E2M1_MIDPOINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+pub(crate) const E2M1_MIDPOINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+
+/// 1.5 · 2²³: adding and subtracting it rounds an f32 below 2²² to an integer, ties to even.
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// Int4 values by nibble (`nibble − 8`).
 pub const INT4_VALUES: [f32; 16] = [
@@ -91,8 +94,7 @@ impl CodeKind {
                 // Ties to even by the 1.5·2²³ trick (exact below 2²², and anything larger
                 // saturates alike): inline, where `round_ties_even` is a libm call on
                 // baseline x86-64. NaN stays NaN through the clamp and casts to 0 → code 8.
-                const MAGIC: f32 = 12_582_912.0;
-                (((v + MAGIC) - MAGIC).clamp(-8.0, 7.0) as i32 + 8) as u8
+                (((v + ROUND_MAGIC) - ROUND_MAGIC).clamp(-8.0, 7.0) as i32 + 8) as u8
             }
         }
     }
@@ -341,7 +343,8 @@ impl CodedMatrix {
 
 /// Quantize one group of `values` to `kind` codes with a `scale_type` scale (divided by
 /// `global` first: the NVFP4 per-tensor factor, 1 elsewhere). Returns the stored scale bits and
-/// writes one code per value (nibbles in the low 4 bits).
+/// writes one code per value (nibbles in the low 4 bits). The scalar twin of
+/// [`crate::encode::quantize_row`].
 pub fn quantize_group(
     kind: CodeKind,
     scale_type: ScaleType,
@@ -350,6 +353,25 @@ pub fn quantize_group(
     codes: &mut [u8],
 ) -> u16 {
     let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (bits, scale) = group_scale(kind, scale_type, global, amax);
+    for (c, &v) in codes.iter_mut().zip(values) {
+        *c = match scale {
+            Some(scale) => kind.encode(v / scale),
+            None => kind.encode(0.0),
+        };
+    }
+    bits
+}
+
+/// The stored scale bits of a group whose largest magnitude is `amax`, and the scale its values
+/// are divided by (`None` where that is zero or not finite: every code is then zero's).
+#[inline]
+pub fn group_scale(
+    kind: CodeKind,
+    scale_type: ScaleType,
+    global: f32,
+    amax: f32,
+) -> (u16, Option<f32>) {
     let wanted = amax / global / kind.max();
     let bits = if amax > 0.0 {
         scale_type.encode_at_least(wanted)
@@ -357,14 +379,7 @@ pub fn quantize_group(
         scale_type.encode_at_least(1.0)
     };
     let scale = scale_type.value(bits) * global;
-    for (c, &v) in codes.iter_mut().zip(values) {
-        *c = if scale > 0.0 && scale.is_finite() {
-            kind.encode(v / scale)
-        } else {
-            kind.encode(0.0)
-        };
-    }
-    bits
+    (bits, (scale > 0.0 && scale.is_finite()).then_some(scale))
 }
 
 #[cfg(test)]

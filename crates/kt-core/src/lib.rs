@@ -29,6 +29,7 @@ pub mod convert;
 pub mod converted;
 pub mod cuda_bridge;
 pub mod dtype;
+pub mod encode;
 pub mod engine;
 pub mod error;
 pub mod expert;

@@ -19,7 +19,8 @@
 //! Loading from an FP8 checkpoint copies codes and scales; from bf16/fp16/fp32 tensors or
 //! checkpoints it quantizes each 128 × 128 block to `amax / 448` (the usual FP8 block recipe).
 use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
-use crate::dtype::{f32_to_e4m3, FloatType};
+use crate::codes::CodeKind;
+use crate::dtype::FloatType;
 use crate::expert::{MoeConfig, Proj};
 use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
@@ -306,8 +307,17 @@ impl Fp8Experts {
         let (n, k) = (view.rows, view.cols);
         let idx = (proj == Proj::Down) as usize;
         let (dst, scale_dst) = (self.parts[part].dst[idx], self.parts[part].scale_dst[idx]);
+        // Codes go row-major into a buffer first and into the panels a whole panel at a time,
+        // as a file load copies them ([`crate::lines::rows_to_lines`]).
+        let to_panel = |codes: &[u8], first_row: usize| {
+            let (at, _) = self.offsets(part, slot, proj, first_row);
+            // SAFETY: `codes` holds 32 rows of k codes; the panel of rows first_row.. (k/2
+            // lines of 64 bytes) belongs to this (part, slot, proj) alone.
+            unsafe { crate::lines::rows_to_lines(codes.as_ptr(), k, k / 2, 2, dst.get().add(at)) };
+        };
         if self.scaling == Scaling::PerChannel {
             let mut row = vec![0f32; k];
+            let mut codes = vec![0u8; PANEL * k];
             for r in 0..n {
                 // SAFETY: row r < n of the live view; `row` has k values.
                 unsafe { view.row_f32(r, &mut row) };
@@ -318,17 +328,19 @@ impl Fp8Experts {
                     );
                 };
                 let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-                let (at, scale_at) = self.offsets(part, slot, proj, r);
-                for (c, v) in row.iter().enumerate() {
-                    // SAFETY: W[r][c]'s byte in a panel of this (part, slot, proj); its scale.
-                    unsafe { *dst.get().add(at + Self::in_panel(r, c)) = f32_to_e4m3(v / scale) };
-                }
+                let out = &mut codes[(r % PANEL) * k..][..k];
+                crate::encode::encode_scaled(CodeKind::E4M3, &row, scale, out);
+                let (_, scale_at) = self.offsets(part, slot, proj, r);
                 // SAFETY: row r's scale, this (part, slot, proj)'s alone.
                 unsafe { *scale_dst.get().add(scale_at) = scale };
+                if r % PANEL == PANEL - 1 {
+                    to_panel(&codes, r + 1 - PANEL);
+                }
             }
             return Ok(());
         }
         let mut rows = vec![0f32; BLOCK * k];
+        let mut codes = vec![0u8; BLOCK * k];
         for rb in 0..n / BLOCK {
             for (i, row) in rows.chunks_exact_mut(k).enumerate() {
                 // SAFETY: row rb·128 + i < n of the live view; `row` has k values.
@@ -347,19 +359,16 @@ impl Fp8Experts {
                     );
                 };
                 let scale = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
-                for (i, row) in rows.chunks_exact(k).enumerate() {
-                    let r = rb * BLOCK + i;
-                    let (at, _) = self.offsets(part, slot, proj, r);
-                    for c in cols.clone() {
-                        // SAFETY: W[r][c]'s byte in a panel of this (part, slot, proj).
-                        unsafe {
-                            *dst.get().add(at + Self::in_panel(r, c)) = f32_to_e4m3(row[c] / scale)
-                        };
-                    }
+                for (row, out) in rows.chunks_exact(k).zip(codes.chunks_exact_mut(k)) {
+                    let (values, out) = (&row[cols.clone()], &mut out[cols.clone()]);
+                    crate::encode::encode_scaled(CodeKind::E4M3, values, scale, out);
                 }
                 let (_, scale_at) = self.offsets(part, slot, proj, rb * BLOCK);
                 // SAFETY: the block's scale, this (part, slot, proj)'s alone.
                 unsafe { *scale_dst.get().add(scale_at + b) = scale };
+            }
+            for (p, panel) in codes.chunks_exact(PANEL * k).enumerate() {
+                to_panel(panel, rb * BLOCK + p * PANEL);
             }
         }
         Ok(())

@@ -24,9 +24,9 @@
 //!
 //! Loading copies the codes and scales of a checkpoint in the method's own format and group
 //! size; anything else (bf16/fp16/fp32 tensors, another format) is quantized per group
-//! ([`crate::codes::quantize_group`]).
+//! ([`crate::encode::quantize_row`]) into those codes, which then take the same copy.
 use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock, RowShare, Stage};
-use crate::codes::{quantize_group, CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
+use crate::codes::{CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
 use crate::kernels::{KernelSet, MAX_ROWS};
@@ -766,9 +766,6 @@ impl KGroupExperts {
         let (n, k) = (view.rows, view.cols);
         let (kind, st) = (self.spec.kind, self.spec.scale_type);
         let (ss, group) = (st.size(), self.group(proj));
-        let idx = (proj == Proj::Down) as usize;
-        let p = &self.parts[part];
-        let (dst, scale_dst) = (p.dst[idx], p.scale_dst[idx]);
         let mut rows = vec![0f32; n * k];
         for (r, row) in rows.chunks_exact_mut(k).enumerate() {
             // SAFETY: row r < n of the live view; `row` has k values.
@@ -797,39 +794,38 @@ impl KGroupExperts {
              {}, beyond the range of the format's {st:?} scales",
             amax / global / kind.max()
         );
-        let mut codes = vec![0u8; group];
+        // The codes and scales a checkpoint of this method would hold, row-major, then the
+        // copy a file load takes: the same bytes as a load of that file, by construction.
+        let (bits, groups) = (kind.bits(), k / group);
+        let row_bytes = k * bits / 8;
+        let mut codes = vec![0u8; n * row_bytes];
+        let mut scales = vec![0u8; n * groups * ss];
+        let mut row_scales = vec![0u16; groups];
         for (r, row) in rows.chunks_exact(k).enumerate() {
-            let (at, scale_at) = self.offsets(part, slot, proj, r);
-            let j = r % PANEL;
-            for (g, values) in row.chunks_exact(group).enumerate() {
-                let bits = quantize_group(kind, st, global, values, &mut codes);
-                for (i, pair) in codes.chunks_exact(2).enumerate() {
-                    let q = (g * group) / 2 + i;
-                    // SAFETY: bytes of row r in line q of this (part, slot, proj)'s panel.
-                    unsafe {
-                        if kind.bits() == 8 {
-                            let b = dst.get().add(at + q * 64 + 2 * j);
-                            *b = pair[0];
-                            *b.add(1) = pair[1];
-                        } else {
-                            *dst.get().add(at + kernels::nibble_byte(q, j)) =
-                                pair[0] | (pair[1] << 4);
-                        }
-                    }
-                }
-                // SAFETY: this row's scale of group g, this (part, slot, proj)'s alone.
-                unsafe {
-                    let d = scale_dst.get().add(scale_at + (g * PANEL + j) * ss);
-                    *d = bits as u8;
-                    if ss == 2 {
-                        *d.add(1) = (bits >> 8) as u8;
-                    }
-                }
+            let out = &mut codes[r * row_bytes..][..row_bytes];
+            crate::encode::quantize_row(kind, st, global, row, group, out, &mut row_scales);
+            let out = scales[r * groups * ss..][..groups * ss].chunks_exact_mut(ss);
+            for (o, b) in out.zip(&row_scales) {
+                o.copy_from_slice(&b.to_le_bytes()[..ss]);
             }
         }
-        // SAFETY: this (part, slot, proj)'s per-tensor scale, written by this task alone.
-        unsafe { *p.global_dst.get().add(Self::global_index(slot, proj)) = global };
-        Ok(())
+        let m = CodedMatrix {
+            kind,
+            codes: codes.as_ptr(),
+            layout: CodeLayout::RowMajor,
+            scales: scales.as_ptr(),
+            scale_type: st,
+            scale_layout: ScaleLayout::RowMajor,
+            group,
+            global,
+            rows: n,
+            cols: k,
+            row0: 0,
+            col0: 0,
+        };
+        // SAFETY: forwarded; `m` holds the view's n × k values in this method's kind, scale
+        // type and group size, alive until the copy returns.
+        unsafe { self.copy_codes(part, slot, proj, view, &m) }
     }
 
     /// Bytes this layer's experts occupy (codes, scales, per-tensor scales).
