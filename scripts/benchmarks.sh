@@ -39,6 +39,8 @@ if step convert; then
 stamp convert
 echo "[benchmarks] converter and loading of converted weights"
 "$VENV/bin/python" benches/convert_bench.py --json "$OUT/convert.json" --markdown "$OUT/convert.md"
+echo "[benchmarks] online quantization (load_weights_from_tensors)"
+"$VENV/bin/python" benches/quantize_load.py --json "$OUT/quantize.json" --markdown "$OUT/quantize.md"
 fi
 
 if step wwsb; then
@@ -146,6 +148,13 @@ lines += ["", "## Converter and loading converted weights (`benches/convert_benc
           "(fsync included). Load times include the first touch of the layer's fresh memory, "
           "which is slow on this VM the first time a process uses it.", ""]
 lines.append(section("convert.md", "Converter and loading converted weights"))
+lines += ["", "## Online quantization (`benches/quantize_load.py`, part of the convert step)", "",
+          "`load_weights_from_tensors` of one S1 layer (128 experts, H=2048, I=768) from bf16 "
+          "tensors: each method quantizes to its own format on the pool while it loads (the "
+          "original has no online path for the native formats). Reference: a torch per-row FP8 "
+          "quantization of the same tensors (row amax, divide, cast to `float8_e4m3fn`) on as "
+          "many threads, run after each load; × torch above 1 means our load is faster.", ""]
+lines.append(section("quantize.md", "Online quantization"))
 lines += ["", "## write_weight_scale_to_buffer and native loads (`benches/write_weight_scale_bench.py`)", "",
           "One S1 expert (H=2048, I=768) written from the CPU parts into every GPU rank's "
           "buffers, in the bytes the original writes (tests compare them); ranks in parallel; "
