@@ -766,17 +766,23 @@ impl KGroupExperts {
         let (n, k) = (view.rows, view.cols);
         let (kind, st) = (self.spec.kind, self.spec.scale_type);
         let (ss, group) = (st.size(), self.group(proj));
-        let mut rows = vec![0f32; n * k];
-        for (r, row) in rows.chunks_exact_mut(k).enumerate() {
+        // Two passes over the view, a row at a time: the largest magnitude first (NVFP4's
+        // per-tensor scale and the range check need it before any code), then the codes. A
+        // row stays in L1 where a whole matrix of f32 (6 MB for an S1 projection) went through
+        // memory twice.
+        let mut row = vec![0f32; k];
+        let mut amax = 0f32;
+        for r in 0..n {
             // SAFETY: row r < n of the live view; `row` has k values.
-            unsafe { view.row_f32(r, row) };
+            unsafe { view.row_f32(r, &mut row) };
+            let Some(a) = crate::quant::finite_abs_max(&row) else {
+                kt_bail!(
+                    Invalid,
+                    "expert slot {slot} {proj:?} holds a non-finite weight in row {r}"
+                );
+            };
+            amax = amax.max(a);
         }
-        let Some(amax) = crate::quant::finite_abs_max(&rows) else {
-            kt_bail!(
-                Invalid,
-                "expert slot {slot} {proj:?} holds a non-finite weight"
-            );
-        };
         // NVFP4: a per-tensor scale that maps the largest weight to the largest code times the
         // largest E4M3 scale; the others have none.
         let global = if self.spec.global && amax > 0.0 {
@@ -801,9 +807,11 @@ impl KGroupExperts {
         let mut codes = vec![0u8; n * row_bytes];
         let mut scales = vec![0u8; n * groups * ss];
         let mut row_scales = vec![0u16; groups];
-        for (r, row) in rows.chunks_exact(k).enumerate() {
+        for r in 0..n {
+            // SAFETY: as in the first pass.
+            unsafe { view.row_f32(r, &mut row) };
             let out = &mut codes[r * row_bytes..][..row_bytes];
-            crate::encode::quantize_row(kind, st, global, row, group, out, &mut row_scales);
+            crate::encode::quantize_row(kind, st, global, &row, group, out, &mut row_scales);
             let out = scales[r * groups * ss..][..groups * ss].chunks_exact_mut(ss);
             for (o, b) in out.zip(&row_scales) {
                 o.copy_from_slice(&b.to_le_bytes()[..ss]);
