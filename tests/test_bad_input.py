@@ -419,6 +419,19 @@ def test_quantizing_a_non_finite_weight_is_refused(method, bad):
         w.load_weights_from_tensors(gate, up, down)
 
 
+@pytest.mark.parametrize("method", ["MXFP4", "MXFP8"])
+def test_a_weight_whose_power_of_two_scale_overflows_is_refused(method):
+    # E8M0 scales round up to a power of two: near f32's top, the group's largest code times
+    # its scale is infinite (a quantization of 3e38 decoded to inf before this was checked).
+    gate, up, down = random_experts(4, 256, 256, dtype=torch.float32)
+    gate[1, 3, 5] = 3e38
+    w = make_wrapper(e=4, h=256, i=256, method=method)
+    with pytest.raises(ValueError, match="beyond f32"):
+        w.load_weights_from_tensors(gate, up, down)
+    gate[1, 3, 5] = 1e36  # far enough below the top: loads
+    w.load_weights_from_tensors(gate, up, down)
+
+
 def test_gptq_group_scale_beyond_fp16_is_refused():
     # GPTQ_INT4's group scales are fp16: a weight of 1e6 needs a scale above 65504.
     gate, up, down = random_experts(4, 256, 256, dtype=torch.float32)
