@@ -248,11 +248,7 @@ mod x86 {
         codes: &mut [u8],
         scales: &mut [u16],
     ) {
-        let group_bytes = group * kind.bits() / 8;
-        let groups = row
-            .chunks_exact(group)
-            .zip(codes.chunks_exact_mut(group_bytes));
-        for ((values, codes), bits) in groups.zip(scales.iter_mut()) {
+        let one_group = |values: &[f32]| {
             let mut largest = _mm512_setzero_ps();
             for v in values.chunks_exact(16) {
                 // SAFETY: 16 values. `max` returns its second operand for NaN: NaN values are
@@ -260,15 +256,144 @@ mod x86 {
                 largest =
                     unsafe { _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v.as_ptr())), largest) };
             }
-            let (b, scale) = group_scale(kind, scale_type, global, _mm512_reduce_max_ps(largest));
-            *bits = b;
-            // SAFETY: forwarded (AVX-512 F here).
-            match scale {
-                // SAFETY: forwarded (the same features here).
-                Some(scale) => unsafe { encode_avx512(kind, values, scale, codes) },
-                None => zero_codes(kind, codes),
+            group_scale(kind, scale_type, global, _mm512_reduce_max_ps(largest))
+        };
+        let rows = RowJob {
+            kind,
+            scale_type,
+            row,
+            group,
+        };
+        rows.run::<16>(
+            codes,
+            scales,
+            // SAFETY: 16 whole groups of whole 16-value steps (the caller's contract).
+            |values| unsafe { batch_scales(kind, scale_type, global, values, group) },
+            one_group,
+            // SAFETY: AVX-512 F here.
+            |values, scale, out| unsafe { encode_avx512(kind, values, scale, out) },
+        );
+    }
+
+    /// [`group_scale`] of 16 consecutive groups of `group` values (a multiple of 16) with E8M0
+    /// or E4M3 scales, lane g for group g: the stored bits, the scales, and a mask of the
+    /// usable ones. The same operations on the same values as the scalar code, so the same
+    /// bits: the groups' largest magnitudes (NaN passed over), `amax / global / max`, the
+    /// scale type's rounding up (E8M0) or to nearest (E4M3, through [`e4m3_512`]), its value.
+    ///
+    /// # Safety
+    /// AVX-512 F; `values` holds 16 groups of `group` values, `group` a multiple of 16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn batch_scales(
+        kind: CodeKind,
+        scale_type: ScaleType,
+        global: f32,
+        values: &[f32],
+        group: usize,
+    ) -> ([u32; 16], [f32; 16], u32) {
+        let mut lanes = [_mm512_setzero_ps(); 16];
+        for (m, values) in lanes.iter_mut().zip(values.chunks_exact(group)) {
+            for v in values.chunks_exact(16) {
+                // SAFETY: 16 values; NaN passed over as in [`quantize_row_avx512`].
+                *m = unsafe { _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v.as_ptr())), *m) };
             }
         }
+        let amax = lane_maxima(&lanes);
+        let wanted = _mm512_div_ps(
+            _mm512_div_ps(amax, _mm512_set1_ps(global)),
+            _mm512_set1_ps(kind.max()),
+        );
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(amax, _mm512_setzero_ps());
+        let (bits, value) = match scale_type {
+            ScaleType::E8M0 => {
+                // ⌈log2 s⌉: the exponent, plus one unless s is a power of two; 127 (1.0) for
+                // NaN, zero and values below the smallest normal, as `encode_at_least`.
+                let s = _mm512_castps_si512(wanted);
+                let exponent =
+                    _mm512_and_si512(_mm512_srli_epi32::<23>(s), _mm512_set1_epi32(0xFF));
+                let fraction = _mm512_test_epi32_mask(s, _mm512_set1_epi32(0x7F_FFFF));
+                let up = _mm512_mask_add_epi32(exponent, fraction, exponent, _mm512_set1_epi32(1));
+                let up = _mm512_max_epi32(
+                    _mm512_min_epi32(up, _mm512_set1_epi32(254)),
+                    _mm512_set1_epi32(1),
+                );
+                let normal =
+                    _mm512_cmp_ps_mask::<_CMP_GE_OQ>(wanted, _mm512_set1_ps(f32::MIN_POSITIVE));
+                let bits = _mm512_mask_blend_epi32(normal & positive, _mm512_set1_epi32(127), up);
+                (bits, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits)))
+            }
+            _ => {
+                let one = CodeKind::E4M3.encode(1.0) as i32;
+                let bits =
+                    _mm512_mask_blend_epi32(positive, _mm512_set1_epi32(one), e4m3_512(wanted));
+                (bits, e4m3_value512(bits))
+            }
+        };
+        let scale = _mm512_mul_ps(value, _mm512_set1_ps(global));
+        let usable = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(scale, _mm512_setzero_ps())
+            & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(scale, _mm512_set1_ps(f32::INFINITY));
+        let (mut b, mut v) = ([0u32; 16], [0f32; 16]);
+        // SAFETY: 16 lanes into 16 elements each.
+        unsafe {
+            _mm512_storeu_si512(b.as_mut_ptr() as *mut __m512i, bits);
+            _mm512_storeu_ps(v.as_mut_ptr(), scale);
+        }
+        (b, v, usable as u32)
+    }
+
+    /// Lane g: the largest lane of `m[g]` (maxima of non-NaN values, so the order of the
+    /// comparisons does not matter). Halves, then quarters, then pairs and single lanes of two
+    /// vectors at a time are compared, which leaves group `L + 4e` at lane `4L + e`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn lane_maxima(m: &[__m512; 16]) -> __m512 {
+        let halves: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (m[2 * i], m[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        let quarters: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (halves[2 * i], halves[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        });
+        let pairs: [__m512; 2] = std::array::from_fn(|i| {
+            let (a, b) = (quarters[2 * i], quarters[2 * i + 1]);
+            _mm512_max_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+            )
+        });
+        let (a, b) = (pairs[0], pairs[1]);
+        let lanes = _mm512_max_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, lanes)
+    }
+
+    /// The values of 16 E4M3 codes (the scale table's, without NaN: the encoder saturates).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn e4m3_value512(bits: __m512i) -> __m512 {
+        let exponent = _mm512_and_si512(_mm512_srli_epi32::<3>(bits), _mm512_set1_epi32(0xF));
+        let mantissa = _mm512_and_si512(bits, _mm512_set1_epi32(7));
+        let normal = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_slli_epi32::<23>(_mm512_add_epi32(exponent, _mm512_set1_epi32(120))),
+            _mm512_slli_epi32::<20>(mantissa),
+        ));
+        // m · 2⁻⁹ below the smallest normal code.
+        let tiny = _mm512_mul_ps(_mm512_cvtepi32_ps(mantissa), _mm512_set1_ps(1.0 / 512.0));
+        let is_tiny = _mm512_cmpeq_epi32_mask(exponent, _mm512_setzero_si512());
+        let magnitude = _mm512_mask_blend_ps(is_tiny, normal, tiny);
+        let negative = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x80));
+        _mm512_mask_sub_ps(magnitude, negative, _mm512_setzero_ps(), magnitude)
     }
 
     /// # Safety
@@ -414,11 +539,7 @@ mod x86 {
         codes: &mut [u8],
         scales: &mut [u16],
     ) {
-        let group_bytes = group * kind.bits() / 8;
-        let groups = row
-            .chunks_exact(group)
-            .zip(codes.chunks_exact_mut(group_bytes));
-        for ((values, codes), bits) in groups.zip(scales.iter_mut()) {
+        let one_group = |values: &[f32]| {
             let mut largest = _mm256_setzero_ps();
             for v in values.chunks_exact(8) {
                 // SAFETY: 8 values; NaN passed over as in [`quantize_row_avx512`].
@@ -428,12 +549,194 @@ mod x86 {
             // SAFETY: 8 floats.
             unsafe { _mm256_storeu_ps(lane.as_mut_ptr(), largest) };
             let amax = lane.iter().fold(0f32, |m, &v| m.max(v));
-            let (b, scale) = group_scale(kind, scale_type, global, amax);
+            group_scale(kind, scale_type, global, amax)
+        };
+        let rows = RowJob {
+            kind,
+            scale_type,
+            row,
+            group,
+        };
+        rows.run::<8>(
+            codes,
+            scales,
+            // SAFETY: 8 whole groups of whole 8-value steps (the caller's contract).
+            |values| unsafe { batch_scales256(kind, scale_type, global, values, group) },
+            one_group,
+            // SAFETY: AVX2 here.
+            |values, scale, out| unsafe { encode_avx2(kind, values, scale, out) },
+        );
+    }
+
+    /// [`batch_scales`] on 8 groups with AVX2.
+    ///
+    /// # Safety
+    /// AVX2; `values` holds 8 groups of `group` values, `group` a multiple of 8.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn batch_scales256(
+        kind: CodeKind,
+        scale_type: ScaleType,
+        global: f32,
+        values: &[f32],
+        group: usize,
+    ) -> ([u32; 8], [f32; 8], u32) {
+        let mut maxima = [_mm256_setzero_ps(); 8];
+        for (m, values) in maxima.iter_mut().zip(values.chunks_exact(group)) {
+            for v in values.chunks_exact(8) {
+                // SAFETY: 8 values; NaN passed over as in [`quantize_row_avx512`].
+                *m = unsafe { _mm256_max_ps(abs256(_mm256_loadu_ps(v.as_ptr())), *m) };
+            }
+        }
+        let amax = lane_maxima256(&maxima);
+        let wanted = _mm256_div_ps(
+            _mm256_div_ps(amax, _mm256_set1_ps(global)),
+            _mm256_set1_ps(kind.max()),
+        );
+        let positive = lanes(_mm256_cmp_ps::<_CMP_GT_OQ>(amax, _mm256_setzero_ps()));
+        let (bits, value) = match scale_type {
+            ScaleType::E8M0 => {
+                let s = _mm256_castps_si256(wanted);
+                let exponent =
+                    _mm256_and_si256(_mm256_srli_epi32::<23>(s), _mm256_set1_epi32(0xFF));
+                let exact = _mm256_cmpeq_epi32(
+                    _mm256_and_si256(s, _mm256_set1_epi32(0x7F_FFFF)),
+                    _mm256_setzero_si256(),
+                );
+                // Plus one where a fraction is left: subtract the all-ones of "not exact".
+                let up = _mm256_sub_epi32(exponent, _mm256_xor_si256(exact, _mm256_set1_epi32(-1)));
+                let up = _mm256_max_epi32(
+                    _mm256_min_epi32(up, _mm256_set1_epi32(254)),
+                    _mm256_set1_epi32(1),
+                );
+                let normal = lanes(_mm256_cmp_ps::<_CMP_GE_OQ>(
+                    wanted,
+                    _mm256_set1_ps(f32::MIN_POSITIVE),
+                ));
+                let take = _mm256_and_si256(normal, positive);
+                let bits = _mm256_blendv_epi8(_mm256_set1_epi32(127), up, take);
+                (bits, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits)))
+            }
+            _ => {
+                let one = _mm256_set1_epi32(CodeKind::E4M3.encode(1.0) as i32);
+                let bits = _mm256_blendv_epi8(one, e4m3_256(wanted), positive);
+                (bits, e4m3_value256(bits))
+            }
+        };
+        let scale = _mm256_mul_ps(value, _mm256_set1_ps(global));
+        let usable = _mm256_and_ps(
+            _mm256_cmp_ps::<_CMP_GT_OQ>(scale, _mm256_setzero_ps()),
+            _mm256_cmp_ps::<_CMP_LT_OQ>(scale, _mm256_set1_ps(f32::INFINITY)),
+        );
+        let (mut b, mut v) = ([0u32; 8], [0f32; 8]);
+        // SAFETY: 8 lanes into 8 elements each.
+        unsafe {
+            _mm256_storeu_si256(b.as_mut_ptr() as *mut __m256i, bits);
+            _mm256_storeu_ps(v.as_mut_ptr(), scale);
+        }
+        (b, v, _mm256_movemask_ps(usable) as u32)
+    }
+
+    /// As [`lane_maxima`] on 8 vectors: halves, then pairs and single lanes, which leaves
+    /// group `L + 2e` at lane `4L + e`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn lane_maxima256(m: &[__m256; 8]) -> __m256 {
+        let halves: [__m256; 4] = std::array::from_fn(|i| {
+            let (a, b) = (m[2 * i], m[2 * i + 1]);
+            _mm256_max_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        });
+        let pairs: [__m256; 2] = std::array::from_fn(|i| {
+            let (a, b) = (halves[2 * i], halves[2 * i + 1]);
+            _mm256_max_ps(
+                _mm256_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm256_shuffle_ps::<0b11_01_11_01>(a, b),
+            )
+        });
+        let (a, b) = (pairs[0], pairs[1]);
+        let lanes = _mm256_max_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(a, b),
+            _mm256_shuffle_ps::<0b11_01_11_01>(a, b),
+        );
+        _mm256_permutevar8x32_ps(lanes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+
+    /// As [`e4m3_value512`] on 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn e4m3_value256(bits: __m256i) -> __m256 {
+        let exponent = _mm256_and_si256(_mm256_srli_epi32::<3>(bits), _mm256_set1_epi32(0xF));
+        let mantissa = _mm256_and_si256(bits, _mm256_set1_epi32(7));
+        let normal = _mm256_castsi256_ps(_mm256_or_si256(
+            _mm256_slli_epi32::<23>(_mm256_add_epi32(exponent, _mm256_set1_epi32(120))),
+            _mm256_slli_epi32::<20>(mantissa),
+        ));
+        let tiny = _mm256_mul_ps(_mm256_cvtepi32_ps(mantissa), _mm256_set1_ps(1.0 / 512.0));
+        let is_tiny = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+        let magnitude = _mm256_blendv_ps(normal, tiny, _mm256_castsi256_ps(is_tiny));
+        // The sign bit moved to bit 31.
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)));
+        _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign))
+    }
+}
+
+/// One row for a vector row quantizer: the loop both ISAs share.
+#[cfg(target_arch = "x86_64")]
+struct RowJob<'a> {
+    kind: CodeKind,
+    scale_type: ScaleType,
+    row: &'a [f32],
+    group: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowJob<'_> {
+    /// Scales of `N` groups at a time through `batch` (bits, scales, usable mask) where the
+    /// scale type is E8M0 or E4M3, of one group through `one` elsewhere and for the groups
+    /// left over; each group's codes through `encode`, or zero's where its scale is unusable.
+    #[inline(always)]
+    fn run<const N: usize>(
+        &self,
+        codes: &mut [u8],
+        scales: &mut [u16],
+        batch: impl Fn(&[f32]) -> ([u32; N], [f32; N], u32),
+        one: impl Fn(&[f32]) -> (u16, Option<f32>),
+        encode: impl Fn(&[f32], f32, &mut [u8]),
+    ) {
+        let (kind, group) = (self.kind, self.group);
+        let group_bytes = group * kind.bits() / 8;
+        // With groups of 16 or 32 values the scalar scale of each group cost as much as
+        // encoding its values.
+        let batched = if matches!(self.scale_type, ScaleType::E8M0 | ScaleType::E4M3) {
+            scales.len() / N * N
+        } else {
+            0
+        };
+        for first in (0..batched).step_by(N) {
+            let values = &self.row[first * group..(first + N) * group];
+            let (bits, scale, usable) = batch(values);
+            for g in 0..N {
+                scales[first + g] = bits[g] as u16;
+                let values = &values[g * group..(g + 1) * group];
+                let out = &mut codes[(first + g) * group_bytes..][..group_bytes];
+                if usable >> g & 1 == 1 {
+                    encode(values, scale[g], out);
+                } else {
+                    zero_codes(kind, out);
+                }
+            }
+        }
+        let groups = self.row[batched * group..]
+            .chunks_exact(group)
+            .zip(codes[batched * group_bytes..].chunks_exact_mut(group_bytes));
+        for ((values, codes), bits) in groups.zip(scales[batched..].iter_mut()) {
+            let (b, scale) = one(values);
             *bits = b;
-            // SAFETY: forwarded (AVX2 here).
             match scale {
-                // SAFETY: forwarded (the same features here).
-                Some(scale) => unsafe { encode_avx2(kind, values, scale, codes) },
+                Some(scale) => encode(values, scale, codes),
                 None => zero_codes(kind, codes),
             }
         }
@@ -562,12 +865,28 @@ mod tests {
         ];
         for (kind, st, global, group) in cases {
             for spread in [1.0f32, 1e-3, 1e4, 1e-38] {
-                let mut row: Vec<f32> = rng.normals(group * 12, spread);
-                row[3] = f32::NAN;
-                row[group + 5] = f32::INFINITY;
-                row[2 * group + 1] = -f32::INFINITY;
-                row[3 * group..4 * group].fill(0.0);
-                row[4 * group..5 * group].fill(-1e-45);
+                // 40 groups: two batches of 16 where the scales go 16 at a time, and 8 more.
+                let mut row: Vec<f32> = rng.normals(group * 40, spread);
+                for batch in [0, 16, 32] {
+                    let at = |g: usize| (batch + g) * group;
+                    row[at(0) + 3] = f32::NAN;
+                    row[at(1) + 5] = f32::INFINITY;
+                    row[at(2) + 1] = -f32::INFINITY;
+                    row[at(3)..at(4)].fill(0.0);
+                    row[at(4)..at(5)].fill(-1e-45);
+                    row[at(7)..at(8)].fill(f32::NAN);
+                }
+                // Every group a different magnitude, so a scale in the wrong lane shows.
+                for (g, values) in row.chunks_exact_mut(group).enumerate() {
+                    values.iter_mut().for_each(|v| *v *= 1.0 + g as f32 / 8.0);
+                }
+                // A group whose largest magnitude over the largest code is a power of two
+                // (3 / 6 = 0.5 for E2M1): the E8M0 scale must not round it up.
+                for batch in [0, 16, 30] {
+                    let g9 = &mut row[(batch + 9) * group..(batch + 10) * group];
+                    g9.iter_mut().for_each(|v| *v = v.clamp(-1.0, 1.0));
+                    g9[1] = -3.0;
+                }
                 let groups = row.len() / group;
                 let bytes = row.len() * kind.bits() / 8;
                 let mut twin = (vec![0u8; bytes], vec![0u16; groups]);
