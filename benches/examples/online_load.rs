@@ -1,32 +1,16 @@
 //! Diagnostic: online quantization of one S1 layer (128 experts, H 2048, I 768) from bf16
 //! tensors, per method, `ITERS` loads each, methods alternating; prints each load's ms.
 //! `cargo run --release -p kt-benches --example online_load -- RAWINT4 MXFP4`
-use kt_core::dtype::FloatType;
 use kt_core::kernels::KernelSet;
 use kt_core::method::Method;
-use kt_core::moe::{MoeConfig, MoeLayer, TensorSource};
-use kt_core::rng::Rng;
+use kt_core::moe::{MoeConfig, MoeLayer};
 use std::time::Instant;
 
 fn main() {
     let pool = kt_benches::pool(kt_benches::env_or("THREADS", 2));
     let (e, h, i) = (128, 2048, 768);
-    let mut rng = Rng::new(1);
-    let mut bf16 = |n: usize| -> Vec<u16> {
-        (0..n)
-            .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal() * 0.02))
-            .collect()
-    };
-    let (g, u, d) = (bf16(e * i * h), bf16(e * i * h), bf16(e * h * i));
-    let src = TensorSource {
-        gate: g.as_ptr() as *const u8,
-        up: u.as_ptr() as *const u8,
-        down: d.as_ptr() as *const u8,
-        dtype: FloatType::BF16,
-        experts: e,
-        hidden: h,
-        intermediate: i,
-    };
+    let tensors = kt_benches::SyntheticTensors::new(e, h, i);
+    let src = tensors.source();
     let methods: Vec<Method> = std::env::args()
         .skip(1)
         .map(|m| Method::parse(&m).unwrap_or_else(|e| panic!("{e}")))

@@ -15,6 +15,48 @@ pub fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// Random bf16 expert tensors as a caller of `load_weights_from_tensors` holds them: gate and
+/// up `[e][i][h]`, down `[e][h][i]`, values N(0, 0.02²) from a fixed seed.
+pub struct SyntheticTensors {
+    gate: Vec<u16>,
+    up: Vec<u16>,
+    down: Vec<u16>,
+    shape: (usize, usize, usize),
+}
+
+impl SyntheticTensors {
+    /// `e` experts of hidden size `h` and intermediate size `i`.
+    pub fn new(e: usize, h: usize, i: usize) -> Self {
+        let mut rng = Rng::new(1);
+        let mut mk = |n: usize| -> Vec<u16> {
+            (0..n)
+                .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal() * 0.02))
+                .collect()
+        };
+        let (gate, up, down) = (mk(e * i * h), mk(e * i * h), mk(e * h * i));
+        SyntheticTensors {
+            gate,
+            up,
+            down,
+            shape: (e, h, i),
+        }
+    }
+
+    /// The tensors as a load's source (valid while `self` lives).
+    pub fn source(&self) -> TensorSource {
+        let (experts, hidden, intermediate) = self.shape;
+        TensorSource {
+            gate: self.gate.as_ptr() as *const u8,
+            up: self.up.as_ptr() as *const u8,
+            down: self.down.as_ptr() as *const u8,
+            dtype: FloatType::BF16,
+            experts,
+            hidden,
+            intermediate,
+        }
+    }
+}
+
 /// A loaded layer of the given shape with random bf16 weights.
 pub fn synthetic_layer(
     pool: &Pool,
@@ -40,22 +82,8 @@ pub fn synthetic_layer_as(
     kernels: KernelSet,
     format: Method,
 ) -> MoeLayer {
-    let mut rng = Rng::new(1);
-    let mut mk = |n: usize| -> Vec<u16> {
-        (0..n)
-            .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal() * 0.02))
-            .collect()
-    };
-    let (g, u, d) = (mk(e * i * h), mk(e * i * h), mk(e * h * i));
-    let src = TensorSource {
-        gate: g.as_ptr() as *const u8,
-        up: u.as_ptr() as *const u8,
-        down: d.as_ptr() as *const u8,
-        dtype: FloatType::BF16,
-        experts: e,
-        hidden: h,
-        intermediate: i,
-    };
+    let tensors = SyntheticTensors::new(e, h, i);
+    let src = tensors.source();
     let cfg = MoeConfig {
         layer_idx: 0,
         num_experts: e,
