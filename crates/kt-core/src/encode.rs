@@ -8,6 +8,8 @@
 //! per step with the same IEEE operations in the same order (a true division, not a
 //! reciprocal), so they write the bytes the scalar code writes for every input, NaN and
 //! infinities included; the scalar loops are the twins, and a test holds each variant to them.
+//! The row quantizers also find the E8M0 and E4M3 group scales of 16 (8) groups at once: with
+//! groups of 16 or 32 values, one group's scalar scale cost as much as encoding its values.
 use crate::codes::{group_scale, CodeKind, ScaleType};
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{self, Level};
@@ -131,7 +133,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// AVX-512 F; `out.len() == values.len()`.
+    /// AVX-512 F; the lengths [`encode_scaled`] checks.
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn encode_avx512(kind: CodeKind, values: &[f32], scale: f32, out: &mut [u8]) {
@@ -397,7 +399,7 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2; `out.len() == values.len()`.
+    /// AVX2; the lengths [`encode_scaled`] checks.
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn encode_avx2(kind: CodeKind, values: &[f32], scale: f32, out: &mut [u8]) {
