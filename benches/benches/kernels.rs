@@ -339,7 +339,7 @@ fn online_quantize(c: &mut Criterion) {
     let cases = [
         ("MXFP4", CodeKind::E2M1, ScaleType::E8M0, 1.0, 32),
         ("NVFP4", CodeKind::E2M1, ScaleType::E4M3, 1e-4, 16),
-        ("RAWINT4", CodeKind::Int4, ScaleType::Bf16, 1.0, 128),
+        ("RAWINT4", CodeKind::Int4, ScaleType::Bf16, 1.0, 32),
         ("MXFP8", CodeKind::E4M3, ScaleType::E8M0, 1.0, 32),
     ];
     type Quantizer = fn(CodeKind, ScaleType, f32, &[f32], usize, &mut [u8], &mut [u16]);

@@ -8,8 +8,8 @@
 //! per step with the same IEEE operations in the same order (a true division, not a
 //! reciprocal), so they write the bytes the scalar code writes for every input, NaN and
 //! infinities included; the scalar loops are the twins, and a test holds each variant to them.
-//! The row quantizers also find the E8M0 and E4M3 group scales of 16 (8) groups at once: with
-//! groups of 16 or 32 values, one group's scalar scale cost as much as encoding its values.
+//! The row quantizers also find the E8M0, E4M3 and bf16 group scales of 16 (8) groups at once:
+//! with groups of 16 or 32 values, one group's scalar scale cost as much as encoding its values.
 use crate::codes::{group_scale, CodeKind, ScaleType};
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{self, Level};
@@ -131,6 +131,9 @@ mod x86 {
     use super::*;
     use crate::codes::{E2M1_MIDPOINTS, ROUND_MAGIC};
     use std::arch::x86_64::*;
+
+    /// bf16 bits of 1.0: the scale of a group without a positive magnitude.
+    const BF16_ONE: i32 = 0x3F80;
 
     /// # Safety
     /// AVX-512 F; the lengths [`encode_scaled`] checks.
@@ -277,8 +280,8 @@ mod x86 {
         );
     }
 
-    /// [`group_scale`] of 16 consecutive groups of `group` values (a multiple of 16) with E8M0
-    /// or E4M3 scales, lane g for group g: the stored bits, the scales, and a mask of the
+    /// [`group_scale`] of 16 consecutive groups of `group` values (a multiple of 16) with E8M0,
+    /// E4M3 or bf16 scales, lane g for group g: the stored bits, the scales, and a mask of the
     /// usable ones. The same operations on the same values as the scalar code, so the same
     /// bits: the groups' largest magnitudes (NaN passed over), `amax / global / max`, the
     /// scale type's rounding up (E8M0) or to nearest (E4M3, through [`e4m3_512`]), its value.
@@ -324,6 +327,19 @@ mod x86 {
                     _mm512_cmp_ps_mask::<_CMP_GE_OQ>(wanted, _mm512_set1_ps(f32::MIN_POSITIVE));
                 let bits = _mm512_mask_blend_epi32(normal & positive, _mm512_set1_epi32(127), up);
                 (bits, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits)))
+            }
+            ScaleType::Bf16 => {
+                // Round to nearest, ties to even, on the bits (as `bf16::from_f32` for values
+                // that are not NaN; a finite value past the largest bf16 rounds to infinity).
+                let s = _mm512_castps_si512(wanted);
+                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(s), _mm512_set1_epi32(1));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+                    _mm512_add_epi32(s, _mm512_set1_epi32(0x7FFF)),
+                    odd,
+                ));
+                let one = _mm512_set1_epi32(BF16_ONE);
+                let bits = _mm512_mask_blend_epi32(positive, one, rounded);
+                (bits, _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)))
             }
             _ => {
                 let one = CodeKind::E4M3.encode(1.0) as i32;
@@ -619,6 +635,17 @@ mod x86 {
                 let bits = _mm256_blendv_epi8(_mm256_set1_epi32(127), up, take);
                 (bits, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits)))
             }
+            ScaleType::Bf16 => {
+                // As in [`batch_scales`].
+                let s = _mm256_castps_si256(wanted);
+                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(s), _mm256_set1_epi32(1));
+                let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+                    _mm256_add_epi32(s, _mm256_set1_epi32(0x7FFF)),
+                    odd,
+                ));
+                let bits = _mm256_blendv_epi8(_mm256_set1_epi32(BF16_ONE), rounded, positive);
+                (bits, _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits)))
+            }
             _ => {
                 let one = _mm256_set1_epi32(CodeKind::E4M3.encode(1.0) as i32);
                 let bits = _mm256_blendv_epi8(one, e4m3_256(wanted), positive);
@@ -697,7 +724,7 @@ struct RowJob<'a> {
 #[cfg(target_arch = "x86_64")]
 impl RowJob<'_> {
     /// Scales of `N` groups at a time through `batch` (bits, scales, usable mask) where the
-    /// scale type is E8M0 or E4M3, of one group through `one` elsewhere and for the groups
+    /// scale type is E8M0, E4M3 or bf16, of one group through `one` elsewhere and for the groups
     /// left over; each group's codes through `encode`, or zero's where its scale is unusable.
     #[inline(always)]
     fn run<const N: usize>(
@@ -712,7 +739,7 @@ impl RowJob<'_> {
         let group_bytes = group * kind.bits() / 8;
         // With groups of 16 or 32 values the scalar scale of each group cost as much as
         // encoding its values.
-        let batched = if matches!(self.scale_type, ScaleType::E8M0 | ScaleType::E4M3) {
+        let batched = if self.scale_type != ScaleType::F16 {
             scales.len() / N * N
         } else {
             0
@@ -860,6 +887,8 @@ mod tests {
             (CodeKind::E2M1, ScaleType::E8M0, 1.0, 32),
             (CodeKind::E2M1, ScaleType::E4M3, 0.0123, 16),
             (CodeKind::Int4, ScaleType::Bf16, 1.0, 128),
+            (CodeKind::Int4, ScaleType::Bf16, 1.0, 32),
+            (CodeKind::Int4, ScaleType::Bf16, 1.0, 16),
             (CodeKind::Int4, ScaleType::F16, 1.0, 64),
             (CodeKind::E4M3, ScaleType::E8M0, 1.0, 32),
             (CodeKind::E4M3, ScaleType::E8M0, 1.0, 8),
@@ -888,6 +917,13 @@ mod tests {
                     let g9 = &mut row[(batch + 9) * group..(batch + 10) * group];
                     g9.iter_mut().for_each(|v| *v = v.clamp(-1.0, 1.0));
                     g9[1] = -3.0;
+                }
+                // Groups whose int4 scale (largest / 7) is a bf16 tie: 1 + 2⁻⁸ rounds down to
+                // the even 1.0, 1 + 3·2⁻⁸ up to 1 + 2⁻⁶.
+                for (g, largest) in [(10, 7.027_343_8), (11, -7.082_031_3)] {
+                    let values = &mut row[g * group..(g + 1) * group];
+                    values.iter_mut().for_each(|v| *v = v.clamp(-1.0, 1.0));
+                    values[2] = largest;
                 }
                 let groups = row.len() / group;
                 let bytes = row.len() * kind.bits() / 8;
