@@ -173,6 +173,16 @@ def test_mixed_gate_up_and_down_types(tmp_path, types):
     check_layer(w, weights, 0.03, types=types)
 
 
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K")])
+def test_experts_with_more_rows_than_one_block(tmp_path, types):
+    """70 tokens on 4 experts, top-2: about 35 rows per expert, more than one kernel block
+    (32 rows), so the blocks and the x8 calls inside them are cut into near-equal shares."""
+    weights = build_gguf(tmp_path / "m.gguf", types, seed=13)
+    w = llamafile(tmp_path / "m.gguf", chunk=128)
+    w.load_weights()
+    check_layer(w, weights, 0.03, tokens=(70,), types=types)
+
+
 @pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("Q4_K", "Q4_0")])
 def test_intermediate_size_needs_only_the_down_types_block(tmp_path, types):
     """I = 96: no multiple of 256 (nor of 64); down's 32-value blocks are all it needs."""

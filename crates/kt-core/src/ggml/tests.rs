@@ -804,3 +804,23 @@ fn x8_sums_are_made_once_per_row_and_checked() {
         assert!(r.is_err());
     }
 }
+
+#[test]
+fn even_shares_cover_every_row_once_in_near_equal_calls() {
+    for n in 1usize..=70 {
+        let calls = n.div_ceil(X8_ROWS);
+        let shares: Vec<(usize, usize)> = (0..calls).map(|c| even_share(n, calls, c)).collect();
+        assert_eq!(shares[0].0, 0);
+        assert_eq!(shares[calls - 1].1, n);
+        assert!(
+            shares.windows(2).all(|w| w[0].1 == w[1].0),
+            "{n}: gaps {shares:?}"
+        );
+        let sizes: Vec<usize> = shares.iter().map(|(a, b)| b - a).collect();
+        let (lo, hi) = (*sizes.iter().min().unwrap(), *sizes.iter().max().unwrap());
+        assert!(
+            hi <= X8_ROWS && hi - lo <= 1 && lo >= 1,
+            "{n}: sizes {sizes:?}"
+        );
+    }
+}
