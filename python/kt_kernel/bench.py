@@ -597,8 +597,10 @@ def run(args: argparse.Namespace) -> int:
     # The same inputs for every group.
     sizes = {}
     for tokens in args.tokens:
-        # At least 9 calls (3 per round) even for long prefills: a median of 3 is mostly noise here.
-        repeats = args.repeats or max(9, min(30, int(2000 / tokens)))
+        # At least 15 calls (5 per round) even for long prefills: with 9 (3 per round), one slow
+        # round moved a 512-token median by 10% on this VM (AMXINT8: median 64.7 ms, best 58.0,
+        # while a tight loop minutes later gave a median of 58.9).
+        repeats = args.repeats or max(15, min(30, int(2000 / tokens)))
         # Fresh inputs per call, cycling layers so weights come from DRAM, not cache.
         calls = []
         for i in range(repeats + 1):
