@@ -5,6 +5,7 @@
 //! Every phase is a `parallel_for` of one part's team over tasks that write disjoint ranges of
 //! the workspace (rows, panels or column blocks); the format ([`crate::formats`]) supplies the
 //! arithmetic of each panel.
+use super::phase_timing::{self, CallTimes, Phase};
 use super::workspace::PartPtrs;
 use super::{MoeLayer, Workspace, CHUNK_TOKENS};
 use crate::dtype::{row_from_f32, row_to_f32, FloatType};
@@ -213,16 +214,21 @@ impl MoeLayer {
             .then(|| crate::kernels::prefetch::tune_begin(family))
             .flatten()
             .map(|arm| (arm, std::time::Instant::now()));
+        let timing = phase_timing::interval().map(|every| (every, std::time::Instant::now()));
+        let times = CallTimes::default();
+        let times = timing.map(|_| &times);
         let mut t0 = 0;
         while t0 < args.qlen {
             let tokens = t0..(t0 + CHUNK_TOKENS).min(args.qlen);
+            let mut lap = times.map(CallTimes::lap);
             // SAFETY: `tokens` lie inside the caller's qlen rows.
             let (ids, weights) = unsafe { args.routing_of(tokens.clone(), k) };
             ws.routing
                 .build(ids, weights, tokens.len(), k, c.num_experts, mask);
+            phase_timing::mark(&mut lap, Phase::Route);
             // SAFETY: forwarded contract, restricted to this chunk's rows; the workspace was
             // reserved for this layer and its routing is this chunk's.
-            unsafe { self.forward_chunk(pool, ws, &args.rows(tokens.clone(), h))? };
+            unsafe { self.forward_chunk(pool, ws, &args.rows(tokens.clone(), h), times)? };
             t0 = tokens.end;
         }
         if let Some((arm, start)) = tuning {
@@ -230,6 +236,12 @@ impl MoeLayer {
             if experts > 0 {
                 let per_expert = start.elapsed().as_secs_f64() / experts as f64;
                 crate::kernels::prefetch::tune_end(family, arm, per_expert);
+            }
+        }
+        if let (Some((every, start)), Some(times)) = (timing, times) {
+            let total = start.elapsed();
+            if let Some(line) = self.phase_stats.record(l, args.qlen, times, total, every) {
+                eprintln!("{line}");
             }
         }
         Ok(())
@@ -240,7 +252,14 @@ impl MoeLayer {
     /// # Safety
     /// `args` is valid as [`MoeLayer::forward_raw`] requires, `args.qlen ≤ CHUNK_TOKENS`,
     /// `ws` was reserved for this layer and `ws.routing` routes these `args.qlen` tokens.
-    unsafe fn forward_chunk(&self, pool: &Pool, ws: &Workspace, args: &ForwardArgs) -> Result<()> {
+    /// With `times`, the first part's phases are timed into it (`KT_MOE_PHASE_TIMING`).
+    unsafe fn forward_chunk(
+        &self,
+        pool: &Pool,
+        ws: &Workspace,
+        args: &ForwardArgs,
+        times: Option<&CallTimes>,
+    ) -> Result<()> {
         let routing = &ws.routing;
         let max_rows = routing.offsets.windows(2).map(|w| w[1] - w[0]).max();
         let max_rows = max_rows.unwrap_or(0);
@@ -272,21 +291,28 @@ impl MoeLayer {
                 prep_act,
                 act_per_panel: prep_act && experts.prepares_act_per_panel(),
             };
+            let mut lap = times.filter(|_| part == 0).map(CallTimes::lap);
             // SAFETY: the chunk's contract (forward_chunk's) covers every pointer the phases
             // use; each phase's tasks write disjoint ranges, and phases are separated by the
             // team's barriers.
             unsafe {
                 f.gather_x();
+                phase_timing::mark(&mut lap, Phase::GatherX);
                 f.gate_up_swiglu();
+                phase_timing::mark(&mut lap, Phase::GateUp);
                 if f.prep_act && !f.act_per_panel {
                     f.prepare_act();
                 }
+                phase_timing::mark(&mut lap, Phase::SwigluRows);
                 f.down_reduce();
+                phase_timing::mark(&mut lap, Phase::Down);
                 if single {
                     f.finish();
                 }
+                phase_timing::mark(&mut lap, Phase::Finish);
             }
         })?;
+        let mut lap = times.map(CallTimes::lap);
         if !single {
             // Sum the parts' partials (reading every node's memory once), add the residual.
             let merge = |t: usize| {
@@ -300,6 +326,7 @@ impl MoeLayer {
                 pool.parallel_for_all(qlen, &merge)?;
             }
         }
+        phase_timing::mark(&mut lap, Phase::Merge);
         Ok(())
     }
 }

@@ -19,6 +19,7 @@ use std::ops::Range;
 
 mod forward;
 mod load;
+mod phase_timing;
 mod workspace;
 
 pub use crate::expert::{ExpertSource, MoeConfig, Proj, TensorSource};
@@ -39,6 +40,8 @@ pub struct MoeLayer {
     experts: Box<dyn ExpertFormat>,
     loaded: bool,
     rowwise_down_max: usize,
+    /// Phase times since the last report (`KT_MOE_PHASE_TIMING`).
+    phase_stats: phase_timing::PhaseStats,
 }
 
 impl MoeLayer {
@@ -63,6 +66,7 @@ impl MoeLayer {
             experts,
             loaded: false,
             rowwise_down_max: ROWWISE_DOWN_MAX,
+            phase_stats: Default::default(),
         })
     }
 
