@@ -430,9 +430,9 @@ impl ExpertFormat for GgmlExperts {
     }
 
     fn block_rows(&self, _part: usize, expert_rows: usize, _stage: Stage) -> usize {
-        // Near-equal blocks (33 rows as 17 + 16, not 32 + 1): a one-row block streams the
-        // panel for a fraction of the x8 kernels' rows (`ggml_cycles`, Q8_0 on AMD Zen 4: 32 +
-        // 1 rows 11.6 + 0.9 us, 17 + 16 rows 6.3 + 5.8 us).
+        // Near-equal blocks (33 rows as 17 + 16, not 32 + 1): a one-row block reads and
+        // unpacks the whole panel for one row (`ggml_cycles`, Q8_0 on AMD Zen 4: 32 + 1 rows
+        // 11.6 + 0.9 us, 17 + 16 rows 6.3 + 5.8 us).
         let blocks = expert_rows.div_ceil(MAX_ROWS).max(1);
         expert_rows.div_ceil(blocks).max(1)
     }
