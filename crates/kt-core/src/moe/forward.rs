@@ -215,8 +215,8 @@ impl MoeLayer {
             .flatten()
             .map(|arm| (arm, std::time::Instant::now()));
         let timing = phase_timing::interval().map(|every| (every, std::time::Instant::now()));
-        let times = CallTimes::default();
-        let times = timing.map(|_| &times);
+        let times = timing.map(|_| CallTimes::default());
+        let times = times.as_ref();
         let mut t0 = 0;
         while t0 < args.qlen {
             let tokens = t0..(t0 + CHUNK_TOKENS).min(args.qlen);
