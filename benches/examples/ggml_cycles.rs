@@ -2,7 +2,7 @@
 //! groups and activation rows that stay in L1/L2 (no memory limit), against the int8
 //! multiply-add peak measured in the same run: the best of many repetitions, so a shared VM's
 //! noise drops out. Block sums are made once, as the forward does (`dot_x8_presummed`).
-//! `TYPE=Q8_0|Q4_K` (default both), `ROWS=8` activation rows per call, `WEIGHT_GROUPS=4` x8 groups
+//! `TYPE=Q8_0|Q4_K|Q6_K` (default all), `ROWS=8` activation rows per call, `WEIGHT_GROUPS=4` x8 groups
 //! (32 weight rows; 1024 streams them from DRAM), `K=2048` inputs, `PF=0` prefetch setting.
 //! `cargo run --release -p kt-benches --example ggml_cycles`
 use kt_core::ggml::{quantize, quantize_activation, DotKernel, GgmlType};
@@ -28,7 +28,7 @@ fn main() {
         .unwrap_or(f64::NAN);
     println!("int8 peak, one core: {int8:.1} GOP/s");
     let mut rng = Rng::new(3);
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_K] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K] {
         if only.as_deref().is_some_and(|o| o != ty.name()) {
             continue;
         }
