@@ -595,8 +595,8 @@ fn x8_layouts_give_the_single_row_results() {
                 }
                 let kernel = DotKernel::for_level(ty, level).unwrap();
                 // The sixteen-row kernels run wherever their CPU is (AVX-512 VNNI).
-                let pairs =
-                    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K) && level == Level::Avx512Vnni;
+                let pairs = matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+                    && level == Level::Avx512Vnni;
                 assert_eq!(kernel.x16.is_some(), pairs, "{ty} at {level:?}");
                 if kernel.has_x8() {
                     let name = format!("{}{}", kernel.name(), if pairs { " x16" } else { "" });

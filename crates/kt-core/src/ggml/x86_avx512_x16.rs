@@ -5,7 +5,7 @@
 //! sixteen. The integer block sums and the f32 operations per (row, token) are the x8 kernels',
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
-use super::x8::{GROUP, Q4_K_X8_BYTES, Q8_0_X8_BYTES};
+use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use super::x86_avx2_x8::{starts, x8_entry, PairShare};
 use std::arch::x86_64::*;
 
@@ -17,6 +17,7 @@ pub(super) fn x16_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     match ty {
         super::GgmlType::Q8_0 => Some(q8_0),
         super::GgmlType::Q4_K => Some(q4_k),
+        super::GgmlType::Q6_K => Some(q6_k),
         _ => None,
     }
 }
@@ -260,6 +261,138 @@ unsafe fn q4_k_rows<const R: usize>(
                     _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(sumi[r])),
                     _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(summs)),
                 );
+                acc[r] = _mm512_add_ps(acc[r], term);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * stride), *v);
+        }
+    }
+}
+
+x8_entry!(
+    /// Q6_K on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_K rows:
+    /// `out[i · stride + r]` for rows r of both groups (0..16); no sums (the Q8_K rows carry
+    /// their 16-value sums).
+    ///
+    /// # Safety
+    /// As [`q8_0`], with `group` holding two x8 groups of `k/256` super-blocks each and Q8_K
+    /// rows.
+    q6_k => q6_k_rows, "x16 kernel"
+);
+
+/// Q6_K on two x8 groups for exactly `R` activation rows. The x8 kernel multiplies with
+/// `vpmaddubsw`/`vpmaddwd` (no VNNI there); here each 6-bit value (0..63, stored with its +32
+/// offset) meets its activation byte in a `vpdpbusd`, per sub-block of 16 values, and the
+/// sub-block's sum is weighed by the rows' 8-bit scales with `vpmulld`. The offset leaves as
+/// in the x8 kernel: minus 32 · Σ scale · (the activation's 16-value sums), so the integer
+/// sum per super-block, and the results, equal the scalar twin's.
+///
+/// # Safety
+/// As [`q6_k`] with `acts.len() == R`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn q6_k_rows<const R: usize>(
+    k: usize,
+    groups: &[u8],
+    acts: &[&[u8]],
+    _sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let blocks = k / 256;
+    let gb = blocks * Q6_K_X8_BYTES;
+    assert!(groups.len() >= 2 * gb, "two x8 groups needed");
+    let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, ROWS);
+    let next = next_pair(gb);
+    let mut share = PairShare::take();
+    // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
+    // caller's CPU has the features enabled here.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let bits01 = _mm512_set1_epi8(0x03);
+        let bits23 = _mm512_set1_epi8(0x0C);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for sb in 0..blocks {
+            let g0 = groups.as_ptr().add(sb * Q6_K_X8_BYTES);
+            let g1 = g0.add(gb);
+            let ours = share.step();
+            if ours {
+                for line in 0..3 {
+                    next(g0.wrapping_add(64 * line));
+                    next(g1.wrapping_add(64 * line));
+                }
+            }
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for t in 0..16 {
+                if ours {
+                    for at in [144 + 64 * t, 1168 + 32 * t] {
+                        next(g0.add(at));
+                        next(g1.add(at));
+                    }
+                }
+                // Sub-block t's two steps: their top bits share one vector.
+                let top = join256(g0.add(1168 + 32 * t), g1.add(1168 + 32 * t));
+                let scales = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                    _mm_loadl_epi64(g0.add(16 + 8 * t) as *const __m128i),
+                    _mm_loadl_epi64(g1.add(16 + 8 * t) as *const __m128i),
+                ));
+                let mut partial = [_mm512_setzero_si512(); R];
+                for half in 0..2 {
+                    let step = 2 * t + half;
+                    let x = join256(g0.add(144 + 32 * step), g1.add(144 + 32 * step));
+                    let bits = if half == 0 {
+                        top
+                    } else {
+                        _mm512_srli_epi16::<4>(top)
+                    };
+                    let lo = _mm512_or_si512(
+                        _mm512_and_si512(x, low4),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(bits, bits01)),
+                    );
+                    let hi = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4),
+                        _mm512_slli_epi16::<2>(_mm512_and_si512(bits, bits23)),
+                    );
+                    for r in 0..R {
+                        let q = a[r].add(sb * Q8_K_BYTES + 4 + 8 * step);
+                        let a0 = _mm512_set1_epi32((q as *const i32).read_unaligned());
+                        let a1 = _mm512_set1_epi32((q.add(4) as *const i32).read_unaligned());
+                        partial[r] = _mm512_dpbusd_epi32(partial[r], lo, a0);
+                        partial[r] = _mm512_dpbusd_epi32(partial[r], hi, a1);
+                    }
+                }
+                for r in 0..R {
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(partial[r], scales));
+                }
+            }
+            let d = _mm512_cvtph_ps(join128(g0, g1));
+            // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs (for every token).
+            let mut pairs = [_mm512_setzero_si512(); 8];
+            for (q, pair) in pairs.iter_mut().enumerate() {
+                let scales_of = |at: usize| {
+                    _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+                        _mm_loadl_epi64(g0.add(at) as *const __m128i),
+                        _mm_loadl_epi64(g1.add(at) as *const __m128i),
+                    ))
+                };
+                let (s_lo, s_hi) = (scales_of(16 + 16 * q), scales_of(24 + 16 * q));
+                *pair = _mm512_or_si512(
+                    _mm512_and_si512(s_lo, _mm512_set1_epi32(0xFFFF)),
+                    _mm512_slli_epi32::<16>(s_hi),
+                );
+            }
+            for r in 0..R {
+                let ab = a[r].add(sb * Q8_K_BYTES);
+                let mut offset = _mm512_setzero_si512();
+                for (q, pair) in pairs.iter().enumerate() {
+                    // The bsums of sub-blocks 2q, 2q + 1 in every lane.
+                    let b = _mm512_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
+                    offset = _mm512_add_epi32(offset, _mm512_madd_epi16(*pair, b));
+                }
+                let s = _mm512_sub_epi32(sumi[r], _mm512_slli_epi32::<5>(offset));
+                let da = _mm512_set1_ps((ab as *const f32).read_unaligned());
+                let term = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(s));
                 acc[r] = _mm512_add_ps(acc[r], term);
             }
         }
