@@ -26,7 +26,7 @@ stamp layer
 echo "[benchmarks] layer benchmark (kt-kernel vs torch)"
 "$VENV/bin/python" -m kt_kernel bench --methods BF16 AMXINT8 AMXINT4 FP8 FP8_PERCHANNEL RAWINT4 \
   GPTQ_INT4 MXFP4 NVFP4 MXFP8 LLAMAFILE \
-  --gguf-type Q4_K Q8_0 --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
+  --gguf-type Q4_K Q8_0 Q6_K --json "$OUT/layer.json" --markdown "$OUT/layer.md" "$@"
 
 fi
 if step threads; then
