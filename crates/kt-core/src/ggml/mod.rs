@@ -629,6 +629,20 @@ pub const X8_ROWS: usize = 8;
 /// slower on AMD Zen 4 (memory-bound, the streams interleaved).
 pub const X16_MIN_ROWS: usize = 4;
 
+/// Activation rows from which `ty` takes its sixteen-row kernel: [`X16_MIN_ROWS`], but from two
+/// rows for Q6_K, whose x8 kernel (`vpmaddubsw`, no VNNI) is compute-bound with few rows. AMD
+/// Zen 4: `ggml_cycles`, one core, 8192 weight rows from DRAM, k 2048, us: 2 rows 718 -> 410,
+/// 3 rows 902 -> 502 (1 row 651 -> 360); one S1 layer, `benches/ab_loop.py`, median ms: 32
+/// tokens 31.2 -> 24.0 (from one row 30.7-32.9 -> 21.7-22.6), but 1 token 1.07-1.20 -> 1.53-1.57
+/// from one row (two cores streaming two groups each, as for the other types), so one row keeps
+/// the x8 kernel.
+pub fn x16_min_rows(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q6_K => 2,
+        _ => X16_MIN_ROWS,
+    }
+}
+
 /// Rows `first..end` of share `c` when `n` rows go out in `calls` near-equal shares (sizes differ
 /// by at most one, larger last): 9 rows in two calls go 4 + 5, not 8 + 1. A one-row call reads
 /// and unpacks the whole group for one row (`ggml_cycles`, AMD Zen 4, from cache: 9 rows 3.7-4.0
@@ -968,7 +982,9 @@ impl DotKernel {
         );
         // (The kernels prefetch as they stream: a burst per group would stall on the core's
         // few outstanding misses.)
-        let pairs = self.x16.filter(|_| activations.len() >= X16_MIN_ROWS);
+        let pairs = self
+            .x16
+            .filter(|_| activations.len() >= x16_min_rows(self.weight_type));
         let mut g = 0;
         while g < n {
             // Pairs of groups where a sixteen-row kernel exists, the odd group last on its own.
