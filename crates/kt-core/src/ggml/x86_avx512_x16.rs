@@ -155,6 +155,36 @@ unsafe fn join256(p: *const u8, q: *const u8) -> __m512i {
     }
 }
 
+/// Prefetch through `next` (the next pair's lines, [`next_pair`]) the lines at offsets `at` of
+/// both groups `g0` and `g1`.
+#[inline(always)]
+fn next_lines<const N: usize>(
+    next: &impl Fn(*const u8),
+    g0: *const u8,
+    g1: *const u8,
+    at: [usize; N],
+) {
+    for off in at {
+        next(g0.wrapping_add(off));
+        next(g1.wrapping_add(off));
+    }
+}
+
+/// 8 bytes at `p` and 8 at `q` as one vector (the two groups' per-row bytes).
+///
+/// # Safety
+/// 8 readable bytes at each; SSE2 in the caller.
+#[inline(always)]
+unsafe fn join64(p: *const u8, q: *const u8) -> __m128i {
+    // SAFETY: the contract above.
+    unsafe {
+        _mm_unpacklo_epi64(
+            _mm_loadl_epi64(p as *const __m128i),
+            _mm_loadl_epi64(q as *const __m128i),
+        )
+    }
+}
+
 /// 16 bytes at `p` and 16 at `q` as one vector.
 ///
 /// # Safety
@@ -206,24 +236,15 @@ unsafe fn q4_k_rows<const R: usize>(
             let g1 = g0.add(gb);
             let ours = share.step();
             if ours {
-                for line in 0..3 {
-                    next(g0.wrapping_add(64 * line));
-                    next(g1.wrapping_add(64 * line));
-                }
+                next_lines(&next, g0, g1, [0, 64, 128]);
             }
             let mut sumi = [_mm512_setzero_si512(); R];
             for j in 0..8 {
-                let scales = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-                    _mm_loadl_epi64(g0.add(32 + 8 * j) as *const __m128i),
-                    _mm_loadl_epi64(g1.add(32 + 8 * j) as *const __m128i),
-                ));
+                let scales = _mm512_cvtepu8_epi32(join64(g0.add(32 + 8 * j), g1.add(32 + 8 * j)));
                 let mut partial = [_mm512_setzero_si512(); R];
                 let (n0, n1) = (g0.add(160 + j * 128), g1.add(160 + j * 128));
                 if ours {
-                    for line in [32, 96] {
-                        next(n0.add(line));
-                        next(n1.add(line));
-                    }
+                    next_lines(&next, n0, n1, [32, 96]);
                 }
                 for p in 0..4 {
                     let x = join256(n0.add(p * 32), n1.add(p * 32));
@@ -318,25 +339,16 @@ unsafe fn q6_k_rows<const R: usize>(
             let g1 = g0.add(gb);
             let ours = share.step();
             if ours {
-                for line in 0..3 {
-                    next(g0.wrapping_add(64 * line));
-                    next(g1.wrapping_add(64 * line));
-                }
+                next_lines(&next, g0, g1, [0, 64, 128]);
             }
             let mut sumi = [_mm512_setzero_si512(); R];
             for t in 0..16 {
                 if ours {
-                    for at in [144 + 64 * t, 1168 + 32 * t] {
-                        next(g0.add(at));
-                        next(g1.add(at));
-                    }
+                    next_lines(&next, g0, g1, [144 + 64 * t, 1168 + 32 * t]);
                 }
                 // Sub-block t's two steps: their top bits share one vector.
                 let top = join256(g0.add(1168 + 32 * t), g1.add(1168 + 32 * t));
-                let scales = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
-                    _mm_loadl_epi64(g0.add(16 + 8 * t) as *const __m128i),
-                    _mm_loadl_epi64(g1.add(16 + 8 * t) as *const __m128i),
-                ));
+                let scales = _mm512_cvtepi8_epi32(join64(g0.add(16 + 8 * t), g1.add(16 + 8 * t)));
                 let mut partial = [_mm512_setzero_si512(); R];
                 for half in 0..2 {
                     let step = 2 * t + half;
@@ -370,12 +382,7 @@ unsafe fn q6_k_rows<const R: usize>(
             // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs (for every token).
             let mut pairs = [_mm512_setzero_si512(); 8];
             for (q, pair) in pairs.iter_mut().enumerate() {
-                let scales_of = |at: usize| {
-                    _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
-                        _mm_loadl_epi64(g0.add(at) as *const __m128i),
-                        _mm_loadl_epi64(g1.add(at) as *const __m128i),
-                    ))
-                };
+                let scales_of = |at: usize| _mm512_cvtepi8_epi32(join64(g0.add(at), g1.add(at)));
                 let (s_lo, s_hi) = (scales_of(16 + 16 * q), scales_of(24 + 16 * q));
                 *pair = _mm512_or_si512(
                     _mm512_and_si512(s_lo, _mm512_set1_epi32(0xFFFF)),
