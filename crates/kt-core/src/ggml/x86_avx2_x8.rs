@@ -2,7 +2,7 @@
 //! rows' results. Equal to the scalar twin bit for bit (exact integer sums, the twin's f32
 //! operations lane by lane).
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
-use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
+use super::x8::{q6_k_x8_nibbles, q6_k_x8_top, GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 #[cfg(test)]
 use crate::kernels::group_dot::x86::dpbusd_avx2;
 use std::arch::x86_64::*;
@@ -626,15 +626,16 @@ unsafe fn q6_k_rows<const R: usize>(
             let mut sumi = [_mm256_setzero_si256(); R];
             for t in 0..16 {
                 // Two steps (one sub-block of 16 values): their top bits share one vector.
-                let top = _mm256_loadu_si256(g.add(1168 + 32 * t) as *const __m256i);
-                crate::kernels::prefetch::ahead(g.add(1168 + 32 * t), pf);
+                let top_at = g.add(q6_k_x8_top(t));
+                let top = _mm256_loadu_si256(top_at as *const __m256i);
+                // The sub-block's 96 bytes (lines 64 apart cover every line of the stream).
+                crate::kernels::prefetch::ahead(top_at, pf);
+                crate::kernels::prefetch::ahead(top_at.add(64), pf);
                 // The rows' signed scale of sub-block t as (s, s) 16-bit pairs.
                 let scales = i8_pairs(g.add(16 + 8 * t));
                 for half in 0..2 {
                     let step = 2 * t + half;
-                    let at = g.add(144 + 32 * step);
-                    crate::kernels::prefetch::ahead(at, pf);
-                    let x = _mm256_loadu_si256(at as *const __m256i);
+                    let x = _mm256_loadu_si256(g.add(q6_k_x8_nibbles(step)) as *const __m256i);
                     // This step's four top bits per byte: bits 0–1 (low nibble's value),
                     // 2–3 (high nibble's).
                     let bits = if half == 0 {

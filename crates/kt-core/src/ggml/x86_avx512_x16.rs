@@ -5,7 +5,7 @@
 //! sixteen. The integer block sums and the f32 operations per (row, token) are the x8 kernels',
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
-use super::x8::{GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
+use super::x8::{q6_k_x8_nibbles, q6_k_x8_top, GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 use super::x86_avx2_x8::{starts, x8_entry, PairShare};
 use std::arch::x86_64::*;
 
@@ -344,15 +344,16 @@ unsafe fn q6_k_rows<const R: usize>(
             let mut sumi = [_mm512_setzero_si512(); R];
             for t in 0..16 {
                 if ours {
-                    next_lines(&next, g0, g1, [144 + 64 * t, 1168 + 32 * t]);
+                    next_lines(&next, g0, g1, [q6_k_x8_top(t), q6_k_x8_top(t) + 64]);
                 }
                 // Sub-block t's two steps: their top bits share one vector.
-                let top = join256(g0.add(1168 + 32 * t), g1.add(1168 + 32 * t));
+                let top = join256(g0.add(q6_k_x8_top(t)), g1.add(q6_k_x8_top(t)));
                 let scales = _mm512_cvtepi8_epi32(join64(g0.add(16 + 8 * t), g1.add(16 + 8 * t)));
                 let mut partial = [_mm512_setzero_si512(); R];
                 for half in 0..2 {
                     let step = 2 * t + half;
-                    let x = join256(g0.add(144 + 32 * step), g1.add(144 + 32 * step));
+                    let (w0, w1) = (g0.add(q6_k_x8_nibbles(step)), g1.add(q6_k_x8_nibbles(step)));
+                    let x = join256(w0, w1);
                     let bits = if half == 0 {
                         top
                     } else {
