@@ -246,19 +246,21 @@ def test_prefetch_setting_is_used_or_refused_clearly(setting):
     code = (
         "import kt_kernel; from kt_kernel import _kt_core; i = kt_kernel.cpu_info(); "
         "print(i['prefetch_bytes'], i['prefetch_bytes_group_scaled'], i['prefetch_bytes_fp8'], "
-        "*_kt_core.prefetch_state('MXFP4'), *_kt_core.prefetch_state('FP8'))"
+        "i['prefetch_bytes_gguf'], *_kt_core.prefetch_state('MXFP4'), "
+        "*_kt_core.prefetch_state('FP8'), *_kt_core.prefetch_state('LLAMAFILE'))"
     )
     r = _run(code, KT_KERNEL_PREFETCH=setting)
     bytes_ahead = setting.removesuffix(":l2")
     # (tuned, bytes, into L2): a setting from the environment is final as given.
     into_l2 = str(setting.endswith(":l2") and bytes_ahead != "0")
     state = ["True", bytes_ahead, into_l2]
-    want = [bytes_ahead, bytes_ahead, bytes_ahead, *state, *state]
+    want = [bytes_ahead] * 4 + state * 3
     assert r.returncode == 0 and r.stdout.split() == want, (r.stdout, r.stderr)
     # Calibrated, each family picks 0 or 4096; a process whose decodes tuned a family may hold
     # any of the tuner's settings (0, 4096, 16384).
     info = kt_kernel.cpu_info()
-    for key in ("prefetch_bytes", "prefetch_bytes_group_scaled", "prefetch_bytes_fp8"):
+    keys = ("prefetch_bytes", "prefetch_bytes_group_scaled", "prefetch_bytes_fp8")
+    for key in (*keys, "prefetch_bytes_gguf"):
         assert info[key] in (0, 4096, 16384), (key, info[key])
 
 

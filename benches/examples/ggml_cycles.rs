@@ -19,7 +19,10 @@ fn main() {
     );
     let only = std::env::var("TYPE").ok();
     // PF=<bytes>[+1]: the byte-group prefetch setting (+1: lines into L2); 0 = off.
-    kt_core::kernels::prefetch::set(kt_benches::env_or("PF", 0));
+    kt_core::kernels::prefetch::set_of(
+        kt_core::kernels::prefetch::Family::GgufBlocks,
+        kt_benches::env_or("PF", 0),
+    );
     let pool = kt_benches::pool(1);
     // The int8 peak of one core (GOP/s, two ops per multiply-add).
     let int8 = kt_core::probe::simd_peak_gflops(&pool, "int8", 300)

@@ -136,6 +136,10 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         "prefetch_bytes_fp8",
         kt_core::formats::fp8::prefetch_distance().py()?,
     )?;
+    d.set_item(
+        "prefetch_bytes_gguf",
+        kt_core::formats::ggml::prefetch_distance().py()?,
+    )?;
     // The instruction mix each yardstick probe runs (the benchmark reports it beside the figures).
     let probes = PyDict::new(py);
     probes.set_item("read", kt_core::probe::read_probe_width())?;

@@ -817,7 +817,8 @@ impl DotKernel {
         if let Err(e) = self.check(k, row_bytes, activation.len()) {
             panic!("DotKernel::dot_rows: {e}");
         }
-        let pf = crate::kernels::prefetch::distance();
+        let pf =
+            crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::GgufBlocks);
         for (r, o) in out.iter_mut().enumerate() {
             let row = &rows[r * row_bytes..(r + 1) * row_bytes];
             // Streaming (decode): ask for the bytes `pf` ahead of this row before using it.
@@ -1057,7 +1058,8 @@ impl DotKernel {
             }
         }
         let multi = self.rows.filter(|_| activations.len() > 1);
-        let pf = crate::kernels::prefetch::distance();
+        let pf =
+            crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::GgufBlocks);
         let mut lanes = [0f32; DOT_MANY_ROWS];
         for j in 0..n {
             let row = &rows[j * row_bytes..(j + 1) * row_bytes];

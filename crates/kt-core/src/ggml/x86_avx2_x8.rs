@@ -5,6 +5,7 @@ use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{q6_k_x8_nibbles, q6_k_x8_top, GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
 #[cfg(test)]
 use crate::kernels::group_dot::x86::dpbusd_avx2;
+use crate::kernels::prefetch::Family::GgufBlocks as GGUF;
 use std::arch::x86_64::*;
 
 /// The byte multiply of the Q8_0 and Q4_K x8 kernels (Q6_K's sub-blocks of 16 values change
@@ -537,7 +538,7 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
         sums.copy_from_slice(&sums32[..R]);
     }
     let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, GROUP);
-    let pf = crate::kernels::prefetch::for_panel_rows(R);
+    let pf = crate::kernels::prefetch::for_panel_rows_of(GGUF, R);
     // From 4 rows (a prefill) the next group's lines, as the sixteen-row kernels do
     // (`x86_avx512_x16::next_pair`), shared over the group's calls: AMD Zen 4 with the AVX2
     // kernels, Q8_0 at 512 tokens 206.0 -> 196.6 ms (median; min 173.0 -> 168.8). Q4_K
@@ -617,7 +618,7 @@ unsafe fn q6_k_rows<const R: usize>(
     let low4 = _mm256_set1_epi8(0x0F);
     let two = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_ps(); R];
-    let pf = crate::kernels::prefetch::for_panel_rows(R);
+    let pf = crate::kernels::prefetch::for_panel_rows_of(GGUF, R);
     // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         for sb in 0..blocks {
@@ -726,7 +727,7 @@ unsafe fn q4_k_rows<const R: usize, D: SignedDot>(
     let a = starts::<R>(acts, blocks * Q8_K_BYTES, out, stride, GROUP);
     // From 4 rows (a prefill) the panel kernels' setting rather than the decode's: AMD Zen 4
     // with the AVX2 kernels, Q4_K at 512 tokens 124.2 -> 121.4 ms (median; min 103.6 -> 97.9).
-    let pf = crate::kernels::prefetch::for_panel_rows(R);
+    let pf = crate::kernels::prefetch::for_panel_rows_of(GGUF, R);
     // SAFETY: every load is at an offset inside the checked group and activation blocks; the
     // caller enables the features.
     unsafe {

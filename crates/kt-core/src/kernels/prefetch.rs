@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     /// The streaming kernels with little work per byte: AMXINT4's nibble groups, the BF16 /
-    /// fp32 panel dots, the GGUF dots (measured with the AMXINT4 kernel).
+    /// fp32 panel dots (measured with the AMXINT4 kernel).
     ByteGroups = 0,
     /// The group-scaled native kernels (RAWINT4, GPTQ_INT4, MXFP4, NVFP4, MXFP8).
     CodeGroups = 1,
@@ -40,10 +40,15 @@ pub enum Family {
     /// same process had tuned, FP8 decoded at 33 GB/s where 4 KiB into L1 gave 39 (Zen 4 VM,
     /// two threads, memory reading 57-60 GB/s), so FP8 tunes its own.
     Fp8Codes = 3,
+    /// LLAMAFILE's GGUF block kernels (Q4_K, Q6_K, Q8_0, ...). Their best setting differs from
+    /// the byte groups' (AMD Zen 4, one S1 layer at 1 token: Q4_K and Q8_0 fastest with 4 KiB
+    /// into L1, while BF16 and AMXINT4 were fastest with 16 KiB into L2, where Q8_0 ran 1.2x
+    /// slower), so a process holding both tunes each on its own decodes.
+    GgufBlocks = 4,
 }
 
 /// Families in all.
-pub const FAMILIES: usize = 4;
+pub const FAMILIES: usize = 5;
 
 /// Bytes ahead of the current load that each family's streaming kernels prefetch (0 = none).
 /// Kernels read it once per call.
@@ -80,10 +85,16 @@ pub fn panel_distance() -> usize {
 /// prefill's blocks), else the byte-group family's decode setting.
 #[inline(always)]
 pub fn for_panel_rows(rows: usize) -> usize {
+    for_panel_rows_of(Family::ByteGroups, rows)
+}
+
+/// [`for_panel_rows`] for a kernel of `family`: its decode setting below 4 rows.
+#[inline(always)]
+pub fn for_panel_rows_of(family: Family, rows: usize) -> usize {
     if rows >= 4 {
         panel_distance()
     } else {
-        distance()
+        distance_of(family)
     }
 }
 
@@ -159,6 +170,7 @@ pub fn family_of(method: crate::method::Method) -> Family {
         M::AmxInt8 => Family::Int8Groups,
         M::RawInt4 | M::GptqInt4 | M::MxFp4 | M::NvFp4 | M::MxFp8 => Family::CodeGroups,
         M::Fp8 | M::Fp8PerChannel => Family::Fp8Codes,
+        M::Llamafile => Family::GgufBlocks,
         _ => Family::ByteGroups,
     }
 }

@@ -325,7 +325,44 @@ pub fn experts(
     parts: usize,
     kernels: KernelSet,
 ) -> Result<Box<dyn ExpertFormat>> {
+    prefetch_distance()?;
     Ok(Box::new(GgmlExperts::new(config, parts, kernels)?))
+}
+
+/// The prefetch distance of the GGUF block kernels, measured once per process (or
+/// `KT_KERNEL_PREFETCH`); see [`crate::kernels::prefetch`].
+pub fn prefetch_distance() -> Result<usize> {
+    crate::kernels::calibrate::ensure_prefetch_chosen(
+        crate::kernels::prefetch::Family::GgufBlocks,
+        calibration_workload,
+    )
+}
+
+/// The GGUF family's calibration workload ([`crate::kernels::calibrate::Workload`]): the bytes
+/// as Q8_0 x8 groups of 2048 inputs, in panels of four groups (32 rows) alternating between
+/// `gate` and `up`, each against one activation row, as a decode calls the kernel.
+pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
+    const K: usize = 2048;
+    let ty = GgmlType::Q8_0;
+    let Ok(kernel) = DotKernel::for_level(ty, level) else {
+        return;
+    };
+    if !kernel.has_x8() {
+        return;
+    }
+    let Ok(act) = crate::ggml::quantize_activation(kernel.activation_format(), &[0.5; K]) else {
+        return;
+    };
+    let mut sums = vec![[0i32; 4]; kernel.x8_sums_per_row(K)];
+    kernel.x8_sums(K, &act, &mut sums);
+    let panel = 4 * x8::group_bytes(ty, K);
+    let mut out = [0f32; 4 * x8::GROUP];
+    for (g, u) in gate.chunks_exact(panel).zip(up.chunks_exact(panel)) {
+        for part in [g, u] {
+            kernel.dot_x8_presummed(K, part, &[&act], &[&sums], &mut out, 4 * x8::GROUP);
+            std::hint::black_box(&mut out);
+        }
+    }
 }
 
 /// The GGUF experts of one layer: nothing until [`GgmlExperts::load_gguf`] reads a file, which
