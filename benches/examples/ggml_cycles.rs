@@ -18,7 +18,7 @@ fn main() {
         "K must be a positive multiple of 256"
     );
     let only = std::env::var("TYPE").ok();
-    // PF=<bytes>[+1]: the byte-group prefetch setting (+1: lines into L2); 0 = off.
+    // PF=<bytes>[+1]: the GGUF kernels' decode prefetch setting (+1: lines into L2); 0 = off.
     kt_core::kernels::prefetch::set_of(
         kt_core::kernels::prefetch::Family::GgufBlocks,
         kt_benches::env_or("PF", 0),

@@ -634,8 +634,8 @@ pub const X16_MIN_ROWS: usize = 4;
 /// Zen 4: `ggml_cycles`, one core, 8192 weight rows from DRAM, k 2048, us: 2 rows 718 -> 410,
 /// 3 rows 902 -> 502 (1 row 651 -> 360); one S1 layer, `benches/ab_loop.py`, median ms: 32
 /// tokens 31.2 -> 24.0 (from one row 30.7-32.9 -> 21.7-22.6), but 1 token 1.07-1.20 -> 1.53-1.57
-/// from one row (two cores streaming two groups each, as for the other types), so one row keeps
-/// the x8 kernel.
+/// from one row (two cores streaming two groups each, as for the other types; 1.31x slower
+/// again after Q6_K's x8 layout became one stream), so one row keeps the x8 kernel.
 pub fn x16_min_rows(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q6_K => 2,
@@ -649,6 +649,12 @@ pub fn x16_min_rows(ty: GgmlType) -> usize {
 /// us as 8 + 1, 3.4-3.8 as 4 + 5; 17 rows, Q8_0, 7.8-8.0 as 8 + 8 + 1, 6.3 as 5 + 6 + 6).
 fn even_share(n: usize, calls: usize, c: usize) -> (usize, usize) {
     (c * n / calls, (c + 1) * n / calls)
+}
+
+/// The prefetch distance the single-row (decode) loops use: the GGUF kernels' own family.
+#[inline]
+fn decode_prefetch() -> usize {
+    crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::GgufBlocks)
 }
 
 /// A dot-product kernel for one weight type, chosen once for this CPU.
@@ -817,8 +823,7 @@ impl DotKernel {
         if let Err(e) = self.check(k, row_bytes, activation.len()) {
             panic!("DotKernel::dot_rows: {e}");
         }
-        let pf =
-            crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::GgufBlocks);
+        let pf = decode_prefetch();
         for (r, o) in out.iter_mut().enumerate() {
             let row = &rows[r * row_bytes..(r + 1) * row_bytes];
             // Streaming (decode): ask for the bytes `pf` ahead of this row before using it.
@@ -1058,8 +1063,7 @@ impl DotKernel {
             }
         }
         let multi = self.rows.filter(|_| activations.len() > 1);
-        let pf =
-            crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::GgufBlocks);
+        let pf = decode_prefetch();
         let mut lanes = [0f32; DOT_MANY_ROWS];
         for j in 0..n {
             let row = &rows[j * row_bytes..(j + 1) * row_bytes];
