@@ -11,6 +11,10 @@ see ``setup_original_venv.sh``) and our reimplementation:
     python benches/compare_original.py \
         --weights-dir /root/.cache/kt-kernel/bench-ckpt --json ours.json
 
+``--torch-dequant`` times ``benches/torch_dequant_moe.py`` instead: plain torch that keeps the
+native checkpoint's tensors and dequantizes each activated expert on every call, the baseline
+for methods the original cannot run on the machine.
+
 Each method runs in its own child process (one at a time). Every timed
 window records how much CPU other processes used ("others"); a disturbed
 window is re-measured (--noisy-retries) because the box may be shared.
@@ -124,6 +128,12 @@ def parse_args(argv=None):
         "--original",
         action="store_true",
         help="patch for the CPU-only original before import (else auto-detected)",
+    )
+    p.add_argument(
+        "--torch-dequant",
+        action="store_true",
+        help="time benches/torch_dequant_moe.py (a torch dequantize-then-matmul loop on the "
+        "native checkpoints) instead of kt_kernel",
     )
     p.add_argument(
         "--in-process",
@@ -777,7 +787,11 @@ def main(argv=None):
 
     if args.original:
         patch_for_cpu_only_original(torch)
-    import kt_kernel
+    if args.torch_dequant:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import torch_dequant_moe as kt_kernel
+    else:
+        import kt_kernel
 
     is_original = looks_like_original(kt_kernel)
     if is_original:
@@ -791,6 +805,9 @@ def main(argv=None):
         f"{'original ' if is_original else ''}kt_kernel {version}"
         + (f" [{variant}]" if variant else "")
     )
+    if args.torch_dequant and not args.label:
+        dtype = os.environ.get("KT_TORCH_DEQUANT_DTYPE", "bf16")
+        label = f"torch dequantize-then-matmul ({version}, {dtype})"
     report = {
         "implementation": {
             "label": label,

@@ -125,3 +125,67 @@ def test_write_weight_scale_bench_refuses_counts_below_one(flag):
     script = Path(__file__).resolve().parents[1] / "benches" / "write_weight_scale_bench.py"
     r = subprocess.run([sys.executable, str(script), flag, "0"], capture_output=True, text=True)
     assert r.returncode == 2 and f"{flag} must be >= 1" in r.stderr, r.stderr
+
+
+NATIVE_METHODS = ["FP8", "FP8_PERCHANNEL", "RAWINT4", "GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8"]
+
+
+@pytest.mark.parametrize("method", NATIVE_METHODS)
+def test_the_torch_dequant_baseline_reads_the_native_files_exactly(method, tmp_path):
+    """The baseline issue 19 compares against where the original cannot run: its dequantizer
+    gives the checkpoint's values, and its layer computes the MoE of those values."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+    import native_checkpoints
+    import torch_dequant_moe
+
+    experts, hidden, inter, top_k = 4, 256, 128, 2
+    gen = torch.Generator().manual_seed(7)
+    stacks = [
+        (torch.randn(experts, n, k, generator=gen) * 0.05).bfloat16()
+        for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))
+    ]
+    tensors = native_checkpoints.layer_tensors(method, 0, *stacks)
+    save_file(tensors, str(tmp_path / "layer-00000.safetensors"))
+
+    dense = []
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    for proj, (n, k) in zip(("gate", "up", "down"), shapes, strict=True):
+        mats = []
+        for e in range(experts):
+            p = native_checkpoints.prefix(method, 0, e, proj)
+            if method in ("FP8", "FP8_PERCHANNEL"):
+                q = tensors[f"{p}.weight"].double()
+                if method == "FP8":
+                    s = tensors[f"{p}.weight_scale_inv"].double()
+                    s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+                else:
+                    s = tensors[f"{p}.weight_scale"].double().view(-1, 1)
+                want = q * s
+            else:
+                want = native_checkpoints.dequantize(method, tensors, p)
+            got = torch_dequant_moe.dequantize(method, tensors, p)
+            assert got.shape == (n, k) and got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+            mats.append(want)
+        dense.append(torch.stack(mats))
+
+    layer = torch_dequant_moe.KTMoEWrapper(
+        0, experts, top_k, hidden, inter, None, 2, 1, str(tmp_path), 64, method=method
+    )
+    layer.load_weights()
+    x = torch.randn(16, hidden, generator=gen).bfloat16()
+    ids = torch.rand(16, experts, generator=gen).topk(top_k, dim=-1).indices
+    wts = torch.softmax(torch.randn(16, top_k, generator=gen), dim=-1)
+    out = layer.forward(x, ids, wts)
+    ref = torch.zeros(16, hidden, dtype=torch.float64)
+    for t in range(16):
+        for slot in range(top_k):
+            e = int(ids[t, slot])
+            xe = x[t].double()
+            h = torch.nn.functional.silu(dense[0][e] @ xe) * (dense[1][e] @ xe)
+            ref[t] += wts[t, slot].double() * (dense[2][e] @ h)
+    rel = float((out.double() - ref).norm() / ref.norm())
+    assert rel < 1e-2, rel
