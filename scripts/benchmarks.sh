@@ -87,6 +87,39 @@ print(' '.join(['BF16', 'LLAMAFILE'] + (['AMXINT8', 'AMXINT4'] if hasattr(m, 'AM
   else
     echo "[benchmarks] comparison failed; see $OUT/original.log and $OUT/ours.log"
   fi
+  # Plain torch on the same native checkpoints (issue 19's baseline where the original cannot
+  # run a method): keeps the native tensors, dequantizes each activated expert every call, then
+  # multiplies in bf16 or in float32 (the table takes the faster).
+  NATIVE="FP8 FP8_PERCHANNEL RAWINT4 GPTQ_INT4 MXFP4 NVFP4 MXFP8"
+  rm -f "$OUT"/torch-dequant-*.json "$OUT"/avx2-*.json
+  compare() {  # LABEL PYTHON ARGS...: one black-box run into $OUT/LABEL.json
+    local label=$1 py=$2
+    shift 2
+    # shellcheck disable=SC2086
+    "$py" benches/compare_original.py "$@" --weights-dir "$OUT/ckpt" --json "$OUT/$label.json" \
+      >"$OUT/$label.log" 2>&1 || echo "[benchmarks] $label failed; see $OUT/$label.log"
+  }
+  for dt in bf16 float32; do
+    # shellcheck disable=SC2086
+    KT_TORCH_DEQUANT_DTYPE=$dt compare "torch-dequant-$dt" "$VENV/bin/python" --torch-dequant \
+      --methods $NATIVE --tokens 1 512
+  done
+  # On an AVX-512 machine, the AVX2 level as well: ours and the original each load their AVX2
+  # build, torch is held to AVX2 (ATen and oneDNN), as on an AVX2-only CPU.
+  if grep -qw avx512f /proc/cpuinfo; then
+    echo "[benchmarks] the same at the AVX2 level"
+    export KT_KERNEL_CPU_VARIANT=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    # shellcheck disable=SC2086
+    compare avx2-ours "$VENV/bin/python" --methods $NATIVE --tokens 1 512
+    # shellcheck disable=SC2086
+    compare avx2-original "$ORIG/bin/python" --original --methods $NATIVE --tokens 1 512
+    for dt in bf16 float32; do
+      # shellcheck disable=SC2086
+      KT_TORCH_DEQUANT_DTYPE=$dt compare "avx2-torch-dequant-$dt" "$VENV/bin/python" \
+        --torch-dequant --methods $NATIVE --tokens 1 512
+    done
+    unset KT_KERNEL_CPU_VARIANT ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA
+  fi
   rm -rf "$OUT/ckpt"
 fi
 
@@ -204,6 +237,59 @@ if orig_ok:
                      f"{r['gflops']:.1f} | {m['gflops']:.1f} | {r['rel_l2']:.1e} / {m['rel_l2']:.1e} |")
 else:
     lines += ["", "The original kt-kernel could not be run in this regeneration (see bench-results/)."]
+
+def load(name):
+    path = f"{out}/{name}.json"
+    return json.load(open(path)) if os.path.exists(path) and os.path.getsize(path) else None
+def rows(rep):
+    return {(r["method"], r["tokens"]): r for r in rep["results"]} if rep else {}
+def faster_torch(prefix):
+    """Per (method, tokens): the faster of the bf16 and float32 torch dequantize runs."""
+    best = {}
+    for dt in ("bf16", "float32"):
+        for k, r in rows(load(f"{prefix}torch-dequant-{dt}")).items():
+            if k not in best or r["median_ms"] < best[k][1]["median_ms"]:
+                best[k] = (dt, r)
+    return best
+torch_best = faster_torch("")
+if torch_best and orig_ok:
+    u = rows(json.load(open(f"{out}/ours.json")))
+    lines += ["", "### The native formats against plain torch (`compare_original.py --torch-dequant`)", "",
+              "Issue 19's baseline where the original cannot run a method: `benches/torch_dequant_moe.py` "
+              "keeps the checkpoint's native tensors, dequantizes each activated expert's three matrices "
+              "on every call (table lookups, scales), then runs the layer benchmark's plain-torch loop. "
+              "It ran in bf16 and in float32; the faster is listed. Same script, files and inputs as "
+              "the table above.", "",
+              "| method | tokens | torch ms (dtype) | ours ms | × torch | rel L2 err torch / ours |",
+              "|---|---|---|---|---|---|"]
+    for k, (dt, t) in sorted(torch_best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        m = u.get(k)
+        if m:
+            lines.append(f"| {k[0]} | {k[1]} | {t['median_ms']:.2f} ({dt}) | {m['median_ms']:.2f} | "
+                         f"{t['median_ms'] / m['median_ms']:.2f}× | {t['rel_l2']:.1e} / {m['rel_l2']:.1e} |")
+avx2_ours, avx2_orig = load("avx2-ours"), load("avx2-original")
+if avx2_ours:
+    a_u, a_o, a_t = rows(avx2_ours), rows(avx2_orig), faster_torch("avx2-")
+    errors = (avx2_orig or {}).get("errors", {})
+    lines += ["", "### The AVX2 level on this CPU", "",
+              f"Ours: {avx2_ours['implementation'].get('label')}; original: "
+              f"{(avx2_orig or {}).get('implementation', {}).get('label', 'not run')}; torch held to "
+              "AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`), the faster of bf16 and "
+              "float32. `KT_KERNEL_CPU_VARIANT=avx2` makes both libraries load their AVX2 build, as on "
+              "an AVX2-only CPU (whose own speeds differ: see the records).", "",
+              "| method | tokens | original ms | torch ms (dtype) | ours ms | × original | × torch | rel L2 err ours |",
+              "|---|---|---|---|---|---|---|---|"]
+    for k, m in sorted(a_u.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        o, t = a_o.get(k), a_t.get(k)
+        if o:
+            o_ms, x_o = f"{o['median_ms']:.2f}", f"{o['median_ms'] / m['median_ms']:.2f}×"
+        else:
+            why = " ".join(x.strip() for x in errors.get(k[0], "not run").splitlines()[:2])
+            o_ms, x_o = f"– ({why[:110]})", "–"
+        t_ms = f"{t[1]['median_ms']:.2f} ({t[0]})" if t else "–"
+        x_t = f"{t[1]['median_ms'] / m['median_ms']:.2f}×" if t else "–"
+        lines.append(f"| {k[0]} | {k[1]} | {o_ms} | {t_ms} | {m['median_ms']:.2f} | {x_o} | {x_t} | "
+                     f"{m['rel_l2']:.1e} |")
 lines += ["", "## Against llama.cpp's CPU path (`benches/compare_llamacpp.py`, alternating rounds)", ""]
 if peer_ok:
     p = json.load(open(f"{out}/llamacpp.json"))["meta"]
