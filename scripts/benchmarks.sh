@@ -259,7 +259,9 @@ if torch_best and orig_ok:
               "keeps the checkpoint's native tensors, dequantizes each activated expert's three matrices "
               "on every call (table lookups, scales), then runs the layer benchmark's plain-torch loop. "
               "It ran in bf16 and in float32; the faster is listed. Same script, files and inputs as "
-              "the table above.", "",
+              "the table above. Its times swing 2-5× between runs on this VM (each call allocates "
+              "and frees the dequantized matrices); `bench-results/torch-dequant-*.json` keep its "
+              "best calls.", "",
               "| method | tokens | torch ms (dtype) | ours ms | × torch | rel L2 err torch / ours |",
               "|---|---|---|---|---|---|"]
     for k, (dt, t) in sorted(torch_best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -285,7 +287,7 @@ if avx2_ours:
             o_ms, x_o = f"{o['median_ms']:.2f}", f"{o['median_ms'] / m['median_ms']:.2f}×"
         else:
             why = " ".join(x.strip() for x in errors.get(k[0], "not run").splitlines()[:2])
-            o_ms, x_o = f"– ({why[:110]})", "–"
+            o_ms, x_o = f"– ({why[:140]})", "–"
         t_ms = f"{t[1]['median_ms']:.2f} ({t[0]})" if t else "–"
         x_t = f"{t[1]['median_ms'] / m['median_ms']:.2f}×" if t else "–"
         lines.append(f"| {k[0]} | {k[1]} | {o_ms} | {t_ms} | {m['median_ms']:.2f} | {x_o} | {x_t} | "
