@@ -198,16 +198,30 @@ const SETTINGS: [usize; 4] = [0, CANDIDATE, CANDIDATE | INTO_L2, FAR | INTO_L2];
 /// Arms the tuner compares.
 const ARMS: usize = SETTINGS.len();
 
+/// Decodes of a family between the end of one tuning and the start of the next. The best
+/// setting depends on how fast memory answers, and that changes while a process serves: on
+/// the AMD Zen 4 VM, MXFP4 decodes in a minute when the read probe gave 56 GB/s ran 0.54 ms
+/// with [`FAR`] into L2 against 0.60 with [`CANDIDATE`] into L2 (RAWINT4 0.62 against 0.87),
+/// while at 31-34 GB/s every setting was within 5% (`benches/decode_loop.py`). Retuning costs
+/// the arms' runs: [`ARMS`] × [`TUNE_SAMPLES`] decodes in this many, a few of them slower.
+const RETUNE_EVERY: usize = 4096;
+
+/// Decodes of each family since its tuner last decided (counted while it is not tuning).
+static SINCE_TUNED: [AtomicUsize; FAMILIES] = [const { AtomicUsize::new(0) }; FAMILIES];
+
 /// A family's tuning in the serving process: the calibration (a synthetic stream) only
 /// guesses; the first [`TUNE_SAMPLES`] decodes of each of [`SETTINGS`], in alternating runs,
-/// are timed per expert, and the fastest median is kept from then on.
+/// are timed per expert, and the fastest median is kept until the next tuning, every
+/// [`RETUNE_EVERY`] decodes.
 struct Tune {
     /// Decodes seen before timing started.
     warmup: usize,
     /// Seconds per expert of the decodes run with each of [`SETTINGS`].
     samples: [Vec<f64>; ARMS],
-    /// Decided (or never to be tuned: the distance came from the environment).
+    /// Decided until the next tuning (or for good when `fixed`).
     done: bool,
+    /// The distance came from the environment: never tuned.
+    fixed: bool,
 }
 
 static TUNES: [std::sync::Mutex<Tune>; FAMILIES] =
@@ -220,10 +234,11 @@ static TUNING: [std::sync::atomic::AtomicBool; FAMILIES] =
 /// Stop tuning `family` (its distance is the one set now): the environment fixed it.
 pub fn freeze(family: Family) {
     TUNING[family as usize].store(false, Ordering::Relaxed);
-    TUNES[family as usize]
+    let mut t = TUNES[family as usize]
         .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .done = true;
+        .unwrap_or_else(|e| e.into_inner());
+    t.done = true;
+    t.fixed = true;
 }
 
 impl Tune {
@@ -232,7 +247,18 @@ impl Tune {
             warmup: 0,
             samples: [const { Vec::new() }; ARMS],
             done: false,
+            fixed: false,
         }
+    }
+
+    /// Start a new tuning after a decision (its warm-up is behind it); false when `fixed`.
+    fn reopen(&mut self) -> bool {
+        if self.fixed {
+            return false;
+        }
+        self.samples.iter_mut().for_each(Vec::clear);
+        self.done = false;
+        true
     }
 
     /// The index into [`SETTINGS`] to time the next decode with, or None (warming up, done).
@@ -283,19 +309,28 @@ impl Tune {
 /// Before a decode of `family`: the setting to time it with (its distance is applied now), or
 /// None when this decode is not timed.
 pub fn tune_begin(family: Family) -> Option<usize> {
-    if !TUNING[family as usize].load(Ordering::Relaxed) {
+    let f = family as usize;
+    if !TUNING[f].load(Ordering::Relaxed)
+        && SINCE_TUNED[f].fetch_add(1, Ordering::Relaxed) + 1 < RETUNE_EVERY
+    {
         return None;
     }
-    let mut t = TUNES[family as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut t = TUNES[f].lock().unwrap_or_else(|e| e.into_inner());
+    if t.done {
+        // RETUNE_EVERY decodes since the last decision: tune again (unless fixed).
+        SINCE_TUNED[f].store(0, Ordering::Relaxed);
+        if !t.reopen() {
+            return None;
+        }
+        TUNING[f].store(true, Ordering::Relaxed);
+    }
     let arm = t.next_arm()?;
     DISTANCE[family as usize].store(SETTINGS[arm], Ordering::Relaxed);
     Some(arm)
 }
 
 /// After that decode: it took `secs_per_expert`. Once every setting has its samples the
-/// decision stays for the process.
+/// decision stays for the next [`RETUNE_EVERY`] decodes.
 pub fn tune_end(family: Family, arm: usize, secs_per_expert: f64) {
     let mut t = TUNES[family as usize]
         .lock()
@@ -461,7 +496,10 @@ mod tests {
 
     /// Drive a tuner with per-decode times `time(arm)` until it decides.
     fn decide(time: impl Fn(usize) -> f64) -> (usize, usize) {
-        let mut t = Tune::new();
+        decide_with(&mut Tune::new(), time)
+    }
+
+    fn decide_with(t: &mut Tune, time: impl Fn(usize) -> f64) -> (usize, usize) {
         let (mut decodes, mut runs, mut last) = (0, 0, None);
         loop {
             decodes += 1;
@@ -473,7 +511,7 @@ mod tests {
                 (last, runs) = (Some(arm), runs + 1);
             }
             if let Some((chosen, ..)) = t.record(arm, time(arm)) {
-                assert!(t.next_arm().is_none(), "decided for good");
+                assert!(t.next_arm().is_none(), "decided until reopened");
                 return (chosen, runs);
             }
         }
@@ -499,5 +537,35 @@ mod tests {
         let mut t = Tune::new();
         while t.next_arm().is_none() {}
         assert!(t.record(0, f64::NAN).is_none() && t.samples[0].is_empty());
+    }
+
+    #[test]
+    fn a_reopened_tuner_decides_again_without_a_warm_up_unless_fixed() {
+        let mut t = Tune::new();
+        assert_eq!(
+            decide_with(&mut t, |arm| [1.0, 0.95, 0.9, 0.93][arm]).0,
+            CANDIDATE | INTO_L2
+        );
+        // The machine's memory got faster: the far arm wins the next tuning.
+        assert!(t.reopen());
+        assert_eq!(
+            t.next_arm(),
+            Some(0),
+            "timing starts at once, with every arm's samples new"
+        );
+        assert_eq!(
+            decide_with(&mut t, |arm| [1.0, 0.9, 0.95, 0.8][arm]).0,
+            FAR | INTO_L2
+        );
+        // A distance from the environment is never retuned.
+        let mut fixed = Tune::new();
+        (fixed.done, fixed.fixed) = (true, true);
+        assert!(!fixed.reopen() && fixed.next_arm().is_none());
+        const {
+            assert!(
+                RETUNE_EVERY > 10 * ARMS * TUNE_SAMPLES,
+                "retuning stays a small share"
+            )
+        };
     }
 }
