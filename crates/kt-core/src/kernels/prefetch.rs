@@ -202,7 +202,7 @@ const ARMS: usize = SETTINGS.len();
 /// setting depends on how fast memory answers, and that changes while a process serves: on
 /// the AMD Zen 4 VM, MXFP4 decodes in a minute when the read probe gave 56 GB/s ran 0.54 ms
 /// with [`FAR`] into L2 against 0.60 with [`CANDIDATE`] into L2 (RAWINT4 0.62 against 0.87),
-/// while at 31-34 GB/s every setting was within 5% (`benches/decode_loop.py`). Retuning costs
+/// while at 31-34 GB/s no setting led in both rounds (`benches/decode_loop.py`). Retuning costs
 /// the arms' runs: [`ARMS`] × [`TUNE_SAMPLES`] decodes in this many, a few of them slower.
 const RETUNE_EVERY: usize = 4096;
 
