@@ -60,10 +60,6 @@ def _grouped(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.view(n, scale.shape[1], -1) * scale.float()[..., None]).view(n, k)
 
 
-def _e8m0(u: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(u.view(torch.uint8).float() - 127)
-
-
 def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
     """One expert matrix `[N, K]` in float32, from the tensors of `method`'s checkpoint."""
     if method == "BF16":
@@ -78,7 +74,7 @@ def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
         return _lookup(t[f"{p}.weight"], E4M3_VALUES) * scale
     if method == "MXFP8":
         q = _lookup(t[f"{p}.weight"], E4M3_VALUES)
-        return _grouped(q, _e8m0(t[f"{p}.weight_scale_inv"]))
+        return _grouped(q, native_checkpoints.e8m0(t[f"{p}.weight_scale_inv"]))
     if method == "RAWINT4":
         return _grouped(_nibble_values(t[f"{p}.weight_packed"], INT4_PAIRS), t[f"{p}.weight_scale"])
     if method == "GPTQ_INT4":
@@ -89,7 +85,8 @@ def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
         q = _lookup(qw, INT4_PAIRS).view(words, n, 8).permute(1, 0, 2).reshape(n, words * 8)
         return _grouped(q, t[f"{p}.scales"].T)
     if method == "MXFP4":
-        return _grouped(_nibble_values(t[f"{p}.weight"], E2M1_PAIRS), _e8m0(t[f"{p}.scale"]))
+        q = _nibble_values(t[f"{p}.weight"], E2M1_PAIRS)
+        return _grouped(q, native_checkpoints.e8m0(t[f"{p}.scale"]))
     if method == "NVFP4":
         scale = t[f"{p}.weight_scale"].float() * t[f"{p}.weight_scale_2"].float()
         return _grouped(_nibble_values(t[f"{p}.weight"], E2M1_PAIRS), scale)
@@ -100,19 +97,12 @@ class _Experts:
     """`experts[e]`: one projection of expert `e`, dequantized when indexed."""
 
     def __init__(self, method: str, tensors: dict, layer: int, proj: str, dtype: torch.dtype):
-        self.method, self.tensors, self.layer, self.proj, self.dtype = (
-            method,
-            tensors,
-            layer,
-            proj,
-            dtype,
-        )
+        self.method, self.tensors, self.dtype = method, tensors, dtype
+        self.layer, self.proj = layer, proj
 
     def __getitem__(self, e: int) -> torch.Tensor:
-        if self.method == "BF16":
-            p = f"model.layers.{self.layer}.mlp.experts.{e}.{self.proj}_proj"
-        else:
-            p = native_checkpoints.prefix(self.method, self.layer, e, self.proj)
+        # BF16 checkpoints use the default prefix (`...mlp.experts.{e}.{proj}_proj`).
+        p = native_checkpoints.prefix(self.method, self.layer, e, self.proj)
         return dequantize(self.method, self.tensors, p).to(self.dtype)
 
 

@@ -43,6 +43,11 @@ def e8m0(u: torch.Tensor) -> torch.Tensor:
 
 def dequantize(method: str, t: dict, p: str) -> torch.Tensor:
     """One expert matrix `[N, K]` in float64."""
+    if method == "FP8":
+        q, s = t[f"{p}.weight"].double(), t[f"{p}.weight_scale_inv"].double()
+        return q * s.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
+    if method == "FP8_PERCHANNEL":
+        return t[f"{p}.weight"].double() * t[f"{p}.weight_scale"].double().view(-1, 1)
     if method == "RAWINT4":
         q = nibbles(t[f"{p}.weight_packed"]).double() - 8
         s = t[f"{p}.weight_scale"].double()

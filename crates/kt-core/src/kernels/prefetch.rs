@@ -325,7 +325,7 @@ pub fn tune_begin(family: Family) -> Option<usize> {
         TUNING[f].store(true, Ordering::Relaxed);
     }
     let arm = t.next_arm()?;
-    DISTANCE[family as usize].store(SETTINGS[arm], Ordering::Relaxed);
+    DISTANCE[f].store(SETTINGS[arm], Ordering::Relaxed);
     Some(arm)
 }
 
