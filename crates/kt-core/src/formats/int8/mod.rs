@@ -536,9 +536,9 @@ fn quantize_activation_any(row: &[f32], out: &mut [u8]) -> f32 {
 
 /// Rows `0..a_scales.len()` of a panel's integer results to floats: `dst = (acc · w_scale) ·
 /// a_scale` (the same two roundings as the scalar reference) per row. Every output of a prefill
-/// passes here once, so on AVX-512 CPUs it runs on 512-bit vectors: the portable loop
-/// vectorises to SSE only (the crate's baseline), and at k = 768 (down) that cost as much per
-/// multiply-add as a fifth of the kernel's arithmetic.
+/// passes here once, so it runs on the widest vectors the level has: the portable loop
+/// vectorises to SSE only (the crate's baseline). AMD Zen 4, one core, 512 tokens: 3.6% of the
+/// layer's samples in SSE, 1.3-1.4% on 512-bit vectors.
 fn scale_panel_rows(
     level: crate::isa::Level,
     acc: &[i32],
@@ -552,6 +552,9 @@ fn scale_panel_rows(
     if level >= crate::isa::Level::Avx512Base {
         // SAFETY: the level includes AVX-512F; the lengths were checked above.
         return unsafe { scale_panel_rows_avx512(acc, w_scale, a_scales, dst) };
+    } else if level >= crate::isa::Level::Avx2 {
+        // SAFETY: the level includes AVX2; the lengths were checked above.
+        return unsafe { scale_panel_rows_avx2(acc, w_scale, a_scales, dst) };
     }
     let _ = level;
     scale_panel_rows_scalar(acc, w_scale, a_scales, dst);
@@ -565,6 +568,29 @@ fn scale_panel_rows_scalar(acc: &[i32], w_scale: &[f32], a_scales: &[f32], dst: 
         let dst: &mut [f32; PANEL] = (&mut dst[i * PANEL..(i + 1) * PANEL]).try_into().unwrap();
         for j in 0..PANEL {
             dst[j] = (acc[j] as f32 * w_scale[j]) * a_scale;
+        }
+    }
+}
+
+/// [`scale_panel_rows`] on 256-bit vectors (four per row), for AVX2 CPUs.
+///
+/// # Safety
+/// AVX2 available; the lengths of [`scale_panel_rows_avx512`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scale_panel_rows_avx2(acc: &[i32], w_scale: &[f32], a_scales: &[f32], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    // SAFETY: every offset is inside the rows the contract gives.
+    unsafe {
+        let w: [__m256; 4] = std::array::from_fn(|q| _mm256_loadu_ps(w_scale.as_ptr().add(8 * q)));
+        for (i, &a_scale) in a_scales.iter().enumerate() {
+            let a = _mm256_set1_ps(a_scale);
+            for (q, wq) in w.iter().enumerate() {
+                let at = i * PANEL + 8 * q;
+                let v = _mm256_loadu_si256(acc.as_ptr().add(at) as *const __m256i);
+                let v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), *wq), a);
+                _mm256_storeu_ps(dst.as_mut_ptr().add(at), v);
+            }
         }
     }
 }
