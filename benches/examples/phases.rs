@@ -5,7 +5,7 @@
 //! of 12 rows. Windows whose broadcast mix ran at most 1.1× its fastest are "calm", at least
 //! 1.2× "slowed"; each class's medians show which work a slow phase slows (the register mix
 //! does not: a probe of that kind cannot see the phase).
-//! `SECONDS=6 cargo run --release -p kt-benches --example phases`
+//! `PHASE_SECONDS=6 cargo run --release -p kt-benches --example phases`
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use kt_core::codes::{CodeKind, ScaleType};
@@ -16,59 +16,67 @@ mod x86 {
 
     const STEPS: u32 = 320_000;
 
-    /// ns per 32-MAC step of four independent register-only int8 chains.
-    fn register_mix() -> f64 {
-        let t = Instant::now();
-        for _ in 0..STEPS / 32 {
-            // SAFETY: AVX2 arithmetic on clobbered registers; `run` checked AVX2.
-            unsafe {
-                asm!(
-                    ".rept 8",
-                    "vpmaddubsw ymm8, ymm12, ymm13", "vpmaddwd ymm8, ymm8, ymm14",
-                    "vpaddd ymm0, ymm0, ymm8",
-                    "vpmaddubsw ymm9, ymm12, ymm13", "vpmaddwd ymm9, ymm9, ymm14",
-                    "vpaddd ymm1, ymm1, ymm9",
-                    "vpmaddubsw ymm10, ymm12, ymm13", "vpmaddwd ymm10, ymm10, ymm14",
-                    "vpaddd ymm2, ymm2, ymm10",
-                    "vpmaddubsw ymm11, ymm12, ymm13", "vpmaddwd ymm11, ymm11, ymm14",
-                    "vpaddd ymm3, ymm3, ymm11",
-                    ".endr",
-                    out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    out("ymm12") _, out("ymm13") _, out("ymm14") _,
-                    options(nostack, nomem),
-                )
+    /// ns per step of `$body` (one asm block of 32 steps, reading 16 bytes at `{x}`).
+    macro_rules! ns_per_step {
+        ($x:expr, $($body:literal),+) => {{
+            let t = Instant::now();
+            for _ in 0..STEPS / 32 {
+                // SAFETY: AVX2 arithmetic on clobbered registers and 4-byte loads inside `x`
+                // (64 bytes); `run` checked AVX2.
+                unsafe {
+                    asm!(
+                        "/* {x} */",
+                        ".rept 8",
+                        $($body),+,
+                        ".endr",
+                        x = in(reg) $x.as_ptr(),
+                        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                        out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                        out("ymm12") _, out("ymm13") _, out("ymm14") _,
+                        options(nostack, readonly),
+                    )
+                }
             }
-        }
-        t.elapsed().as_secs_f64() * 1e9 / STEPS as f64
+            t.elapsed().as_secs_f64() * 1e9 / STEPS as f64
+        }};
+    }
+
+    /// ns per 32-MAC step of four independent register-only int8 chains.
+    fn register_mix(x: &[u8; 64]) -> f64 {
+        ns_per_step!(
+            x,
+            "vpmaddubsw ymm8, ymm12, ymm13",
+            "vpmaddwd ymm8, ymm8, ymm14",
+            "vpaddd ymm0, ymm0, ymm8",
+            "vpmaddubsw ymm9, ymm12, ymm13",
+            "vpmaddwd ymm9, ymm9, ymm14",
+            "vpaddd ymm1, ymm1, ymm9",
+            "vpmaddubsw ymm10, ymm12, ymm13",
+            "vpmaddwd ymm10, ymm10, ymm14",
+            "vpaddd ymm2, ymm2, ymm10",
+            "vpmaddubsw ymm11, ymm12, ymm13",
+            "vpmaddwd ymm11, ymm11, ymm14",
+            "vpaddd ymm3, ymm3, ymm11"
+        )
     }
 
     /// ns per step of the same kind with the activation word broadcast from L1 (`x`).
     fn broadcast_mix(x: &[u8; 64]) -> f64 {
-        let t = Instant::now();
-        for _ in 0..STEPS / 32 {
-            // SAFETY: AVX2 arithmetic on clobbered registers and 4-byte loads inside `x`.
-            unsafe {
-                asm!(
-                    ".rept 8",
-                    "vpbroadcastd ymm8, dword ptr [{x}]", "vpmaddubsw ymm8, ymm12, ymm8",
-                    "vpaddw ymm0, ymm0, ymm8",
-                    "vpbroadcastd ymm9, dword ptr [{x} + 4]", "vpmaddubsw ymm9, ymm12, ymm9",
-                    "vpaddw ymm1, ymm1, ymm9",
-                    "vpbroadcastd ymm10, dword ptr [{x} + 8]", "vpmaddubsw ymm10, ymm12, ymm10",
-                    "vpaddw ymm2, ymm2, ymm10",
-                    "vpbroadcastd ymm11, dword ptr [{x} + 12]", "vpmaddubsw ymm11, ymm12, ymm11",
-                    "vpaddw ymm3, ymm3, ymm11",
-                    ".endr",
-                    x = in(reg) x.as_ptr(),
-                    out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    out("ymm12") _,
-                    options(nostack, readonly),
-                )
-            }
-        }
-        t.elapsed().as_secs_f64() * 1e9 / STEPS as f64
+        ns_per_step!(
+            x,
+            "vpbroadcastd ymm8, dword ptr [{x}]",
+            "vpmaddubsw ymm8, ymm12, ymm8",
+            "vpaddw ymm0, ymm0, ymm8",
+            "vpbroadcastd ymm9, dword ptr [{x} + 4]",
+            "vpmaddubsw ymm9, ymm12, ymm9",
+            "vpaddw ymm1, ymm1, ymm9",
+            "vpbroadcastd ymm10, dword ptr [{x} + 8]",
+            "vpmaddubsw ymm10, ymm12, ymm10",
+            "vpaddw ymm2, ymm2, ymm10",
+            "vpbroadcastd ymm11, dword ptr [{x} + 12]",
+            "vpmaddubsw ymm11, ymm12, ymm11",
+            "vpaddw ymm3, ymm3, ymm11"
+        )
     }
 
     fn median(v: &mut [f64]) -> f64 {
@@ -83,7 +91,7 @@ mod x86 {
             return;
         }
         let (kernel, max_rows) = int_gemm_for(level).expect("an AVX2 kernel");
-        let seconds = kt_benches::env_or("SECONDS", 6) as f64;
+        let seconds = kt_benches::env_or("PHASE_SECONDS", 6) as f64;
         let (k, chunk, rows_n) = (2048, 32, 48);
         let w = WeightBytes::of(CodeKind::Int4, ScaleType::Bf16);
         let codes: Vec<u8> = (0..16 * k).map(|i| (i * 37 + 11) as u8).collect();
@@ -107,7 +115,7 @@ mod x86 {
         let mut windows: Vec<Vec<f64>> = Vec::new();
         let start = Instant::now();
         while start.elapsed().as_secs_f64() < seconds {
-            let mut window = vec![register_mix(), broadcast_mix(&x)];
+            let mut window = vec![register_mix(&x), broadcast_mix(&x)];
             for &b in &blocks {
                 let t = Instant::now();
                 for first in (0..rows_n).step_by(b) {
