@@ -510,7 +510,7 @@ family_pickers!(
     int_gemm_with,
     (x86::int_gemm_avx512vnni, x86::GEMM_ROWS_512),
     (x86::int_gemm_avx2, x86::GEMM_ROWS_AVX2),
-    (x86::int_gemm_avxvnni, x86::GEMM_ROWS_256),
+    (x86::int_gemm_avxvnni, x86::GEMM_ROWS_AVXVNNI),
 );
 
 family_pickers!(
@@ -1211,7 +1211,7 @@ pub(crate) mod x86 {
     /// weight vectors and the constants fill the 32 registers.
     pub(crate) const GEMM_ROWS_512: usize = 12;
     /// Rows per call of [`int_gemm_avxvnni`] (not measured on an AVX-VNNI CPU, so left at 4).
-    pub(crate) const GEMM_ROWS_256: usize = 4;
+    pub(crate) const GEMM_ROWS_AVXVNNI: usize = 4;
     /// Rows per call of [`int_gemm_avx2`]: 12 i16 accumulators, the two weight vectors, the
     /// nibble mask and one product fill the 16 registers, and the codes' load and unpacking
     /// are shared by 12 rows instead of 4. AMD Zen 3, RAWINT4 `prefill` alternated in one
@@ -1509,7 +1509,7 @@ pub(crate) mod x86 {
         1 2 3 4 5 6 7 8 9 10 11 12
     );
     gemm_entry!(
-        /// AVX-VNNI many-row kernel, 1 to [`GEMM_ROWS_256`] rows.
+        /// AVX-VNNI many-row kernel, 1 to [`GEMM_ROWS_AVXVNNI`] rows.
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX2, FMA, F16C and AVX-VNNI available.
