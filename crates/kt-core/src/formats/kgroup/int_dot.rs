@@ -646,6 +646,51 @@ pub(crate) mod x86 {
     use crate::codes::ScaleType;
     use std::arch::x86_64::*;
 
+    /// A scale type as a const generic argument (stable Rust takes no enum there): the
+    /// few-row kernels, generic over it, decode each group's scales in straight-line code,
+    /// where a `match` on the weights' type at run time took a jump-table branch per group and
+    /// quarter. AMD Zen 3, one row from cache (`ROWS=1 kgroup_cycles`, old and new binaries
+    /// alternated, best ns per block in calm rounds): RAWINT4 6.18-6.19 -> 5.71-5.75,
+    /// GPTQ_INT4 6.09-6.13 -> 5.70-5.71, NVFP4 9.82-9.89 -> 9.19-9.57, MXFP4 within noise.
+    pub(crate) const fn scale_type_of(code: u8) -> ScaleType {
+        match code {
+            0 => ScaleType::Bf16,
+            1 => ScaleType::F16,
+            2 => ScaleType::E8M0,
+            _ => ScaleType::E4M3,
+        }
+    }
+
+    /// `$body` with `$c` the const generic code ([`scale_type_of`]) of scale type `$st`.
+    macro_rules! with_scale_type {
+        ($st:expr, $c:ident => $body:expr) => {
+            match $st {
+                ScaleType::Bf16 => {
+                    const $c: u8 = 0;
+                    $body
+                }
+                ScaleType::F16 => {
+                    const $c: u8 = 1;
+                    $body
+                }
+                ScaleType::E8M0 => {
+                    const $c: u8 = 2;
+                    $body
+                }
+                ScaleType::E4M3 => {
+                    const $c: u8 = 3;
+                    $body
+                }
+            }
+        };
+    }
+
+    /// `st` through [`with_scale_type`] and back (tests: the two must agree).
+    #[cfg(test)]
+    pub(crate) fn scale_type_round_trip(st: ScaleType) -> ScaleType {
+        with_scale_type!(st, C => scale_type_of(C))
+    }
+
     /// [`super::prepare_row_scalar`] eight inputs at a time: the same fp32 operations in the
     /// same order (no fused multiply-adds), so the same bytes.
     ///
@@ -810,7 +855,7 @@ pub(crate) mod x86 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn rows512<const R: usize, const LUT: bool>(
+    unsafe fn rows512<const R: usize, const LUT: bool, const ST: u8>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -872,8 +917,9 @@ pub(crate) mod x86 {
                         let fa = _mm512_cvtepi32_ps(a[r][h]);
                         let fb = _mm512_cvtepi32_ps(b[r][h]);
                         let f = _mm512_fmadd_ps(fb, inv254, fa);
-                        let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
-                        let sw = _mm512_mul_ps(scales16(at, w.scale_type), sx);
+                        let st = scale_type_of(ST);
+                        let at = scales.add((g * 32 + 16 * h) * st.size());
+                        let sw = _mm512_mul_ps(scales16(at, st), sx);
                         total[r][h] = _mm512_fmadd_ps(f, sw, total[r][h]);
                     }
                 }
@@ -1070,7 +1116,7 @@ pub(crate) mod x86 {
     /// [`folded256`] would gain nothing there).
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn rows256<const R: usize, const LUT: bool, M: Acc256>(
+    unsafe fn rows256<const R: usize, const LUT: bool, const ST: u8, M: Acc256>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -1119,8 +1165,9 @@ pub(crate) mod x86 {
                         let fa = _mm256_cvtepi32_ps(a[r][o]);
                         let fb = _mm256_cvtepi32_ps(b[r][o]);
                         let f = _mm256_fmadd_ps(fb, inv254, fa);
-                        let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
-                        let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
+                        let st = scale_type_of(ST);
+                        let at = scales.add((g * 32 + 8 * o) * st.size());
+                        let sw = _mm256_mul_ps(scales8(at, st), sx);
                         total[r][o] = _mm256_fmadd_ps(f, sw, total[r][o]);
                     }
                 }
@@ -1134,8 +1181,8 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A few-row entry point with the [`super::IntFusedFn`] signature: `$call::<R, LUT>` for
-    /// each listed row count R.
+    /// A few-row entry point with the [`super::IntFusedFn`] signature: `$call::<R, LUT, ST>` for
+    /// each listed row count R, ST the weights' scale type ([`scale_type_of`]).
     macro_rules! fused_entry {
         ($(#[$doc:meta])* $name:ident, $call:ident, $label:literal, $($r:literal)+) => {
             $(#[$doc])*
@@ -1152,15 +1199,15 @@ pub(crate) mod x86 {
                 out: *mut f32,
             ) {
                 let args = (rows, k, range, chunk, group, codes, scales, w, out);
-                // SAFETY: forwarded.
+                // SAFETY: forwarded; ST is the weights' scale type.
                 unsafe {
-                    match (rows.len(), w.identity) {
+                    with_scale_type!(w.scale_type, ST => match (rows.len(), w.identity) {
                         $(
-                            ($r, true) => $call::<$r, false>(args),
-                            ($r, false) => $call::<$r, true>(args),
+                            ($r, true) => $call::<$r, false, ST>(args),
+                            ($r, false) => $call::<$r, true, ST>(args),
                         )+
                         (n, _) => panic!("{} takes 1 to {} rows, got {n}", $label, [$($r),+].len()),
-                    }
+                    })
                 }
             }
         };
@@ -2008,9 +2055,9 @@ pub(crate) mod x86 {
 
     /// # Safety
     /// As [`int_fused_avx512vnni`] with exactly R rows.
-    unsafe fn call512<const R: usize, const LUT: bool>(a: Args) {
+    unsafe fn call512<const R: usize, const LUT: bool, const ST: u8>(a: Args) {
         // SAFETY: forwarded.
-        unsafe { rows512::<R, LUT>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+        unsafe { rows512::<R, LUT, ST>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
     }
 
     /// `rows256` with AVX-VNNI's multiply, enabling its features.
@@ -2019,9 +2066,9 @@ pub(crate) mod x86 {
     /// The few-row [`super::IntFusedFn`] contract with exactly R rows; AVX2, FMA, F16C and
     /// AVX-VNNI available.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn call256_vnni<const R: usize, const LUT: bool>(a: Args) {
+    unsafe fn call256_vnni<const R: usize, const LUT: bool, const ST: u8>(a: Args) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { rows256::<R, LUT, Vnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+        unsafe { rows256::<R, LUT, ST, Vnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
     }
 
     /// `rows256` with the emulated AVX-VNNI multiply (tests).
@@ -2031,9 +2078,11 @@ pub(crate) mod x86 {
     /// available.
     #[cfg(test)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn call256_vnni_emulated<const R: usize, const LUT: bool>(a: Args) {
+    unsafe fn call256_vnni_emulated<const R: usize, const LUT: bool, const ST: u8>(a: Args) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { rows256::<R, LUT, EmulatedVnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8) }
+        unsafe {
+            rows256::<R, LUT, ST, EmulatedVnni256>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8)
+        }
     }
 
     /// AVX2 integer kernel without VNNI, 1 or 2 rows: [`folded256`].
@@ -2056,17 +2105,18 @@ pub(crate) mod x86 {
         // One row keeps its byte-pair sums in i16 lanes for a whole chunk where they fit;
         // with two, the eight i16 running sums per row would not fit the registers.
         let narrow = rows.len() == 1 && w.narrow_sums_fit(chunk);
-        // SAFETY: forwarded with exactly R rows; the narrow sums fit where chosen.
+        // SAFETY: forwarded with exactly R rows; the narrow sums fit where chosen; ST is the
+        // weights' scale type.
         unsafe {
-            match (rows.len(), w.identity, narrow) {
-                (1, true, true) => folded256::<1, false, true>(a),
-                (1, true, false) => folded256::<1, false, false>(a),
-                (1, false, true) => folded256::<1, true, true>(a),
-                (1, false, false) => folded256::<1, true, false>(a),
-                (2, true, _) => folded256::<2, false, false>(a),
-                (2, false, _) => folded256::<2, true, false>(a),
+            with_scale_type!(w.scale_type, ST => match (rows.len(), w.identity, narrow) {
+                (1, true, true) => folded256::<1, false, true, ST>(a),
+                (1, true, false) => folded256::<1, false, false, ST>(a),
+                (1, false, true) => folded256::<1, true, true, ST>(a),
+                (1, false, false) => folded256::<1, true, false, ST>(a),
+                (2, true, _) => folded256::<2, false, false, ST>(a),
+                (2, false, _) => folded256::<2, true, false, ST>(a),
                 (n, _, _) => panic!("the kgroup int avx2 kernel takes 1 or 2 rows, got {n}"),
-            }
+            })
         }
     }
 
@@ -2085,8 +2135,12 @@ pub(crate) mod x86 {
     /// [`WeightBytes::narrow_sums_fit`] holds for `chunk`; AVX2, FMA and F16C available.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn folded256<const R: usize, const LUT: bool, const NARROW: bool>(a: Args) {
+    unsafe fn folded256<const R: usize, const LUT: bool, const NARROW: bool, const ST: u8>(
+        a: Args,
+    ) {
         let (rows, k, (i0, n), chunk, group, codes, scales, w, out) = a;
+        let st = scale_type_of(ST);
+        debug_assert_eq!(st, w.scale_type);
         // SAFETY: the contract: every block, activation word, chunk record and scale read
         // below is inside the caller's buffers.
         unsafe {
@@ -2137,8 +2191,8 @@ pub(crate) mod x86 {
                             acc[r][o] = fold(pairs[r][o][0], pairs[r][o][1]);
                         }
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[r][o], bias));
-                        let at = scales.add((g * 32 + 8 * o) * w.scale_type.size());
-                        let sw = _mm256_mul_ps(scales8(at, w.scale_type), sx);
+                        let at = scales.add((g * 32 + 8 * o) * st.size());
+                        let sw = _mm256_mul_ps(scales8(at, st), sx);
                         total[r][o] = _mm256_fmadd_ps(f, sw, total[r][o]);
                     }
                 }
@@ -2455,6 +2509,19 @@ mod tests {
                 );
                 assert!(want.iter().all(|v| v.abs() > 1e3), "{want:?}");
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn const_scale_types_name_the_weights_scale_type() {
+        for st in [
+            ScaleType::Bf16,
+            ScaleType::F16,
+            ScaleType::E8M0,
+            ScaleType::E4M3,
+        ] {
+            assert_eq!(x86::scale_type_round_trip(st), st);
         }
     }
 
