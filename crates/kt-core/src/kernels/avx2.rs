@@ -103,8 +103,8 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
         // prefill) prefetches every chunk as it goes instead: the next chunk's 128 lines
         // requested at once before a single block outran the core's outstanding misses. AMD
         // Zen 3, S1 layer, 2 threads, alternated every 10 calls in one process
-        // (`prefill BF16 N`), with `both_halves`: 32 tokens 84-90 -> 64-68 ms, 128 tokens
-        // 139 -> 129, 4 tokens 13.8 -> 13.3.
+        // (`prefill BF16 N`), with two-row blocks in one pass: 32 tokens 84-90 -> 64-68 ms,
+        // 128 tokens 139 -> 129, 4 tokens 13.8 -> 13.3.
         let single = a_rows.len() <= BLOCK && setting != 0;
         let fetch = if c0 == 0 || single { setting } else { 0 };
         let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
@@ -128,7 +128,7 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
 /// Every row over one k chunk of `n ≥ 1` input pairs, in register blocks of at most five
 /// rows ([`super::even_block`]): each block's 32 sums per row are written to `out` (or, with
 /// `reload`, added to what it holds there), a lane's products in pair order, `x0·even` then
-/// `x1·odd`. A block of one or two rows takes both halves in one pass ([`both_halves`]),
+/// `x1·odd`. A block of one or two rows takes both halves in one pass ([`row_groups`]),
 /// larger ones half by half. `rows[r]` points to the chunk's first input of row r, `chunk` to
 /// its first pair (128 bytes per pair, both halves). `fetch` is the prefetch setting of the
 /// first block's first pass ([`super::prefetch::set_of`], 0 = none); the `next.1` lines from
@@ -165,13 +165,13 @@ pub(crate) unsafe fn chunk_rows(
         if nr <= 2 {
             let fetch = if b == 0 { fetch } else { 0 };
             let sums = out.wrapping_add(r0 * 32);
-            // SAFETY: the contract: n pairs of every row and of the chunk; `sums` leads nr
-            // rows of 32 outputs.
+            // SAFETY: the contract: n pairs of every row and of the chunk (both halves);
+            // `sums` leads nr rows of 32 outputs.
             unsafe {
                 if nr == 2 {
-                    both_halves::<2, 8>(fetch, &block_rows, chunk, n, sums, reload);
+                    row_groups::<2, 4, 8>(fetch, &block_rows, chunk, n, sums, reload);
                 } else {
-                    both_halves::<1, 4>(fetch, &block_rows, chunk, n, sums, reload);
+                    row_groups::<1, 4, 4>(fetch, &block_rows, chunk, n, sums, reload);
                 }
             }
             r0 += nr;
@@ -188,14 +188,12 @@ pub(crate) unsafe fn chunk_rows(
                 let p = chunk.add(h * 32);
                 match nr {
                     5 => {
-                        let mut acc = load_sums::<10>(sums, reload);
+                        let mut acc = load_sums::<2, 10>(sums, reload);
                         five_row_pairs(fetch, block_rows, p, n, HI_MASK.as_ptr(), &mut acc);
-                        store_sums(sums, &acc);
+                        store_sums::<2, 10>(sums, &acc);
                     }
-                    4 => few_rows::<4, 8>(fetch, &block_rows, p, n, sums, reload),
-                    3 => few_rows::<3, 6>(fetch, &block_rows, p, n, sums, reload),
-                    2 => few_rows::<2, 4>(fetch, &block_rows, p, n, sums, reload),
-                    _ => few_rows::<1, 2>(fetch, &block_rows, p, n, sums, reload),
+                    4 => row_groups::<4, 2, 8>(fetch, &block_rows, p, n, sums, reload),
+                    _ => row_groups::<3, 2, 6>(fetch, &block_rows, p, n, sums, reload),
                 }
             }
         }
@@ -204,18 +202,18 @@ pub(crate) unsafe fn chunk_rows(
     }
 }
 
-/// The `S = 2·rows` 8-lane sums of a register block (`acc[2r + g]` at `sums + 32r + 8g`), or
-/// zeros for the first chunk.
+/// The `S` 8-lane sums of a register block of `G` groups per row (`acc[G·r + g]` at
+/// `sums + 32r + 8g`), or zeros for the first chunk.
 ///
 /// # Safety
-/// AVX2; with `reload`, `sums` leads `S / 2` rows of 32 readable floats.
+/// AVX2; with `reload`, `sums` leads `S / G` rows of 32 readable floats.
 #[target_feature(enable = "avx2")]
-unsafe fn load_sums<const S: usize>(sums: *const f32, reload: bool) -> [__m256; S] {
+unsafe fn load_sums<const G: usize, const S: usize>(sums: *const f32, reload: bool) -> [__m256; S] {
     let mut acc = [_mm256_setzero_ps(); S];
     if reload {
         for (i, v) in acc.iter_mut().enumerate() {
             // SAFETY: the caller's contract.
-            *v = unsafe { _mm256_loadu_ps(sums.add((i / 2) * 32 + (i % 2) * 8)) };
+            *v = unsafe { _mm256_loadu_ps(sums.add((i / G) * 32 + (i % G) * 8)) };
         }
     }
     acc
@@ -224,26 +222,33 @@ unsafe fn load_sums<const S: usize>(sums: *const f32, reload: bool) -> [__m256; 
 /// Store what [`load_sums`] loads.
 ///
 /// # Safety
-/// AVX2; `sums` leads `S / 2` rows of 32 writable floats.
+/// AVX2; `sums` leads `S / G` rows of 32 writable floats.
 #[target_feature(enable = "avx2")]
-unsafe fn store_sums<const S: usize>(sums: *mut f32, acc: &[__m256; S]) {
+unsafe fn store_sums<const G: usize, const S: usize>(sums: *mut f32, acc: &[__m256; S]) {
     for (i, v) in acc.iter().enumerate() {
         // SAFETY: the caller's contract.
-        unsafe { _mm256_storeu_ps(sums.add((i / 2) * 32 + (i % 2) * 8), *v) };
+        unsafe { _mm256_storeu_ps(sums.add((i / G) * 32 + (i % G) * 8), *v) };
     }
 }
 
-/// Up to four rows (`S = 2R` accumulators, 8 + 4 weight vectors + a broadcast at four: LLVM
-/// keeps them in registers) over `n` input pairs of one half at `p`, adding into (or, for
-/// the first chunk, writing) the sums at `sums`; `fetch` is a prefetch setting
-/// ([`super::prefetch::set_of`], 0 = none).
+/// Up to four rows over `n` input pairs of `G` 8-lane groups of each pair's panel bytes at
+/// `p` (`S = G·R` accumulators), adding into (or, for the first chunk, writing) the sums at
+/// `sums`; `fetch` is a prefetch setting ([`super::prefetch::set_of`], 0 = none), applied to
+/// both lines of each pair.
+/// - `G = 2`: one half (`p` at it, `sums` at its first output); three or four rows (6 or 8
+///   accumulators, 4 weight vectors and the broadcasts: LLVM keeps them in registers).
+/// - `G = 4`: both halves in one pass, for one or two rows. With the halves in separate
+///   passes, two rows keep only four FMA chains in flight, each taking two dependent FMAs per
+///   pair, and wait on FMA latency (AMD Zen 3, from cache: two rows ran at the GFLOP/s of
+///   one, 38-41 GFLOP/s, 50-63 in one pass; three rows in one pass spilled and ran at 34-37
+///   against 58-61).
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `rows[..R]` each have `2n` readable f32 and the panel
-/// 128·n − 64 readable bytes after `p`; `sums` leads R rows of 32 floats.
+/// The CPU has AVX2 and FMA; `rows[..R]` each have `2n` readable f32; the `G·32` panel bytes
+/// of each pair `q` at `p + 128q` are readable; `sums` leads R rows of 32 floats.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-unsafe fn few_rows<const R: usize, const S: usize>(
+unsafe fn row_groups<const R: usize, const G: usize, const S: usize>(
     fetch: usize,
     rows: &[*const f32; BLOCK],
     p: *const u16,
@@ -253,88 +258,28 @@ unsafe fn few_rows<const R: usize, const S: usize>(
 ) {
     let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     // SAFETY: the caller's contract.
-    let mut acc = unsafe { load_sums::<S>(sums, reload) };
+    let mut acc = unsafe { load_sums::<G, S>(sums, reload) };
     for q in 0..n {
         // SAFETY: within the panel and rows by the contract; prefetches do not fault.
         unsafe {
             let w_at = p.add(q * 64);
             super::prefetch::ahead(w_at as *const u8, fetch);
             super::prefetch::ahead(w_at.add(32) as *const u8, fetch);
-            for g in 0..2 {
+            for g in 0..G {
                 let w = _mm256_loadu_si256(w_at.add(g * 16) as *const __m256i);
                 let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
                 let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
                 for r in 0..R {
                     let x0 = _mm256_broadcast_ss(&*rows[r].add(2 * q));
                     let x1 = _mm256_broadcast_ss(&*rows[r].add(2 * q + 1));
-                    acc[2 * r + g] = _mm256_fmadd_ps(x0, w_even, acc[2 * r + g]);
-                    acc[2 * r + g] = _mm256_fmadd_ps(x1, w_odd, acc[2 * r + g]);
+                    acc[G * r + g] = _mm256_fmadd_ps(x0, w_even, acc[G * r + g]);
+                    acc[G * r + g] = _mm256_fmadd_ps(x1, w_odd, acc[G * r + g]);
                 }
             }
         }
     }
     // SAFETY: the caller's contract.
-    unsafe { store_sums(sums, &acc) };
-}
-
-/// One or two rows over `n` input pairs of both halves at `p` (`S = 4R` accumulators: with
-/// the halves in separate passes, as [`few_rows`] runs them, two rows keep only four FMA
-/// chains in flight, each taking two dependent FMAs per pair, and wait on FMA latency: AMD
-/// Zen 3, from cache, two rows ran at the GFLOP/s of one: 38-41 GFLOP/s, 50-63 with this;
-/// three rows this way spilled and ran at 34-37 against 58-61), adding into (or, for the first
-/// chunk, writing) the sums at `sums`; `fetch` is a prefetch setting
-/// ([`super::prefetch::set_of`], 0 = none). Each lane adds its products in [`few_rows`]'
-/// order.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA; `rows[..R]` each have `2n` readable f32 and the panel 128·n
-/// readable bytes at `p`; `sums` leads R rows of 32 floats.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-unsafe fn both_halves<const R: usize, const S: usize>(
-    fetch: usize,
-    rows: &[*const f32; BLOCK],
-    p: *const u16,
-    n: usize,
-    sums: *mut f32,
-    reload: bool,
-) {
-    let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut acc = [_mm256_setzero_ps(); S];
-    if reload {
-        for (i, v) in acc.iter_mut().enumerate() {
-            // SAFETY: the caller's contract: row i / 4, lanes 8·(i % 4).. of its 32 sums.
-            *v = unsafe { _mm256_loadu_ps(sums.add(i * 8)) };
-        }
-    }
-    for q in 0..n {
-        // SAFETY: within the panel and rows by the contract; prefetches do not fault.
-        unsafe {
-            let w_at = p.add(q * 64);
-            super::prefetch::ahead(w_at as *const u8, fetch);
-            super::prefetch::ahead(w_at.add(32) as *const u8, fetch);
-            let mut x = [[_mm256_setzero_ps(); 2]; R];
-            for r in 0..R {
-                x[r] = [
-                    _mm256_broadcast_ss(&*rows[r].add(2 * q)),
-                    _mm256_broadcast_ss(&*rows[r].add(2 * q + 1)),
-                ];
-            }
-            for g in 0..4 {
-                let w = _mm256_loadu_si256(w_at.add(g * 16) as *const __m256i);
-                let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-                for r in 0..R {
-                    acc[4 * r + g] = _mm256_fmadd_ps(x[r][0], w_even, acc[4 * r + g]);
-                    acc[4 * r + g] = _mm256_fmadd_ps(x[r][1], w_odd, acc[4 * r + g]);
-                }
-            }
-        }
-    }
-    for (i, v) in acc.iter().enumerate() {
-        // SAFETY: the caller's contract.
-        unsafe { _mm256_storeu_ps(sums.add(i * 8), *v) };
-    }
+    unsafe { store_sums::<G, S>(sums, &acc) };
 }
 
 /// The five-row loop body over `n ≥ 1` input pairs, with the prefetch lines given.
