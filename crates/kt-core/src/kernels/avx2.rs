@@ -98,14 +98,11 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
         }
         // The first chunk's lines: the first block's first half prefetches both lines of
         // each input pair as it goes. Later chunks were fetched during the chunk before; the
-        // lines after the last chunk are the next panel's a task usually reads next. A call
-        // of one register block (up to five rows: an expert of a decode or of a mid-size
-        // prefill) prefetches every chunk as it goes instead: the next chunk's 128 lines
-        // requested at once before a single block outran the core's outstanding misses. AMD
-        // Zen 3, S1 layer, 2 threads, alternated every 10 calls in one process
-        // (`prefill BF16 N`), with two-row blocks in one pass: 32 tokens 84-90 -> 64-68 ms,
-        // 128 tokens 139 -> 129, 4 tokens 13.8 -> 13.3.
-        let single = a_rows.len() <= BLOCK && setting != 0;
+        // lines after the last chunk are the next panel's a task usually reads next. Calls of
+        // up to [`STREAM_ROWS`] rows prefetch every chunk as they go (the setting's distance
+        // ahead, during the first block's first pass); larger ones spread the next chunk's
+        // 128 lines over their blocks, a share before each.
+        let single = a_rows.len() <= STREAM_ROWS && setting != 0;
         let fetch = if c0 == 0 || single { setting } else { 0 };
         let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
         let next_lines = if single { 0 } else { CHUNK_PAIRS * 128 / 64 };
@@ -124,6 +121,17 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
         c0 += n;
     }
 }
+
+/// Rows up to which a call prefetches each chunk as its first block's first pass goes,
+/// rather than in a burst of the next chunk's 128 lines before each block's share of it. With
+/// few blocks the bursts are large and outran the core's outstanding misses; with many, the
+/// first pass is too short a window. AMD Zen 3, S1 layer, 2 threads, old and new alternated
+/// every 8-10 calls in one process (`prefill BF16 N`), median ms: up to 5 rows (before) ->
+/// up to 16: 128 tokens 187 -> 162 (also 167 -> 153, 188 -> 163 up to 32 and 182 -> 154 up
+/// to 12), 256 tokens 239 -> 220; up to 32 rows made 512 tokens slower (332 -> 372) and up
+/// to 20 left it as it was (365 -> 356). One core, 8 rows streamed from memory
+/// (`ROWS=8 PANELS=4000 panel_rows`): 33-34 -> 42-44 GFLOP/s.
+const STREAM_ROWS: usize = 16;
 
 /// Every row over one k chunk of `n ≥ 1` input pairs, in register blocks of at most five
 /// rows ([`super::even_block`]): each block's 32 sums per row are written to `out` (or, with
