@@ -7,7 +7,8 @@
 //! made of the rows across calls, where it has that form), at every row count they take, in ns per block and row; a list
 //! (`KERNEL=fused,fine`) measures them in alternation, trial by trial.
 //! `ONLY=MXFP4` and `ROWS=3` restrict the cases (for `perf record`); `K=512` shrinks the panel
-//! (L1-resident). Each line also gives the median trial, per row.
+//! (L1-resident); `PANELS=2000` streams the panels from memory instead. Each line also gives
+//! the median trial, per row.
 //! `cargo run --release -p kt-benches --example kgroup_cycles`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::kgroup::int_dot::{
@@ -68,7 +69,10 @@ fn main() {
         })
         .collect();
     let max_rows = families.iter().map(|f| f.2).max().unwrap_or(1);
-    let codes: Vec<u8> = (0..16 * k).map(|i| (i * 37 + 11) as u8).collect();
+    // PANELS=n cycles through n distinct panels (thousands: streamed from memory, as a
+    // prefill streams experts) instead of one that stays in cache.
+    let panels: usize = kt_benches::env_or("PANELS", 1);
+    let codes: Vec<u8> = (0..16 * k * panels).map(|i| (i * 37 + 11) as u8).collect();
     let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.125).collect();
     let cases = [
         ("MXFP4", CodeKind::E2M1, ScaleType::E8M0, 32),
@@ -83,7 +87,8 @@ fn main() {
             continue;
         }
         let chunk = group.min(32);
-        let scales = vec![0x38u8; 32 * (k / group) * st.size()];
+        let panel_scales = 32 * (k / group) * st.size();
+        let scales = vec![0x38u8; panel_scales * panels];
         // One prepared row per kernel row (as in a layer), each from shifted inputs.
         let w = WeightBytes::of(kind, st);
         let prepared: Vec<Vec<u8>> = (0..max_rows)
@@ -97,7 +102,7 @@ fn main() {
         for rows in (1..=max_rows).filter(|r| only_rows.is_none_or(|o| o == *r)) {
             let ptrs: Vec<*const u8> = prepared[..rows].iter().map(|r| r.as_ptr()).collect();
             let mut out = vec![0f32; 32 * rows];
-            let reps = 200;
+            let reps = 200.max(panels);
             let takers: Vec<_> = families.iter().filter(|f| f.2 >= rows).collect();
             let mut best = vec![f64::MAX; takers.len()];
             // Every trial's time too: the median shows what a long run gets on this VM.
@@ -105,7 +110,8 @@ fn main() {
             for _ in 0..kt_benches::env_or("TRIALS", 60) {
                 for ((b, times), (_, kernel, _)) in best.iter_mut().zip(&mut all).zip(&takers) {
                     let t = Instant::now();
-                    for _ in 0..reps {
+                    for rep in 0..reps {
+                        let p = rep % panels;
                         // SAFETY: prepared rows of k inputs, 16·k code bytes, the panel's
                         // scales, 32 outputs per row; the level allows the kernel.
                         unsafe {
@@ -115,8 +121,8 @@ fn main() {
                                 (0, k),
                                 chunk,
                                 group,
-                                codes.as_ptr(),
-                                scales.as_ptr(),
+                                codes[p * 16 * k..].as_ptr(),
+                                scales[p * panel_scales..].as_ptr(),
                                 &w,
                                 out.as_mut_ptr(),
                             )
@@ -128,7 +134,7 @@ fn main() {
                     times.push(per_call);
                 }
             }
-            let bytes = (codes.len() + scales.len()) as f64;
+            let bytes = (codes.len() + scales.len()) as f64 / panels as f64;
             for ((best, times), (family, _, _)) in best.iter().zip(&mut all).zip(&takers) {
                 times.sort_by(f64::total_cmp);
                 let median = times[times.len() / 2];

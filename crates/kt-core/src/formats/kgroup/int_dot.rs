@@ -1348,7 +1348,14 @@ pub(crate) mod x86 {
     }
 
     /// The many-row kernel on 256-bit vectors, one 8-row quarter of the panel at a time;
-    /// inlined into wrappers that enable the features of `M`.
+    /// inlined into wrappers that enable the features of `M`. The first quarter's pass reads
+    /// the codes from memory (prefetched [`GEMM_PREFETCH_BYTES`] ahead), at the pace of a
+    /// quarter of the arithmetic; the second and third prefetch the range that follows (the
+    /// next panel) into L2, a line per block each, so the next call's first pass finds its
+    /// codes there. AMD Zen 3, RAWINT4 `prefill`, three arms alternated every 10 calls in one
+    /// process, median ms: 128 tokens (8 rows per expert) 83.4 -> 77.5 and 85.2 -> 79.3; 512
+    /// tokens 281.7 -> 278.5. Calls over ranges of 512 inputs, each prefetching the next,
+    /// gained 1-2% more at 128 tokens and lost 3% at 512, so calls take whole panels.
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     unsafe fn gemm256<
@@ -1384,6 +1391,14 @@ pub(crate) mod x86 {
                     for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                         if o == 0 {
                             prefetch_block_ahead(codes, blk);
+                        } else if o < 3 {
+                            // The matching line of the block as far into the range after
+                            // this one (for a whole panel, the next panel's, which a task
+                            // usually reads next): its DRAM reads overlap this arithmetic.
+                            let at = (i0 + n) / 8 + blk - i0 / 8;
+                            crate::kernels::prefetch::line_into_l2(
+                                codes.wrapping_add(at * 128 + 64 * (o - 1)),
+                            );
                         }
                         let (we, wo) = quarter_bytes::<LUT>(codes, blk, o, 0, lut, nib);
                         for r in 0..R {
