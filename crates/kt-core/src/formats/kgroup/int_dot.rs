@@ -1355,7 +1355,7 @@ pub(crate) mod x86 {
     /// codes there. AMD Zen 3, RAWINT4 `prefill`, three arms alternated every 10 calls in one
     /// process, median ms: 128 tokens (8 rows per expert) 83.4 -> 77.5 and 85.2 -> 79.3; 512
     /// tokens 281.7 -> 278.5. Calls over ranges of 512 inputs, each prefetching the next,
-    /// gained 1-2% more at 128 tokens and lost 3% at 512, so calls take whole panels.
+    /// gained 1-3% more at 128 tokens and lost 4% at 512, so calls take whole panels.
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     unsafe fn gemm256<
