@@ -27,40 +27,21 @@ pub unsafe fn panel_dot_fma(a_rows: &[*const f32], k: usize, panel: *const u16, 
     }
 }
 
-/// One row (decode): both halves of the panel in one pass. Each accumulator takes two
-/// dependent FMAs per input pair, so with only the two of one half in flight the loop waits
-/// on FMA latency (8 cycles per 64 bytes); four chains halve that. Every lane still adds its
-/// products in the twin's order.
+/// One row (decode): both halves of the panel in one pass ([`row_groups`] with four groups).
+/// Each accumulator takes two dependent FMAs per input pair, so with only the two of one half
+/// in flight the loop waits on FMA latency (8 cycles per 64 bytes); four chains halve that.
+/// Every lane still adds its products in the twin's order.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `a` points to `k` readable f32; the rest is the
 /// [`super::PanelDotFn`] contract.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_one_row(a: *const f32, k: usize, panel: *const u16, out: *mut f32) {
-    let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let pf = super::prefetch::distance();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for q in 0..k / 2 {
-        // SAFETY: within the panel and the row by the contract.
-        unsafe {
-            let p = panel.add(q * 64);
-            super::prefetch::ahead(p as *const u8, pf);
-            super::prefetch::ahead(p.add(32) as *const u8, pf);
-            let x0 = _mm256_broadcast_ss(&*a.add(2 * q));
-            let x1 = _mm256_broadcast_ss(&*a.add(2 * q + 1));
-            for (c, acc) in acc.iter_mut().enumerate() {
-                let w = _mm256_loadu_si256(p.add(c * 16) as *const __m256i);
-                let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                let w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-                *acc = _mm256_fmadd_ps(x0, w_even, *acc);
-                *acc = _mm256_fmadd_ps(x1, w_odd, *acc);
-            }
-        }
-    }
-    for (c, v) in acc.iter().enumerate() {
-        // SAFETY: out holds 32 floats.
-        unsafe { _mm256_storeu_ps(out.add(c * 8), *v) };
-    }
+    let mut rows = [std::ptr::null::<f32>(); BLOCK];
+    rows[0] = a;
+    // SAFETY: the contract: k/2 pairs of the row and of the panel (both halves); `out` holds
+    // the row's 32 outputs, written (not added to) without `reload`.
+    unsafe { row_groups::<1, 4, 4>(super::prefetch::distance(), &rows, panel, k / 2, out, false) };
 }
 
 /// Input pairs per k chunk: 8 KiB of panel (both halves) and 512 bytes of each row, so a
