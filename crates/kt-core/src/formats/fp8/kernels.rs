@@ -767,7 +767,7 @@ pub(crate) mod x86 {
     /// # Safety
     /// AVX2 available; 16 readable bytes at `p`.
     #[inline(always)]
-    unsafe fn decode16_down120<const FLUSH: bool>(p: *const u8) -> __m256i {
+    pub(crate) unsafe fn decode16_down120<const FLUSH: bool>(p: *const u8) -> __m256i {
         // SAFETY: the caller's contract.
         unsafe {
             let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.cast()));

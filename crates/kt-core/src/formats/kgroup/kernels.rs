@@ -9,7 +9,10 @@
 //!   scale; int4 times a bf16/f16 scale rounds once);
 //! - [`FusedFn`]: one to four token rows straight from the codes, in fp32: per group the
 //!   products are summed unscaled, then the sum times the rows' scales is added (two FMAs per
-//!   code and row, one per group and row).
+//!   code and row, one per group and row);
+//! - [`FusedPow2Fn`]: E4M3 codes with E8M0 scales against 3 to 12 rows (AVX2): each 128-input
+//!   block decoded once without its scales, the rows' sums carried in units of the current
+//!   group's power of two; the decoded-block path's bits.
 //!
 //! Values come from a 16-entry table for nibbles (`vpermps` on AVX-512; two 8-entry lookups
 //! and a blend on the nibble's top bit on AVX2) and from the exact E4M3 decoders of
@@ -76,6 +79,65 @@ pub type DecodePow2Fn = unsafe fn(
     out: *mut u16,
 );
 
+/// Lines per block of [`FusedPow2Fn`]: 128 inputs, as the decoded-block path takes them.
+pub const POW2_BLOCK_LINES: usize = 64;
+
+/// What [`FusedPow2Fn`] multiplies its rows by first (2⁶⁴: with the codes as value · 2⁻¹²⁰,
+/// no product comes near fp32's denormals); a caller may hand it rows already multiplied.
+pub const POW2_ROW_SCALE: f32 = 18_446_744_073_709_551_616.0;
+
+/// `out[r·32 + j] =` the decoded-block path's result for E4M3 codes and E8M0 group scales
+/// (exponents `exps`, 32 per group): per block of [`POW2_BLOCK_LINES`] lines, one FMA chain
+/// per row and output over the block's inputs (input 2q, then 2q+1) of `value · 2^(e − 127)`,
+/// the block sums added in block order ([`fused_many_pow2_scalar`]). A kernel for many rows
+/// that never decodes the scaled values: it is bit-identical to the twin while every
+/// intermediate is a normal float, which [`FusedPow2::applies`] checks on the exponents;
+/// results that come out non-finite mean an intermediate overflowed (redo them another way).
+///
+/// # Safety
+/// As [`FusedFn`] with up to [`crate::kernels::MAX_ROWS`] rows, `exps` holding
+/// `32·lines/group_lines` bytes; `lines` a multiple of [`POW2_BLOCK_LINES`] and `group_lines`
+/// a divisor of it; `out` 32 writable f32 per row. With `scaled`, the rows hold the inputs
+/// times [`POW2_ROW_SCALE`] (exactly: no overflow).
+pub type FusedPow2Fn = unsafe fn(
+    a: &[*const f32],
+    scaled: bool,
+    lines: usize,
+    group_lines: usize,
+    codes: *const u8,
+    exps: *const u8,
+    out: *mut f32,
+);
+
+/// A [`FusedPow2Fn`] and the rows for which it beats the decoded-block path.
+#[derive(Debug, Clone)]
+pub struct FusedPow2 {
+    /// The kernel.
+    pub kernel: FusedPow2Fn,
+    /// The row counts it takes (fewer go to the few-row fused kernel; with more, one decode
+    /// per block serves enough rows to beat its per-group steps).
+    pub rows: std::ops::RangeInclusive<usize>,
+}
+
+impl FusedPow2 {
+    /// Exponents apart by more than this keep the decoded-block path: the kernel carries a
+    /// block's sums in units of the current group's scale, and a wider spread could push
+    /// them out of fp32's normal range.
+    pub const MAX_SPREAD: u8 = 64;
+
+    /// Whether the kernel gives the twin's bits for a panel with these exponents (every
+    /// product normal: [`E4M3_POW2_EXPONENTS`], and at most [`Self::MAX_SPREAD`] apart).
+    pub fn applies(exps: &[u8]) -> bool {
+        // A branch-free fold (vector min/max), as the decoded-block path's range test.
+        let (least, most) = exps
+            .iter()
+            .fold((u8::MAX, u8::MIN), |(a, b), &e| (a.min(e), b.max(e)));
+        E4M3_POW2_EXPONENTS.contains(&least)
+            && E4M3_POW2_EXPONENTS.contains(&most)
+            && most - least <= Self::MAX_SPREAD
+    }
+}
+
 /// A [`DecodePow2Fn`] and the E8M0 exponents for which its products stay normal numbers.
 #[derive(Debug, Clone)]
 pub struct Pow2Decoder {
@@ -101,6 +163,8 @@ pub struct KGroupKernels {
     pub decode_pow2: Option<Pow2Decoder>,
     /// The fused few-row kernel, if the level has one, and the rows it takes.
     pub fused: Option<(FusedFn, usize)>,
+    /// The many-row kernel for E8M0 scales, where the level has one.
+    pub fused_pow2: Option<FusedPow2>,
     /// Name, as the layer's `kernel` reports it.
     pub name: &'static str,
 }
@@ -128,6 +192,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                         exponents: E4M3_POW2_EXPONENTS,
                     }),
                     name: "avx512",
+                    fused_pow2: None,
                 }
             } else {
                 KGroupKernels {
@@ -143,6 +208,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                         exponents: E2M1_POW2_EXPONENTS,
                     }),
                     name: "avx512",
+                    fused_pow2: None,
                 }
             };
         }
@@ -151,6 +217,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                 KGroupKernels {
                     decode: x86::decode_bytes_avx2,
                     fused: fused_bytes_for(level, crate::isa::flush_subnormal_codes()),
+                    fused_pow2: Some(fused_pow2_avx2(crate::isa::flush_subnormal_codes())),
                     decode_pow2: Some(Pow2Decoder {
                         decode: x86::decode_bytes_pow2_avx2,
                         exponents: E4M3_POW2_EXPONENTS,
@@ -163,6 +230,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
                     fused: None,
                     decode_pow2: None,
                     name: "avx2",
+                    fused_pow2: None,
                 }
             };
         }
@@ -177,6 +245,7 @@ pub fn kernels_for(kind: CodeKind, level: Level) -> KGroupKernels {
         fused: None,
         decode_pow2: None,
         name: "scalar",
+        fused_pow2: None,
     }
 }
 
@@ -232,6 +301,68 @@ unsafe fn line_values<const BITS: usize>(
         } else {
             let b = *codes.add(nibble_byte(q, j));
             (table[(b & 0xF) as usize], table[(b >> 4) as usize])
+        }
+    }
+}
+
+/// The AVX2 [`FusedPow2`] kernel, subnormal codes read as zero (`flush`) or exactly.
+#[cfg(target_arch = "x86_64")]
+fn fused_pow2_avx2(flush: bool) -> FusedPow2 {
+    FusedPow2 {
+        kernel: if flush {
+            x86::fused_pow2_avx2::<true>
+        } else {
+            x86::fused_pow2_avx2::<false>
+        },
+        // Up to 2 rows the few-row fused kernel runs (AVX2's takes 2). AMD Zen 3, one core,
+        // K = 2048 (`pow2_rows`, GFLOP/s best/median, this kernel against the decoded
+        // blocks): from cache 3 rows 32.0/29.5 against 21.4/20.8, 8 rows 44.8/39.4 against
+        // 38.7/35.7, 12 rows even, 32 rows 46.5/45.3 against 53.8/52.2.
+        rows: 3..=12,
+    }
+}
+
+/// The scalar twin of [`FusedPow2Fn`] (codes valued as
+/// [`crate::formats::fp8::kernels::fused_code_value`]; exact, it is the decoded-block path:
+/// the E4M3 decoders and the fp32 kernels' chains, blocks added as `add_decoded_block` adds).
+///
+/// # Safety
+/// The [`FusedPow2Fn`] contract (any number of rows).
+pub unsafe fn fused_pow2_scalar<const FLUSH: bool>(
+    a: &[*const f32],
+    scaled: bool,
+    lines: usize,
+    group_lines: usize,
+    codes: *const u8,
+    exps: *const u8,
+    out: *mut f32,
+) {
+    use crate::formats::fp8::kernels::fused_code_value;
+    // SAFETY: the contract.
+    unsafe {
+        for (r, &x) in a.iter().enumerate() {
+            for j in 0..32 {
+                let mut total = 0f32;
+                for b in 0..lines / POW2_BLOCK_LINES {
+                    let mut sum = 0f32;
+                    for q in b * POW2_BLOCK_LINES..(b + 1) * POW2_BLOCK_LINES {
+                        // 2^(e − 127): the f32 with exponent field e.
+                        let e = *exps.add((q / group_lines) * 32 + j);
+                        let s = f32::from_bits(u32::from(e) << 23);
+                        let line = codes.add(q * 64 + 2 * j);
+                        let (even, odd) = (*line, *line.add(1));
+                        // The rows' inputs, as given (a scaled row is scaled back exactly).
+                        let input = |i: usize| match scaled {
+                            true => *x.add(i) / POW2_ROW_SCALE,
+                            false => *x.add(i),
+                        };
+                        sum = (fused_code_value::<FLUSH>(even) * s).mul_add(input(2 * q), sum);
+                        sum = (fused_code_value::<FLUSH>(odd) * s).mul_add(input(2 * q + 1), sum);
+                    }
+                    total = if b == 0 { sum } else { total + sum };
+                }
+                *out.add(r * 32 + j) = total;
+            }
         }
     }
 }
@@ -308,7 +439,8 @@ mod x86 {
     use super::super::int_dot::x86::{scales16, scales8};
     use crate::codes::ScaleType;
     use crate::formats::fp8::kernels::x86::{
-        decode16_bf16_times, decode8, e4m3x32_to_bf16, prefetch_ahead, top_codes256, top_codes512,
+        decode16_bf16_times, decode16_down120, decode8, e4m3x32_to_bf16, prefetch_ahead,
+        top_codes256, top_codes512,
     };
     use std::arch::x86_64::*;
 
@@ -458,7 +590,7 @@ mod x86 {
     /// Activations times 2⁶⁴ and group scales times 2⁵⁶ cancel the 2⁻¹²⁰ of [`small512`]'s
     /// values, keeping every product far from fp32's denormals: powers of two, so each sum is
     /// the unscaled one exactly scaled.
-    const UP: f32 = 18_446_744_073_709_551_616.0; // 2⁶⁴
+    const UP: f32 = super::POW2_ROW_SCALE; // 2⁶⁴
     /// See [`UP`].
     const DOWN: f32 = 72_057_594_037_927_936.0; // 2⁵⁶
     /// Lines whose activations the AVX2 fused kernel scales by [`UP`] at a time (an MXFP8
@@ -907,6 +1039,156 @@ mod x86 {
         }
     }
 
+    /// 8 exponent bytes at `e` widened to i32 lanes.
+    ///
+    /// # Safety
+    /// AVX2 available; 8 readable bytes at `e`.
+    #[inline(always)]
+    unsafe fn widen8(e: *const u8) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(e.cast())) }
+    }
+
+    /// [`super::FusedPow2Fn`] on AVX2 + FMA. Per block of 128 inputs: its codes decoded once
+    /// into an L1 buffer as the bf16 of value · 2⁻¹²⁰ (3 instructions per 16 codes, where
+    /// the power-of-two decoder takes 14 to apply the scales), the rows' inputs times 2⁶⁴
+    /// into another, then the bf16 FMA kernel ([`crate::kernels::avx2::chunk_rows`]) one
+    /// group at a time. The block's sums stay in units of the current group's scale: between
+    /// groups each output's sum is multiplied by 2^(e_prev − e_next), at the block's end by
+    /// 2⁵⁶ and then by its last group's 2^(e − 127), and added to `out`. Every step is a
+    /// power-of-two multiple of the twin's (the same chains, the same adds), hence its bits
+    /// while all stay normal numbers.
+    ///
+    /// # Safety
+    /// The [`super::FusedPow2Fn`] contract; AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fused_pow2_avx2<const FLUSH: bool>(
+        a: &[*const f32],
+        scaled: bool,
+        lines: usize,
+        group_lines: usize,
+        codes: *const u8,
+        exps: *const u8,
+        out: *mut f32,
+    ) {
+        use crate::kernels::MAX_ROWS;
+        const LINES: usize = super::POW2_BLOCK_LINES;
+        #[repr(align(64))]
+        struct Weights([u16; 64 * LINES]);
+        #[repr(align(64))]
+        struct Inputs([f32; MAX_ROWS * 2 * LINES]);
+        #[repr(align(64))]
+        struct Sums([f32; MAX_ROWS * 32]);
+        let n = a.len();
+        assert!(
+            n <= MAX_ROWS
+                && lines.is_multiple_of(LINES)
+                && group_lines > 0
+                && LINES.is_multiple_of(group_lines),
+            "kgroup avx2 pow2 kernel: {n} rows, {lines} lines, groups of {group_lines}"
+        );
+        if lines == 0 {
+            // SAFETY: out holds 32 floats per row.
+            unsafe { std::ptr::write_bytes(out, 0, n * 32) };
+            return;
+        }
+        // None of the buffers is read before this call writes it.
+        let mut weights = std::mem::MaybeUninit::<Weights>::uninit();
+        let mut inputs = std::mem::MaybeUninit::<Inputs>::uninit();
+        let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
+        // SAFETY: field addresses of the buffers, nothing read.
+        let (w, x, sums) = unsafe {
+            (
+                std::ptr::addr_of_mut!((*weights.as_mut_ptr()).0).cast::<u16>(),
+                std::ptr::addr_of_mut!((*inputs.as_mut_ptr()).0).cast::<f32>(),
+                std::ptr::addr_of_mut!((*sums.as_mut_ptr()).0).cast::<f32>(),
+            )
+        };
+        let groups = LINES / group_lines;
+        for b in 0..lines / LINES {
+            // SAFETY: block b's codes, inputs and exponents lie inside the contract's
+            // buffers; the three buffers hold a block's codes, inputs and sums.
+            unsafe {
+                let block = codes.add(b * LINES * 64);
+                for i in (0..64 * LINES).step_by(16) {
+                    _mm256_store_si256(w.add(i).cast(), decode16_down120::<FLUSH>(block.add(i)));
+                }
+                let up = _mm256_set1_ps(UP);
+                let mut rows = [std::ptr::null::<f32>(); MAX_ROWS];
+                // Where row r's block starts, and the stride of its groups.
+                let mut starts = [std::ptr::null::<f32>(); MAX_ROWS];
+                for (r, &row) in a.iter().enumerate() {
+                    if scaled {
+                        starts[r] = row.add(b * 2 * LINES);
+                        continue;
+                    }
+                    for j in (0..2 * LINES).step_by(8) {
+                        let v = _mm256_mul_ps(_mm256_loadu_ps(row.add(b * 2 * LINES + j)), up);
+                        _mm256_store_ps(x.add(r * 2 * LINES + j), v);
+                    }
+                    starts[r] = x.add(r * 2 * LINES);
+                }
+                let next = block.wrapping_add(LINES * 64);
+                for l in 0..groups {
+                    let g = b * groups + l;
+                    if l > 0 {
+                        // 2^(e_prev − e) per output: the f32 with exponent field 127 + the
+                        // difference.
+                        let (prev, e) = (exps.add((g - 1) * 32), exps.add(g * 32));
+                        let mut ratio = [_mm256_setzero_ps(); 4];
+                        for (o, ratio) in ratio.iter_mut().enumerate() {
+                            let d = _mm256_sub_epi32(widen8(prev.add(8 * o)), widen8(e.add(8 * o)));
+                            let bits = _mm256_add_epi32(d, _mm256_set1_epi32(127));
+                            *ratio = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits));
+                        }
+                        for r in 0..n {
+                            for (o, ratio) in ratio.iter().enumerate() {
+                                let p = sums.add(r * 32 + 8 * o);
+                                _mm256_store_ps(p, _mm256_mul_ps(_mm256_load_ps(p), *ratio));
+                            }
+                        }
+                    }
+                    for (row, start) in rows.iter_mut().zip(&starts).take(n) {
+                        *row = start.add(2 * l * group_lines);
+                    }
+                    // This group's share of the next block's codes (after the last block, the
+                    // next panel's, which a task usually reads next).
+                    let share = (next.wrapping_add(l * group_lines * 64), group_lines);
+                    let chunk = w.add(l * group_lines * 64);
+                    crate::kernels::avx2::chunk_rows(
+                        &rows[..n],
+                        group_lines,
+                        chunk,
+                        sums,
+                        l > 0,
+                        0,
+                        share,
+                    );
+                }
+                let last = exps.add((b * groups + groups - 1) * 32);
+                // 2^(e − 127): the f32 with exponent field e (10 at least).
+                let mut scale = [_mm256_setzero_ps(); 4];
+                for (o, scale) in scale.iter_mut().enumerate() {
+                    *scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(widen8(last.add(8 * o))));
+                }
+                let down = _mm256_set1_ps(DOWN);
+                for r in 0..n {
+                    for (o, scale) in scale.iter().enumerate() {
+                        let s = _mm256_load_ps(sums.add(r * 32 + 8 * o));
+                        let v = _mm256_mul_ps(_mm256_mul_ps(s, down), *scale);
+                        let p = out.add(r * 32 + 8 * o);
+                        let v = if b == 0 {
+                            v
+                        } else {
+                            _mm256_add_ps(_mm256_loadu_ps(p), v)
+                        };
+                        _mm256_storeu_ps(p, v);
+                    }
+                }
+            }
+        }
+    }
+
     fused_entry!(
         /// The AVX2 fused kernel (1 or 2 rows).
         ///
@@ -1338,6 +1620,133 @@ mod tests {
                         )
                     };
                     assert_eq!(got, want, "{kind:?} {level:?} lines={lines}");
+                }
+            }
+        }
+    }
+
+    /// The many-row power-of-two kernels give their scalar twin's bits for exponents that
+    /// [`FusedPow2::applies`] accepts (windows of the widest spread from scales 2⁻⁶⁷ up to
+    /// 2⁵⁷, where no intermediate of either overflows or turns denormal; every code, both
+    /// subnormal settings, row counts across register blocks), and
+    /// the twin is the decoded-block path: the power-of-two decoder's values through the
+    /// scalar fp32 kernel, block sums added.
+    #[test]
+    fn pow2_many_row_kernels_equal_their_scalar_twin() {
+        #[cfg(target_arch = "x86_64")]
+        if crate::isa::allows(Level::Avx2) {
+            assert!(kernels_for(CodeKind::E4M3, Level::Avx2)
+                .fused_pow2
+                .is_some());
+        }
+        let (lo, hi) = (*E4M3_POW2_EXPONENTS.start(), *E4M3_POW2_EXPONENTS.end());
+        let spread = FusedPow2::MAX_SPREAD;
+        assert!(!FusedPow2::applies(&[lo - 1, lo]) && !FusedPow2::applies(&[hi, hi + 1]));
+        assert!(!FusedPow2::applies(&[100, 100 + spread + 1]));
+        let mut rng = crate::rng::Rng::new(12);
+        let shapes = [(64usize, 16usize), (192, 16), (128, 64), (64, 8), (128, 32)];
+        for ((lines, group_lines), least) in shapes.into_iter().zip([60, 100, 120, 90, 75]) {
+            let (codes, _) = data(8, lines, 1, 13);
+            let mut exps: Vec<u8> = (0..lines / group_lines * 32)
+                .map(|_| least + rng.below(spread as usize + 1) as u8)
+                .collect();
+            exps[5] = least;
+            exps[40] = least + spread;
+            assert!(FusedPow2::applies(&exps));
+            let (c, e) = (codes.as_ptr(), exps.as_ptr());
+            for rows in [3usize, 5, 8, 13, 32] {
+                let xs: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(2 * lines, 1.0)).collect();
+                let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
+                let mut want = vec![f32::NAN; 32 * rows];
+                // SAFETY: sizes as the contract asks; scalar code.
+                unsafe {
+                    fused_pow2_scalar::<false>(
+                        &ptrs,
+                        false,
+                        lines,
+                        group_lines,
+                        c,
+                        e,
+                        want.as_mut_ptr(),
+                    )
+                };
+                if rows == 3 {
+                    // The decoded-block path: bf16 values (E8M0 scales as stored), then per
+                    // block the fp32 kernels' chains, block sums added.
+                    let twin = kernels_for(CodeKind::E4M3, Level::Generic).decode;
+                    let values = (codes.as_slice(), exps.as_slice(), ScaleType::E8M0);
+                    // SAFETY: sizes as `data` made them; scalar code.
+                    let panel =
+                        unsafe { decoded(twin, values, lines, group_lines, &E2M1_VALUES, 0) };
+                    let mut path = vec![0f32; 32 * rows];
+                    for b in 0..lines / POW2_BLOCK_LINES {
+                        let at = b * 2 * POW2_BLOCK_LINES;
+                        let block_rows: Vec<*const f32> =
+                            xs.iter().map(|x| x[at..].as_ptr()).collect();
+                        let mut sums = vec![0f32; 32 * rows];
+                        // SAFETY: 128 inputs per row from `at`, the block's 32·128 values.
+                        unsafe {
+                            crate::kernels::scalar::panel_dot_fma(
+                                &block_rows,
+                                2 * POW2_BLOCK_LINES,
+                                panel[b * 64 * POW2_BLOCK_LINES..].as_ptr(),
+                                sums.as_mut_ptr(),
+                            )
+                        };
+                        for (p, s) in path.iter_mut().zip(&sums) {
+                            *p = if b == 0 { *s } else { *p + *s };
+                        }
+                    }
+                    assert_eq!(path, want, "twin against the decoded path, lines={lines}");
+                }
+                #[cfg(target_arch = "x86_64")]
+                if crate::isa::allows(Level::Avx2) {
+                    for flush in [false, true] {
+                        let mut model = vec![f32::NAN; 32 * rows];
+                        let mut got = vec![f32::NAN; 32 * rows];
+                        let kernel = fused_pow2_avx2(flush).kernel;
+                        // SAFETY: as above; AVX2 and FMA allowed.
+                        unsafe {
+                            let m = model.as_mut_ptr();
+                            if flush {
+                                fused_pow2_scalar::<true>(
+                                    &ptrs,
+                                    false,
+                                    lines,
+                                    group_lines,
+                                    c,
+                                    e,
+                                    m,
+                                );
+                            } else {
+                                fused_pow2_scalar::<false>(
+                                    &ptrs,
+                                    false,
+                                    lines,
+                                    group_lines,
+                                    c,
+                                    e,
+                                    m,
+                                );
+                            }
+                            kernel(&ptrs, false, lines, group_lines, c, e, got.as_mut_ptr());
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        let case = format!("flush={flush} rows={rows} lines={lines}/{group_lines}");
+                        assert_eq!(bits(&got), bits(&model), "{case}");
+                        // Rows handed over already scaled: the same bits.
+                        let up: Vec<Vec<f32>> = xs
+                            .iter()
+                            .map(|x| x.iter().map(|v| v * POW2_ROW_SCALE).collect())
+                            .collect();
+                        let up_ptrs: Vec<*const f32> = up.iter().map(|x| x.as_ptr()).collect();
+                        let mut pre = vec![f32::NAN; 32 * rows];
+                        // SAFETY: as above.
+                        unsafe {
+                            kernel(&up_ptrs, true, lines, group_lines, c, e, pre.as_mut_ptr())
+                        };
+                        assert_eq!(bits(&pre), bits(&model), "{case}, scaled rows");
+                    }
                 }
             }
         }

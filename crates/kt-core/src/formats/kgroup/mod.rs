@@ -29,6 +29,7 @@ use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock,
 use crate::codes::{CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
+use crate::kernels::row_cache::{with_packing, PackingKey};
 use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
@@ -72,6 +73,9 @@ pub struct Spec {
     /// The original's backend variable for this method.
     backend_var: Option<&'static str>,
 }
+
+/// The layout tag of the pow2 kernel's scaled rows ([`PackingKey`]).
+const POW2_ROWS_LAYOUT: u64 = 3;
 
 /// Rows per expert that the few-row (decode) integer kernels take; more go to the many-row ones
 /// (unless [`int_dot::fine_few_rows`] says fewer for a 15-bit method).
@@ -1010,6 +1014,76 @@ impl KGroupExperts {
                 // overflows for values no model has (about 1e19) though the result is finite:
                 // then the decoded blocks below, in unscaled arithmetic, redo the panel.
                 if crate::quant::all_finite(&out[..n * PANEL]) {
+                    return;
+                }
+            }
+        }
+        // More rows of E4M3 codes with E8M0 scales: the kernel that never applies the scales
+        // to the decoded values (the decoded-block path's bits where it applies).
+        if let (None, Some(many)) = (path, &self.code_kernels.fused_pow2) {
+            let lines = k / 2;
+            if many.rows.contains(&n)
+                && self.spec.scale_type == ScaleType::E8M0
+                && lines.is_multiple_of(kernels::POW2_BLOCK_LINES)
+                && kernels::POW2_BLOCK_LINES.is_multiple_of(gl)
+                && kernels::FusedPow2::applies(scales)
+            {
+                let (c, e, o) = (codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
+                let run = |a: &[*const f32], scaled: bool| {
+                    // SAFETY: n rows of k floats (the scaled ones: the packing below), k/2
+                    // lines of codes in blocks of whole groups, the panel's exponents (checked
+                    // above), 32 outputs per row; the level allows the kernel.
+                    unsafe { (many.kernel)(a, scaled, lines, gl, c, e, o) }
+                };
+                match rows.reuse {
+                    // The rows times 2⁶⁴ once for every panel of the phase, not per panel.
+                    Some(key) => {
+                        // A line more than k floats apart: at 8 KiB apart the rows' slices of a
+                        // block would share L1 sets.
+                        let stride = k + 16;
+                        let mut addrs = [std::ptr::null::<u8>(); MAX_ROWS];
+                        for (a, r) in addrs.iter_mut().zip(rows.f32_rows) {
+                            *a = r.cast::<u8>();
+                        }
+                        let layout = [POW2_ROWS_LAYOUT, k as u64, 0];
+                        let key = PackingKey::new(key, layout, &addrs[..n]);
+                        let pack = |dst: &mut [u8]| {
+                            assert!(
+                                dst.as_ptr().cast::<f32>().is_aligned()
+                                    && dst.len().is_multiple_of(4)
+                            );
+                            // SAFETY: an aligned buffer of whole f32s (checked), any bits valid.
+                            let dst: &mut [f32] = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    dst.as_mut_ptr().cast(),
+                                    dst.len() / 4,
+                                )
+                            };
+                            for (r, &row) in rows.f32_rows.iter().enumerate() {
+                                // SAFETY: the forward's rows hold k floats.
+                                let src = unsafe { std::slice::from_raw_parts(row, k) };
+                                let dst = &mut dst[r * stride..][..k];
+                                for (d, s) in dst.iter_mut().zip(src) {
+                                    *d = s * kernels::POW2_ROW_SCALE;
+                                }
+                            }
+                        };
+                        with_packing(key, n * stride * 4, pack, |buf| {
+                            let mut a = [std::ptr::null::<f32>(); MAX_ROWS];
+                            for (r, p) in a.iter_mut().take(n).enumerate() {
+                                *p = buf[r * stride * 4..].as_ptr().cast::<f32>();
+                            }
+                            run(&a[..n], true)
+                        });
+                    }
+                    None => run(rows.f32_rows, false),
+                }
+                if global != 1.0 {
+                    out.iter_mut().for_each(|o| *o *= global);
+                }
+                // An overflow inside (scales near 2¹²⁸) leaves infinities: the blocks below redo
+                // the panel.
+                if crate::quant::all_finite(out) {
                     return;
                 }
             }
