@@ -33,13 +33,7 @@ fn main() {
         .collect();
     let fp8_scales: Vec<f32> = (0..k / fp8::BLOCK).map(|b| 0.5 + b as f32 * 0.01).collect();
     let mx_scales: Vec<u8> = (0..32 * k / 32).map(|i| 120 + (i % 13) as u8).collect();
-    let x: Vec<Vec<f32>> = (0..rows)
-        .map(|r| {
-            (0..k)
-                .map(|i| ((i * 7 + r) % 23) as f32 * 0.1 - 1.1)
-                .collect()
-        })
-        .collect();
+    let x = kt_benches::pattern_rows(rows, k);
     let a: Vec<*const f32> = x.iter().map(|r| r.as_ptr()).collect();
     let mut out = vec![0f32; 32 * rows];
     let lines = k / 2;

@@ -38,13 +38,7 @@ fn main() {
     let block = kgroup::POW2_BLOCK_LINES;
     let mut decoded = vec![0u16; 64 * block];
     for &n in &row_counts {
-        let x: Vec<Vec<f32>> = (0..n)
-            .map(|r| {
-                (0..k)
-                    .map(|i| ((i * 7 + r) % 23) as f32 * 0.1 - 1.1)
-                    .collect()
-            })
-            .collect();
+        let x = kt_benches::pattern_rows(n, k);
         let up: Vec<Vec<f32>> = x
             .iter()
             .map(|r| r.iter().map(|v| v * kgroup::POW2_ROW_SCALE).collect())

@@ -112,3 +112,15 @@ pub fn routing(rng: &mut Rng, tokens: usize, e: usize, k: usize) -> (Vec<i64>, V
     }
     (ids, vec![1.0 / k as f32; tokens * k])
 }
+
+/// `rows` activation rows of `k` values in a fixed pattern (-1.1..=1.1, differing per row), for
+/// the kernel diagnostics that time one panel over and over.
+pub fn pattern_rows(rows: usize, k: usize) -> Vec<Vec<f32>> {
+    (0..rows)
+        .map(|r| {
+            (0..k)
+                .map(|i| ((i * 7 + r) % 23) as f32 * 0.1 - 1.1)
+                .collect()
+        })
+        .collect()
+}
