@@ -1629,8 +1629,8 @@ mod tests {
     /// [`FusedPow2::applies`] accepts (windows of the widest spread from scales 2⁻⁶⁷ up to
     /// 2⁵⁷, where no intermediate of either overflows or turns denormal; every code, both
     /// subnormal settings, row counts across register blocks), and
-    /// the twin is the decoded-block path: the power-of-two decoder's values through the
-    /// scalar fp32 kernel, block sums added.
+    /// the twin is the decoded-block path: the scalar decoder's values (which the power-of-two
+    /// decoders equal) through the scalar fp32 kernel, block sums added.
     #[test]
     fn pow2_many_row_kernels_equal_their_scalar_twin() {
         #[cfg(target_arch = "x86_64")]
