@@ -74,6 +74,13 @@ pub struct Spec {
     backend_var: Option<&'static str>,
 }
 
+/// `out` times a projection's per-tensor scale (NVFP4's; 1, left alone, for the others).
+fn times_global(out: &mut [f32], global: f32) {
+    if global != 1.0 {
+        out.iter_mut().for_each(|o| *o *= global);
+    }
+}
+
 /// The layout tag of the pow2 kernel's scaled rows ([`PackingKey`]).
 const POW2_ROWS_LAYOUT: u64 = 3;
 
@@ -986,9 +993,7 @@ impl KGroupExperts {
                     }
                 };
             }
-            if global != 1.0 {
-                out.iter_mut().for_each(|o| *o *= global);
-            }
+            times_global(out, global);
             return;
         }
         if let (None, Some((fused, max_rows))) = (path, self.code_kernels.fused) {
@@ -1007,9 +1012,7 @@ impl KGroupExperts {
                         out.as_mut_ptr(),
                     )
                 };
-                if global != 1.0 {
-                    out.iter_mut().for_each(|o| *o *= global);
-                }
+                times_global(out, global);
                 // The fused kernels scale activations by 2⁶⁴ and group scales by 2⁵⁶, which
                 // overflows for values no model has (about 1e19) though the result is finite:
                 // then the decoded blocks below, in unscaled arithmetic, redo the panel.
@@ -1078,9 +1081,7 @@ impl KGroupExperts {
                     }
                     None => run(rows.f32_rows, false),
                 }
-                if global != 1.0 {
-                    out.iter_mut().for_each(|o| *o *= global);
-                }
+                times_global(out, global);
                 // An overflow inside (scales near 2¹²⁸) leaves infinities: the blocks below redo
                 // the panel.
                 if crate::quant::all_finite(out) {
@@ -1166,9 +1167,7 @@ impl KGroupExperts {
                     out,
                 )
             };
-            if global != 1.0 {
-                out.iter_mut().for_each(|o| *o *= global);
-            }
+            times_global(out, global);
             return;
         }
         let mut decoded = Decoded([0; PANEL * 128]);
@@ -1190,9 +1189,7 @@ impl KGroupExperts {
                 )
             };
         }
-        if global != 1.0 {
-            out.iter_mut().for_each(|o| *o *= global);
-        }
+        times_global(out, global);
     }
 
     /// The layer's intermediate size (all parts).
