@@ -1,6 +1,7 @@
 //! Diagnostic: the 8-bit fused decode kernels (FP8 block-scaled, MXFP8) from cache, one core,
 //! best of `TRIALS` trials of `REPS` passes over one 32-row panel of `K` inputs, as ns per
-//! 64-byte line and GB/s of codes. `ROWS=1..4` activation rows per call.
+//! 64-byte line and GB/s of codes. `ROWS` activation rows per call (MXFP8: as many as its
+//! few-row kernel takes).
 //! `cargo run --release -p kt-benches --example byte_cycles`
 use kt_core::codes::{CodeKind, ScaleType};
 use kt_core::formats::fp8::kernels as fp8;
@@ -54,8 +55,33 @@ fn main() {
     };
     if let Some(fused) = fp8::fused_for(level) {
         time("FP8", &mut |o| unsafe {
-            (fused.run)(&a, k, codes.as_ptr(), fp8_scales.as_ptr(), o.as_mut_ptr())
+            (fused.run)(
+                &a,
+                false,
+                k,
+                codes.as_ptr(),
+                fp8_scales.as_ptr(),
+                o.as_mut_ptr(),
+            )
         });
+        if rows > 2 {
+            // The rows handed over times 2⁶⁴, as the layer packs them from three rows on.
+            let up: Vec<Vec<f32>> = x
+                .iter()
+                .map(|r| r.iter().map(|v| v * kt_core::formats::ROWS_UP64).collect())
+                .collect();
+            let a_up: Vec<*const f32> = up.iter().map(|r| r.as_ptr()).collect();
+            time("FP8 (rows scaled)", &mut |o| unsafe {
+                (fused.run)(
+                    &a_up,
+                    true,
+                    k,
+                    codes.as_ptr(),
+                    fp8_scales.as_ptr(),
+                    o.as_mut_ptr(),
+                )
+            });
+        }
     }
     let mxfp8 = kgroup::kernels_for(CodeKind::E4M3, level).fused;
     // The fused MXFP8 kernel takes a few rows (more go to other kernels: `pow2_rows`).

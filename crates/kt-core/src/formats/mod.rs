@@ -87,6 +87,56 @@ impl RowBlock<'_> {
     }
 }
 
+/// What [`with_rows_up64`] multiplies rows by: 2⁶⁴. Kernels that take codes as value · 2⁻¹²⁰
+/// (E4M3 moved into a bf16 by two integer ops) keep every product far from fp32's denormals.
+pub const ROWS_UP64: f32 = 18_446_744_073_709_551_616.0;
+
+/// The packing layout tag of [`with_rows_up64`]'s rows ([`crate::kernels::row_cache`]).
+const ROWS_UP64_LAYOUT: u64 = 3;
+
+/// `f(rows, true)` with `rows` (each `k` floats) times [`ROWS_UP64`] (exact short of overflow),
+/// packed once per reuse key and row set for every panel of the phase, not per panel; or
+/// `f(rows.f32_rows, false)` for a block without a reuse key (the kernel scales as it goes).
+/// The packed rows lie `k + 16` floats apart: at 8 KiB apart the rows' slices of a 128-input
+/// block would share L1 sets.
+pub(crate) fn with_rows_up64<R>(
+    rows: &RowBlock,
+    k: usize,
+    f: impl FnOnce(&[*const f32], bool) -> R,
+) -> R {
+    use crate::kernels::row_cache::{with_packing, PackingKey};
+    let Some(reuse) = rows.reuse else {
+        return f(rows.f32_rows, false);
+    };
+    let n = rows.len();
+    let stride = k + 16;
+    let mut addrs = [std::ptr::null::<u8>(); MAX_ROWS];
+    for (a, r) in addrs.iter_mut().zip(rows.f32_rows) {
+        *a = r.cast::<u8>();
+    }
+    let key = PackingKey::new(reuse, [ROWS_UP64_LAYOUT, k as u64, 0], &addrs[..n]);
+    let pack = |dst: &mut [u8]| {
+        assert!(dst.as_ptr().cast::<f32>().is_aligned() && dst.len().is_multiple_of(4));
+        // SAFETY: an aligned buffer of whole f32s (checked), any bits valid.
+        let dst: &mut [f32] =
+            unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), dst.len() / 4) };
+        for (r, &row) in rows.f32_rows.iter().enumerate() {
+            // SAFETY: the forward's rows hold k floats.
+            let src = unsafe { std::slice::from_raw_parts(row, k) };
+            for (d, s) in dst[r * stride..][..k].iter_mut().zip(src) {
+                *d = s * ROWS_UP64;
+            }
+        }
+    };
+    with_packing(key, n * stride * 4, pack, |buf| {
+        let mut a = [std::ptr::null::<f32>(); MAX_ROWS];
+        for (r, p) in a.iter_mut().take(n).enumerate() {
+            *p = buf[r * stride * 4..].as_ptr().cast::<f32>();
+        }
+        f(&a[..n], true)
+    })
+}
+
 /// Which panel a call computes: 32 rows of the part's gate/up slice, or 32 output columns of
 /// down, of the expert in physical `slot`.
 #[derive(Debug, Clone, Copy)]

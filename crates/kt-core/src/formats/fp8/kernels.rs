@@ -12,9 +12,11 @@
 //!
 //! For one to four rows (two on AVX2) the fused kernels skip the decoded copy: a code moved to
 //! the top of a 16-bit lane, shifted right arithmetically by 4 and masked is the bf16 of its
-//! value times 2⁻¹²⁰, multiplied in fp32 with activations taken times 2⁶⁴ and rescaled at the
-//! end; [`fused_scalar`] is their model. Subnormal codes are fp32 denormals there: exact, or
-//! read as zero on CPUs that take an assist for each ([`crate::isa::flush_subnormal_codes`]).
+//! value times 2⁻¹²⁰, multiplied in fp32 with activations taken times 2⁶⁴, each block's sums
+//! added to the totals times the block's scale · 2⁵⁶; [`fused_scalar`] is their twin (the same
+//! bits while every intermediate is a normal float). Subnormal codes are fp32 denormals there:
+//! exact, or read as zero on CPUs that take an assist for each
+//! ([`crate::isa::flush_subnormal_codes`]).
 //!
 //! NaN codes (`0x7F`, `0xFF`) are refused at load and never reach these kernels.
 use crate::dtype::e4m3_to_f32;
@@ -67,12 +69,25 @@ pub const FUSED_ROWS: usize = 4;
 /// (few rows decode in registers as they stream; the AVX2 kernel's many-row path decodes one
 /// 128-input block at a time into L1).
 ///
+/// Every variant computes [`fused_scalar`]'s arithmetic: per block of 128 inputs one fp32 FMA
+/// chain per row and output from zero, in input order, and the block's sum added to the row's
+/// total as `fma(sum, scale, total)` in block order. Its bits while every intermediate is a
+/// normal float (the kernels work in powers of two apart from it), so AVX2 and AVX-512, one
+/// row or many, agree. With `scaled`, the rows hold the inputs times
+/// [`crate::formats::ROWS_UP64`] (exactly: no overflow).
+///
 /// # Safety
 /// `a` holds 1..= the kernel's [`Fused::rows`] rows of `k` readable f32; `codes` `32·k`
 /// bytes, `scales` `k/128` f32, `out` `32·a.len()` writable f32; `k` a multiple of 128; no NaN
 /// codes; the CPU has the variant's features.
-pub type FusedFn =
-    unsafe fn(a: &[*const f32], k: usize, codes: *const u8, scales: *const f32, out: *mut f32);
+pub type FusedFn = unsafe fn(
+    a: &[*const f32],
+    scaled: bool,
+    k: usize,
+    codes: *const u8,
+    scales: *const f32,
+    out: *mut f32,
+);
 
 /// A fused kernel and the rows it takes per call.
 #[derive(Debug, Clone, Copy)]
@@ -131,7 +146,16 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
         // SAFETY: a whole panel (32·k codes) at `codes`; one row of k f32; k/128 scales; 32
         // outputs; k a multiple of 128; the kernel was picked for `level`, which the process
         // runs at. NaN codes only make garbage sums.
-        unsafe { (fused.run)(&[x.as_ptr()], k, codes, scales.as_ptr(), out.as_mut_ptr()) };
+        unsafe {
+            (fused.run)(
+                &[x.as_ptr()],
+                false,
+                k,
+                codes,
+                scales.as_ptr(),
+                out.as_mut_ptr(),
+            )
+        };
         out[0]
     });
 }
@@ -207,7 +231,9 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     /// Activations' factor in the fused kernels (see [`fused512`]).
-    const UP: f32 = 18_446_744_073_709_551_616.0; // 2⁶⁴
+    const UP: f32 = crate::formats::ROWS_UP64;
+    /// Block scales' factor in the fused kernels: 2⁵⁶ (with the codes' 2⁻¹²⁰, undoes `UP`).
+    const DOWN: f32 = 72_057_594_037_927_936.0;
 
     /// bf16 bits of the subnormal E4M3 magnitudes `m · 2⁻⁹`, `m = 0..8`, indexed by `m`.
     const SUBNORMAL_BF16: [u16; 32] = {
@@ -555,6 +581,7 @@ pub(crate) mod x86 {
     #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
     unsafe fn fused512<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         codes: *const u8,
         scales: *const f32,
@@ -576,8 +603,9 @@ pub(crate) mod x86 {
             // one row from cache, AMD Zen 3: 4.0 -> 3.3 ns per 64-byte line, `byte_cycles`).
             let mut x = [[0f32; super::BLOCK]; R];
             let pf = fp8_distance();
+            let up = if scaled { 1.0 } else { UP };
             for b in 0..k / super::BLOCK {
-                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, UP, &mut x);
+                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, up, &mut x);
                 let mut sum = [[_mm512_setzero_ps(); 2]; R];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
                     let line = codes.add(q * 64);
@@ -598,7 +626,7 @@ pub(crate) mod x86 {
                         }
                     }
                 }
-                let s = _mm512_set1_ps(*scales.add(b) * 2f32.powi(56));
+                let s = _mm512_set1_ps(*scales.add(b) * DOWN);
                 for r in 0..R {
                     for h in 0..2 {
                         total[r][h] = _mm512_fmadd_ps(sum[r][h], s, total[r][h]);
@@ -619,13 +647,14 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn fused_rows512<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         c: *const u8,
         s: *const f32,
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused512::<R, FLUSH>(a, k, c, s, o) }
+        unsafe { fused512::<R, FLUSH>(a, scaled, k, c, s, o) }
     }
 
     /// AVX-512 fused decode kernel, 1 to 4 rows.
@@ -634,6 +663,7 @@ pub(crate) mod x86 {
     /// The [`super::FusedFn`] contract; AVX-512F/BW available.
     pub unsafe fn fused_avx512<const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         c: *const u8,
         s: *const f32,
@@ -641,17 +671,18 @@ pub(crate) mod x86 {
     ) {
         // SAFETY: forwarded.
         unsafe {
-            crate::kernels::dispatch_rows!(fused_rows512<FLUSH>, "fp8 fused panel", a, (a, k, c, s, o); 1 2 3 4)
+            crate::kernels::dispatch_rows!(fused_rows512<FLUSH>, "fp8 fused panel", a, (a, scaled, k, c, s, o); 1 2 3 4)
         }
     }
 
-    /// 256-bit fused kernel: the decode of `fused512` on 32-byte halves; the block scale goes
-    /// into the broadcast activations (`x · scale · 2⁶⁴`), so one accumulator set per row fits
-    /// the 16 registers.
+    /// 256-bit fused kernel: the decode and arithmetic of `fused512` on 32-byte halves (so the
+    /// same bits). With two rows the block sums alone take 8 of the 16 registers; the totals,
+    /// touched once per block, are kept in memory.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
     unsafe fn fused256<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         codes: *const u8,
         scales: *const f32,
@@ -661,27 +692,31 @@ pub(crate) mod x86 {
         unsafe {
             let zero = _mm256_setzero_si256();
             let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-            // acc[r][2h + u]: outputs of half h fed by vpunpcklbw (u = 0) or vpunpckhbw (u = 1).
-            let mut acc = [[_mm256_setzero_ps(); 4]; R];
-            // The block's activations times its scale · 2⁶⁴, so each line's broadcasts are
-            // plain loads.
+            // The totals live in `out` until the end, row r's slot 2h + u (the outputs of half
+            // h fed by vpunpcklbw (u = 0) or vpunpckhbw (u = 1)) at `out + 32r + 8(2h + u)`:
+            // in memory the compiler cannot keep them in the registers the line loop needs
+            // (AMD Zen 3 from cache, two rows: totals in a local array 6.4 ns per line, here
+            // 5.6-5.8, the block scale in the activations before 5.5-5.7).
+            std::ptr::write_bytes(out, 0, R * 32);
+            // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads.
             let mut x = [[0f32; super::BLOCK]; R];
             let pf = fp8_distance();
+            let up = if scaled { 1.0 } else { UP };
             for b in 0..k / super::BLOCK {
-                let scale = *scales.add(b) * UP;
-                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, scale, &mut x);
+                crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, up, &mut x);
                 let lines = b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2;
+                let s = _mm256_set1_ps(*scales.add(b) * DOWN);
                 // With `FLUSH`, two rows take the block half by half (its 4 KB of codes stay
                 // in L1 for the second): 4 sums live rather than 8, which spilled with the
                 // extra register (AMD Zen 4 from cache, two rows: 7.6 -> 4.4 ns per line;
                 // without `FLUSH` the line loop keeps 2.9 against 4.4).
-                let halves_apart = R > 1 && FLUSH;
-                let passes: &[(usize, usize)] = if halves_apart {
+                let passes: &[(usize, usize)] = if R > 1 && FLUSH {
                     &[(0, 1), (1, 2)]
                 } else {
                     &[(0, 2)]
                 };
                 for &(h0, h1) in passes {
+                    let mut acc = [[_mm256_setzero_ps(); 4]; R];
                     for q in lines.clone() {
                         let line = codes.add(q * 64);
                         if h0 == 0 {
@@ -707,19 +742,24 @@ pub(crate) mod x86 {
                             }
                         }
                     }
+                    for r in 0..R {
+                        for slot in 2 * h0..2 * h1 {
+                            let t = out.add(32 * r + 8 * slot);
+                            _mm256_storeu_ps(
+                                t,
+                                _mm256_fmadd_ps(acc[r][slot], s, _mm256_loadu_ps(t)),
+                            );
+                        }
+                    }
                 }
             }
-            let down = _mm256_set1_ps(2f32.powi(56));
-            let mut lanes = [0f32; 8];
             for r in 0..R {
-                for (slot, v) in acc[r].iter().enumerate() {
-                    let (h, u) = (slot / 2, slot % 2);
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_mul_ps(*v, down));
-                    for (i, x) in lanes.iter().enumerate() {
-                        // Lane i: 128-bit lane i/4, byte pair 4u + i%4 of it.
-                        let row = 16 * h + 8 * (i / 4) + 4 * u + i % 4;
-                        *out.add(r * 32 + row) = *x;
-                    }
+                let mut lanes = [0f32; 32];
+                std::ptr::copy_nonoverlapping(out.add(32 * r), lanes.as_mut_ptr(), 32);
+                for (at, x) in lanes.iter().enumerate() {
+                    // Slot 2h + u, lane i: 128-bit lane i/4, byte pair 4u + i%4 of it.
+                    let (h, u, i) = (at / 16, (at / 8) % 2, at % 8);
+                    *out.add(r * 32 + 16 * h + 8 * (i / 4) + 4 * u + i % 4) = *x;
                 }
             }
         }
@@ -728,13 +768,14 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn fused_rows256<const R: usize, const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         c: *const u8,
         s: *const f32,
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused256::<R, FLUSH>(a, k, c, s, o) }
+        unsafe { fused256::<R, FLUSH>(a, scaled, k, c, s, o) }
     }
 
     /// AVX2 fused decode kernel, 1 to [`crate::kernels::MAX_ROWS`] rows: one or two rows
@@ -745,6 +786,7 @@ pub(crate) mod x86 {
     /// FMA and F16C available.
     pub unsafe fn fused_avx2<const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         c: *const u8,
         s: *const f32,
@@ -753,9 +795,9 @@ pub(crate) mod x86 {
         // SAFETY: forwarded.
         unsafe {
             if a.len() > 2 {
-                return fused_many256::<FLUSH>(a, k, c, s, o);
+                return fused_many256::<FLUSH>(a, scaled, k, c, s, o);
             }
-            crate::kernels::dispatch_rows!(fused_rows256<FLUSH>, "fp8 avx2 fused panel", a, (a, k, c, s, o); 1 2)
+            crate::kernels::dispatch_rows!(fused_rows256<FLUSH>, "fp8 avx2 fused panel", a, (a, scaled, k, c, s, o); 1 2)
         }
     }
 
@@ -777,10 +819,11 @@ pub(crate) mod x86 {
 
     /// Three rows and more: per 128-input block, the block's 32 × 128 codes decoded once into
     /// an L1 buffer as bf16 of value · 2⁻¹²⁰ (3 instructions per 16 codes, where the exact
-    /// decode takes 13), the rows' inputs times `scale · 2⁶⁴` into another, and the bf16 FMA
-    /// kernel's five-row register blocks ([`crate::kernels::avx2::chunk_rows`]) over both,
-    /// their sums carried from block to block in `out`; the next block's codes are prefetched
-    /// while they run. Per lane this is [`fused256`]'s arithmetic in its order, so each row
+    /// decode takes 13), and the bf16 FMA kernel's five-row register blocks
+    /// ([`crate::kernels::avx2::chunk_rows`]) over it and the rows times 2⁶⁴ (`scaled` rows as
+    /// they are, else copied times 2⁶⁴ into another L1 buffer); each block's sums are added to
+    /// `out` as `fma(sum, scale · 2⁵⁶, total)`. The next block's codes are prefetched while
+    /// the kernel runs. Per lane this is [`fused256`]'s arithmetic in its order, so each row
     /// equals the one-row kernel's result bit for bit.
     ///
     /// # Safety
@@ -789,6 +832,7 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn fused_many256<const FLUSH: bool>(
         a: &[*const f32],
+        scaled: bool,
         k: usize,
         codes: *const u8,
         scales: *const f32,
@@ -800,58 +844,65 @@ pub(crate) mod x86 {
         struct Weights([u16; 32 * BLOCK]);
         #[repr(align(64))]
         struct Inputs([f32; MAX_ROWS * BLOCK]);
+        #[repr(align(64))]
+        struct Sums([f32; MAX_ROWS * 32]);
         let n = a.len();
         assert!(
             n <= MAX_ROWS,
             "fp8 avx2 fused kernel takes at most {MAX_ROWS} rows"
         );
-        if k == 0 {
-            // SAFETY: out holds 32 floats per row.
-            unsafe { std::ptr::write_bytes(out, 0, n * 32) };
-            return;
-        }
-        // Neither buffer is read before this call writes it (a block's codes and inputs).
+        // Out starts as the totals' zeros (fma(sum, s, 0) is fused256's first block too).
+        // SAFETY: out holds 32 floats per row.
+        unsafe { std::ptr::write_bytes(out, 0, n * 32) };
+        // No buffer is read before this call writes it (a block's codes, inputs and sums).
         let mut weights = std::mem::MaybeUninit::<Weights>::uninit();
         let mut inputs = std::mem::MaybeUninit::<Inputs>::uninit();
+        let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
         // SAFETY: field addresses of the buffers, nothing read.
-        let (w, x) = unsafe {
+        let (w, x, sums) = unsafe {
             (
                 std::ptr::addr_of_mut!((*weights.as_mut_ptr()).0).cast::<u16>(),
                 std::ptr::addr_of_mut!((*inputs.as_mut_ptr()).0).cast::<f32>(),
+                std::ptr::addr_of_mut!((*sums.as_mut_ptr()).0).cast::<f32>(),
             )
         };
         let mut rows = [std::ptr::null::<f32>(); MAX_ROWS];
-        for (r, row) in rows.iter_mut().enumerate() {
-            *row = x.wrapping_add(r * BLOCK);
-        }
         for b in 0..k / BLOCK {
             // SAFETY: block b's 32·128 codes, k/128 scales and 128 inputs of every row lie
-            // inside the contract's buffers; the two buffers hold a block's codes and 32 rows
-            // of its inputs.
+            // inside the contract's buffers; the buffers hold a block's codes, 32 rows of its
+            // inputs and 32 rows of sums.
             unsafe {
                 let block = codes.add(b * 32 * BLOCK);
                 for i in (0..32 * BLOCK).step_by(16) {
                     _mm256_store_si256(w.add(i).cast(), decode16_down120::<FLUSH>(block.add(i)));
                 }
-                let scale = _mm256_set1_ps(*scales.add(b) * 2f32.powi(64));
                 for (r, &row) in a.iter().enumerate() {
+                    let at = row.add(b * BLOCK);
+                    if scaled {
+                        rows[r] = at;
+                        continue;
+                    }
+                    let up = _mm256_set1_ps(UP);
                     for j in (0..BLOCK).step_by(8) {
-                        let v = _mm256_mul_ps(_mm256_loadu_ps(row.add(b * BLOCK + j)), scale);
+                        let v = _mm256_mul_ps(_mm256_loadu_ps(at.add(j)), up);
                         _mm256_store_ps(x.add(r * BLOCK + j), v);
                     }
+                    rows[r] = x.add(r * BLOCK);
                 }
                 // The next block's codes (after the last, the next panel's, which a task
                 // usually reads next).
                 let next = (block.wrapping_add(32 * BLOCK), 32 * BLOCK / 64);
-                crate::kernels::avx2::chunk_rows(&rows[..n], BLOCK / 2, w, out, b > 0, 0, next);
+                crate::kernels::avx2::chunk_rows(&rows[..n], BLOCK / 2, w, sums, false, 0, next);
+                let s = _mm256_set1_ps(*scales.add(b) * DOWN);
+                for i in (0..n * 32).step_by(8) {
+                    let total = _mm256_fmadd_ps(
+                        _mm256_load_ps(sums.add(i)),
+                        s,
+                        _mm256_loadu_ps(out.add(i)),
+                    );
+                    _mm256_storeu_ps(out.add(i), total);
+                }
             }
-        }
-        let down = _mm256_set1_ps(2f32.powi(56));
-        for i in (0..n * 32).step_by(8) {
-            // SAFETY: out holds 32 floats per row.
-            unsafe {
-                _mm256_storeu_ps(out.add(i), _mm256_mul_ps(_mm256_loadu_ps(out.add(i)), down))
-            };
         }
     }
 
@@ -948,9 +999,9 @@ pub(crate) mod x86 {
     }
 }
 
-/// The scalar model of [`FusedFn`]: the same sums in fp32 from the codes' values
-/// ([`fused_code_value`])
-/// (codes in panel order: `W[j][kk]` at `(kk/2)·64 + (j/16)·32 + (j%16)·2 + kk%2`).
+/// The scalar twin of [`FusedFn`]: its FMA chains in fp32 from the codes' values
+/// ([`fused_code_value`]; codes in panel order: `W[j][kk]` at
+/// `(kk/2)·64 + (j/16)·32 + (j%16)·2 + kk%2`), on unscaled rows.
 ///
 /// # Safety
 /// The [`FusedFn`] contract (any number of rows).
@@ -970,9 +1021,9 @@ pub unsafe fn fused_scalar<const FLUSH: bool>(
                     let mut sum = 0f32;
                     for kk in b * BLOCK..(b + 1) * BLOCK {
                         let at = (kk / 2) * 64 + (j / 16) * 32 + (j % 16) * 2 + kk % 2;
-                        sum += fused_code_value::<FLUSH>(*codes.add(at)) * *row.add(kk);
+                        sum = fused_code_value::<FLUSH>(*codes.add(at)).mul_add(*row.add(kk), sum);
                     }
-                    total += sum * *scales.add(b);
+                    total = sum.mul_add(*scales.add(b), total);
                 }
                 *out.add(r * 32 + j) = total;
             }
@@ -1044,27 +1095,36 @@ mod tests {
                     .map(|r| rng.normals(k, 10f32.powi(r as i32 % 7 - 4)))
                     .collect();
                 let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
-                let mut all = vec![f32::NAN; rows * 32];
-                // SAFETY: buffers sized as the contract asks; the level allows the kernel.
-                unsafe { (fused.run)(&ptrs, k, codes.as_ptr(), scales.as_ptr(), all.as_mut_ptr()) };
-                for (r, &row) in ptrs.iter().enumerate() {
-                    let mut one = [f32::NAN; 32];
-                    // SAFETY: as above, one row.
-                    unsafe {
-                        (fused.run)(&[row], k, codes.as_ptr(), scales.as_ptr(), one.as_mut_ptr())
-                    };
-                    let got = &all[r * 32..(r + 1) * 32];
-                    assert!(
-                        got.iter()
-                            .zip(&one)
-                            .all(|(g, o)| g.to_bits() == o.to_bits()),
-                        "rows={rows} row {r}: {got:?} vs {one:?}"
-                    );
+                // The same rows handed over times 2⁶⁴, as the layer packs them.
+                let up: Vec<Vec<f32>> = xs
+                    .iter()
+                    .map(|x| x.iter().map(|v| v * crate::formats::ROWS_UP64).collect())
+                    .collect();
+                let up_ptrs: Vec<*const f32> = up.iter().map(|x| x.as_ptr()).collect();
+                let (c, s) = (codes.as_ptr(), scales.as_ptr());
+                for (scaled, a) in [(false, &ptrs), (true, &up_ptrs)] {
+                    let mut all = vec![f32::NAN; rows * 32];
+                    // SAFETY: buffers sized as the contract asks; the level allows the kernel.
+                    unsafe { (fused.run)(a, scaled, k, c, s, all.as_mut_ptr()) };
+                    for (r, &row) in ptrs.iter().enumerate() {
+                        let mut one = [f32::NAN; 32];
+                        // SAFETY: as above, one row.
+                        unsafe { (fused.run)(&[row], false, k, c, s, one.as_mut_ptr()) };
+                        let got = &all[r * 32..(r + 1) * 32];
+                        assert!(
+                            got.iter()
+                                .zip(&one)
+                                .all(|(g, o)| g.to_bits() == o.to_bits()),
+                            "rows={rows} scaled={scaled} row {r}: {got:?} vs {one:?}"
+                        );
+                    }
                 }
             }
         }
     }
 
+    /// The kernel equals its twin bit for bit, on rows as they are and on rows handed over
+    /// times 2⁶⁴.
     fn check_fused(fused: Fused) {
         let mut rng = crate::rng::Rng::new(9);
         for k in [128usize, 384, 2048] {
@@ -1082,34 +1142,33 @@ mod tests {
             for rows in 1..=fused.rows {
                 let xs: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
                 let ptrs: Vec<*const f32> = xs.iter().map(|x| x.as_ptr()).collect();
-                // Σ |w · x| per output bounds the rounding of either summation order.
-                let abs_codes: Vec<u8> = codes.iter().map(|c| c & 0x7F).collect();
-                let abs_x: Vec<Vec<f32>> = xs
+                let up: Vec<Vec<f32>> = xs
                     .iter()
-                    .map(|x| x.iter().map(|v| v.abs()).collect())
+                    .map(|x| x.iter().map(|v| v * crate::formats::ROWS_UP64).collect())
                     .collect();
-                let abs_ptrs: Vec<*const f32> = abs_x.iter().map(|x| x.as_ptr()).collect();
+                let up_ptrs: Vec<*const f32> = up.iter().map(|x| x.as_ptr()).collect();
                 let mut want = vec![0f32; rows * 32];
-                let mut got = vec![f32::NAN; rows * 32];
-                let mut bound = vec![0f32; rows * 32];
                 let model = if fused.flushes_subnormals {
                     fused_scalar::<true>
                 } else {
                     fused_scalar::<false>
                 };
-                // SAFETY: buffers sized as the contract asks; the level allows the kernel.
-                unsafe {
-                    model(&ptrs, k, codes.as_ptr(), scales.as_ptr(), want.as_mut_ptr());
-                    (fused.run)(&ptrs, k, codes.as_ptr(), scales.as_ptr(), got.as_mut_ptr());
-                    let (c, s) = (abs_codes.as_ptr(), scales.as_ptr());
-                    model(&abs_ptrs, k, c, s, bound.as_mut_ptr());
-                }
-                for i in 0..want.len() {
-                    let (g, w) = (got[i], want[i]);
-                    assert!(
-                        (g - w).abs() <= 1e-6 * bound[i],
-                        "k={k} rows={rows} [{i}] {g} vs {w}"
-                    );
+                // SAFETY: buffers sized as the contract asks.
+                unsafe { model(&ptrs, k, codes.as_ptr(), scales.as_ptr(), want.as_mut_ptr()) };
+                for (scaled, a) in [(false, &ptrs), (true, &up_ptrs)] {
+                    let mut got = vec![f32::NAN; rows * 32];
+                    // SAFETY: as above; the level allows the kernel.
+                    unsafe {
+                        let (c, s) = (codes.as_ptr(), scales.as_ptr());
+                        (fused.run)(a, scaled, k, c, s, got.as_mut_ptr())
+                    };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "k={k} rows={rows} scaled={scaled} [{i}] {g} vs {w}"
+                        );
+                    }
                 }
             }
         }

@@ -471,20 +471,23 @@ impl Fp8Experts {
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         if let (None, Some(fused)) = (path, self.fused) {
             if n <= fused.rows {
-                // SAFETY: rows of k floats, 32·k codes, k/128 scales, 32 outputs per row.
-                unsafe {
-                    (fused.run)(
-                        rows.f32_rows,
-                        k,
-                        codes.as_ptr(),
-                        scales.as_ptr(),
-                        out.as_mut_ptr(),
-                    )
+                let (c, s, o) = (codes.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
+                let run = |a: &[*const f32], scaled: bool| {
+                    // SAFETY: n rows of k floats (the scaled ones: the packing below), 32·k
+                    // codes, k/128 scales, 32 outputs per row.
+                    unsafe { (fused.run)(a, scaled, k, c, s, o) }
                 };
-                // The fused kernels scale activations by 2⁶⁴ and block scales by 2⁵⁶ (AVX2:
-                // activations by scale · 2⁶⁴), which overflows for values no model has (about
-                // 1e19) though the result is finite: then the general path below, in unscaled
-                // arithmetic, redoes the panel (its first block assigns `out`).
+                // From three rows the rows times 2⁶⁴ once for every panel of the phase, not
+                // per block of every panel.
+                if n >= 3 {
+                    super::with_rows_up64(rows, k, run);
+                } else {
+                    run(rows.f32_rows, false);
+                }
+                // The fused kernels scale activations by 2⁶⁴ and block scales by 2⁵⁶, which
+                // overflows for values no model has (about 1e19) though the result is finite:
+                // then the general path below, in unscaled arithmetic, redoes the panel (its
+                // first block assigns `out`).
                 if crate::quant::all_finite(&out[..n * PANEL]) {
                     return;
                 }

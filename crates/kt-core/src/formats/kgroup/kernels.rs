@@ -84,7 +84,7 @@ pub const POW2_BLOCK_LINES: usize = 64;
 
 /// What [`FusedPow2Fn`] multiplies its rows by first (2⁶⁴: with the codes as value · 2⁻¹²⁰,
 /// no product comes near fp32's denormals); a caller may hand it rows already multiplied.
-pub const POW2_ROW_SCALE: f32 = 18_446_744_073_709_551_616.0;
+pub const POW2_ROW_SCALE: f32 = crate::formats::ROWS_UP64;
 
 /// `out[r·32 + j] =` the decoded-block path's result for E4M3 codes and E8M0 group scales
 /// (exponents `exps`, 32 per group): per block of [`POW2_BLOCK_LINES`] lines, one FMA chain

@@ -29,7 +29,6 @@ use super::{bf16, locate, ExpertFormat, GpuRankDst, PanelAcc, PanelAt, RowBlock,
 use crate::codes::{CodeKind, CodeLayout, CodedMatrix, ScaleLayout, ScaleType};
 use crate::expert::{MoeConfig, Proj};
 use crate::isa::Level;
-use crate::kernels::row_cache::{with_packing, PackingKey};
 use crate::kernels::{KernelSet, MAX_ROWS};
 use crate::method::Method;
 use crate::pack::{AlignedBuf, MatrixView, PANEL};
@@ -80,9 +79,6 @@ fn times_global(out: &mut [f32], global: f32) {
         out.iter_mut().for_each(|o| *o *= global);
     }
 }
-
-/// The layout tag of the pow2 kernel's scaled rows ([`PackingKey`]).
-const POW2_ROWS_LAYOUT: u64 = 3;
 
 /// Rows per expert that the few-row (decode) integer kernels take; more go to the many-row ones
 /// (unless [`int_dot::fine_few_rows`] says fewer for a 15-bit method).
@@ -1038,49 +1034,8 @@ impl KGroupExperts {
                     // above), 32 outputs per row; the level allows the kernel.
                     unsafe { (many.kernel)(a, scaled, lines, gl, c, e, o) }
                 };
-                match rows.reuse {
-                    // The rows times 2⁶⁴ once for every panel of the phase, not per panel.
-                    Some(key) => {
-                        // A line more than k floats apart: at 8 KiB apart the rows' slices of a
-                        // block would share L1 sets.
-                        let stride = k + 16;
-                        let mut addrs = [std::ptr::null::<u8>(); MAX_ROWS];
-                        for (a, r) in addrs.iter_mut().zip(rows.f32_rows) {
-                            *a = r.cast::<u8>();
-                        }
-                        let layout = [POW2_ROWS_LAYOUT, k as u64, 0];
-                        let key = PackingKey::new(key, layout, &addrs[..n]);
-                        let pack = |dst: &mut [u8]| {
-                            assert!(
-                                dst.as_ptr().cast::<f32>().is_aligned()
-                                    && dst.len().is_multiple_of(4)
-                            );
-                            // SAFETY: an aligned buffer of whole f32s (checked), any bits valid.
-                            let dst: &mut [f32] = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    dst.as_mut_ptr().cast(),
-                                    dst.len() / 4,
-                                )
-                            };
-                            for (r, &row) in rows.f32_rows.iter().enumerate() {
-                                // SAFETY: the forward's rows hold k floats.
-                                let src = unsafe { std::slice::from_raw_parts(row, k) };
-                                let dst = &mut dst[r * stride..][..k];
-                                for (d, s) in dst.iter_mut().zip(src) {
-                                    *d = s * kernels::POW2_ROW_SCALE;
-                                }
-                            }
-                        };
-                        with_packing(key, n * stride * 4, pack, |buf| {
-                            let mut a = [std::ptr::null::<f32>(); MAX_ROWS];
-                            for (r, p) in a.iter_mut().take(n).enumerate() {
-                                *p = buf[r * stride * 4..].as_ptr().cast::<f32>();
-                            }
-                            run(&a[..n], true)
-                        });
-                    }
-                    None => run(rows.f32_rows, false),
-                }
+                // The rows times 2⁶⁴ once for every panel of the phase, not per panel.
+                crate::formats::with_rows_up64(rows, k, run);
                 times_global(out, global);
                 // An overflow inside (scales near 2¹²⁸) leaves infinities: the blocks below redo
                 // the panel.
