@@ -91,6 +91,10 @@ impl RowBlock<'_> {
 /// (E4M3 moved into a bf16 by two integer ops) keep every product far from fp32's denormals.
 pub const ROWS_UP64: f32 = 18_446_744_073_709_551_616.0;
 
+/// What those kernels multiply their scales by to undo both [`ROWS_UP64`] and the codes'
+/// 2⁻¹²⁰: 2⁵⁶ (powers of two, so each sum is the unscaled one exactly scaled).
+pub const SCALES_DOWN56: f32 = 72_057_594_037_927_936.0;
+
 /// The packing layout tag of [`with_rows_up64`]'s rows ([`crate::kernels::row_cache`]).
 const ROWS_UP64_LAYOUT: u64 = 3;
 

@@ -232,8 +232,8 @@ pub(crate) mod x86 {
 
     /// Activations' factor in the fused kernels (see [`fused512`]).
     const UP: f32 = crate::formats::ROWS_UP64;
-    /// Block scales' factor in the fused kernels: 2⁵⁶ (with the codes' 2⁻¹²⁰, undoes `UP`).
-    const DOWN: f32 = 72_057_594_037_927_936.0;
+    /// Block scales' factor in the fused kernels (with the codes' 2⁻¹²⁰, undoes `UP`).
+    const DOWN: f32 = crate::formats::SCALES_DOWN56;
 
     /// bf16 bits of the subnormal E4M3 magnitudes `m · 2⁻⁹`, `m = 0..8`, indexed by `m`.
     const SUBNORMAL_BF16: [u16; 32] = {
@@ -867,6 +867,7 @@ pub(crate) mod x86 {
             )
         };
         let mut rows = [std::ptr::null::<f32>(); MAX_ROWS];
+        let up = _mm256_set1_ps(UP);
         for b in 0..k / BLOCK {
             // SAFETY: block b's 32·128 codes, k/128 scales and 128 inputs of every row lie
             // inside the contract's buffers; the buffers hold a block's codes, 32 rows of its
@@ -882,7 +883,6 @@ pub(crate) mod x86 {
                         rows[r] = at;
                         continue;
                     }
-                    let up = _mm256_set1_ps(UP);
                     for j in (0..BLOCK).step_by(8) {
                         let v = _mm256_mul_ps(_mm256_loadu_ps(at.add(j)), up);
                         _mm256_store_ps(x.add(r * BLOCK + j), v);

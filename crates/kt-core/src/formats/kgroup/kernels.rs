@@ -592,7 +592,7 @@ mod x86 {
     /// the unscaled one exactly scaled.
     const UP: f32 = super::POW2_ROW_SCALE; // 2⁶⁴
     /// See [`UP`].
-    const DOWN: f32 = 72_057_594_037_927_936.0; // 2⁵⁶
+    const DOWN: f32 = crate::formats::SCALES_DOWN56;
     /// Lines whose activations the AVX2 fused kernel scales by [`UP`] at a time (an MXFP8
     /// group).
     const WINDOW_LINES: usize = 16;
