@@ -27,7 +27,16 @@ fn main() {
     let one: Vec<u16> = (0..32 * k)
         .map(|_| kt_core::dtype::f32_to_bf16_bits(rng.normal()))
         .collect();
-    let all: Vec<u16> = one.iter().copied().cycle().take(panels * 32 * k).collect();
+    // In huge pages, as the layer keeps its weights (4 KiB pages add a TLB walk every 32
+    // lines of a streamed panel). HUGE=0 for default pages.
+    let mut all = if kt_benches::env_or("HUGE", 1) == 1 {
+        kt_core::pack::AlignedBuf::<u16>::zeroed(panels * 32 * k).unwrap()
+    } else {
+        kt_core::pack::AlignedBuf::<u16>::zeroed_default_pages(panels * 32 * k).unwrap()
+    };
+    for (dst, &src) in all.as_mut_slice().iter_mut().zip(one.iter().cycle()) {
+        *dst = src;
+    }
     let a: Vec<Vec<f32>> = (0..rows).map(|_| rng.normals(k, 1.0)).collect();
     let refs: Vec<&[f32]> = a.iter().map(|r| r.as_slice()).collect();
     let mut out = vec![0f32; rows * 32];
@@ -55,7 +64,7 @@ fn main() {
     for _ in 0..9 {
         let t = Instant::now();
         for _ in 0..reps {
-            for panel in all.chunks_exact(32 * k) {
+            for panel in all.as_slice().chunks_exact(32 * k) {
                 let mut r0 = 0;
                 while r0 < rows {
                     let nr = block.min(rows - r0);

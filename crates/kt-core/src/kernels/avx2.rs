@@ -41,7 +41,10 @@ unsafe fn dot_one_row(a: *const f32, k: usize, panel: *const u16, out: *mut f32)
     rows[0] = a;
     // SAFETY: the contract: k/2 pairs of the row and of the panel (both halves); `out` holds
     // the row's 32 outputs, written (not added to) without `reload`.
-    unsafe { row_groups::<1, 4, 4>(super::prefetch::distance(), &rows, panel, k / 2, out, false) };
+    unsafe {
+        let ahead = Ahead::both_lines(super::prefetch::distance(), panel);
+        row_groups::<1, 4, 4>(ahead, &rows, panel, k / 2, out, false)
+    };
 }
 
 /// Input pairs per k chunk: 8 KiB of panel (both halves) and 512 bytes of each row, so a
@@ -77,12 +80,11 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
             // Pair c0 of each row (inside it by the contract).
             *dst = src.wrapping_add(2 * c0);
         }
-        // The first chunk's lines: the first block's first half prefetches both lines of
-        // each input pair as it goes. Later chunks were fetched during the chunk before; the
-        // lines after the last chunk are the next panel's a task usually reads next. Calls of
-        // up to [`STREAM_ROWS`] rows prefetch every chunk as they go (the setting's distance
-        // ahead, during the first block's first pass); larger ones spread the next chunk's
-        // 128 lines over their blocks, a share before each.
+        // The first chunk's passes prefetch the setting's distance ahead as they go, a share
+        // each. Later chunks were fetched during the chunk before; the lines after the last
+        // chunk are the next panel's a task usually reads next. Calls of up to
+        // [`STREAM_ROWS`] rows prefetch so during every chunk; larger ones spread the next
+        // chunk's 128 lines over their blocks, a share before each.
         let single = a_rows.len() <= STREAM_ROWS && setting != 0;
         let fetch = if c0 == 0 || single { setting } else { 0 };
         let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
@@ -103,15 +105,21 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
     }
 }
 
-/// Rows up to which a call prefetches each chunk as its first block's first pass goes,
-/// rather than in a burst of the next chunk's 128 lines before each block's share of it. With
-/// few blocks the bursts are large and outran the core's outstanding misses; with many, the
-/// first pass is too short a window. AMD Zen 3, S1 layer, 2 threads, old and new alternated
-/// every 8-10 calls in one process (`prefill BF16 N`), median ms: up to 5 rows (before) ->
-/// up to 16: 128 tokens 187 -> 162 (also 167 -> 153, 188 -> 163 up to 32 and 182 -> 154 up
-/// to 12), 256 tokens 239 -> 220; up to 32 rows made 512 tokens slower (332 -> 372) and up
-/// to 20 left it as it was (365 -> 356). One core, 8 rows streamed from memory
-/// (`ROWS=8 PANELS=4000 panel_rows`): 33-34 -> 42-44 GFLOP/s.
+/// Rows up to which a call prefetches the setting's distance ahead as its passes go, rather
+/// than in a burst of the next chunk's 128 lines before each block's share of it. With few
+/// blocks the bursts are large and outran the core's outstanding misses. Measured when only
+/// the first block's first pass prefetched (a window too short with many blocks): AMD Zen 3,
+/// S1 layer, 2 threads, old and new alternated every 8-10 calls in one process
+/// (`prefill BF16 N`), median ms: up to 5 rows (before) -> up to 16: 128 tokens 187 -> 162
+/// (also 167 -> 153, 188 -> 163 up to 32 and 182 -> 154 up to 12), 256 tokens 239 -> 220;
+/// up to 32 rows made 512 tokens slower (332 -> 372) and up to 20 left it as it was
+/// (365 -> 356). One core, 8 rows streamed from memory (`ROWS=8 PANELS=4000 panel_rows`):
+/// 33-34 -> 42-44 GFLOP/s. With every pass taking a share (`PF=8192 PF_L2=1 PANELS=4000`,
+/// old and new binaries alternated): 8 rows 42.6 -> 61.4-63.3, 4 rows 31-33 -> 45-46, 16
+/// rows 51-54 -> 64-72. The layer at 128 tokens (`prefill BF16 128`, binaries alternated,
+/// median ms): 123-132 -> 93-95 in two rounds of three (130 in the first). With the shares,
+/// up to 32 rows measured the same as up to 16 at 256 and 512 tokens (within this VM's
+/// noise), so the setting stayed.
 const STREAM_ROWS: usize = 16;
 
 /// Every row over one k chunk of `n ≥ 1` input pairs, in register blocks of at most five
@@ -120,7 +128,8 @@ const STREAM_ROWS: usize = 16;
 /// `x1·odd`. A block of one or two rows takes both halves in one pass ([`row_groups`]),
 /// larger ones half by half. `rows[r]` points to the chunk's first input of row r, `chunk` to
 /// its first pair (128 bytes per pair, both halves). `fetch` is the prefetch setting of the
-/// first block's first pass ([`super::prefetch::set_of`], 0 = none); the `next.1` lines from
+/// passes, each prefetching its share of the chunk's lines the setting's distance ahead
+/// ([`super::prefetch::set_of`], 0 = none); the `next.1` lines from
 /// `next.0` are prefetched into L2, a share before each block, so memory fetches the next
 /// chunk while the blocks compute on this one.
 ///
@@ -142,6 +151,18 @@ pub(crate) unsafe fn chunk_rows(
     debug_assert!(n >= 1 && rows.len() <= ROWS);
     let (next, next_lines) = next;
     let blocks = rows.len().div_ceil(BLOCK);
+    // Every pass over the chunk (one per block of one or two rows, one per half of larger
+    // blocks) takes an equal share of the prefetches, so misses stay in flight while all of
+    // them compute rather than in a burst during the first (AMD Zen 3, one core, 8 rows
+    // streamed: the first-pass burst let memory and FMAs take turns).
+    let passes = pass_count(rows.len());
+    let step = 128usize.div_ceil(passes);
+    let ahead_of = |pass: usize| Ahead {
+        setting: fetch,
+        start: (chunk as *const u8).wrapping_add(pass * n * step),
+        step,
+    };
+    let mut pass = 0;
     let mut r0 = 0;
     let mut b = 0;
     while r0 < rows.len() {
@@ -152,15 +173,16 @@ pub(crate) unsafe fn chunk_rows(
         let mut block_rows = [std::ptr::null::<f32>(); BLOCK];
         block_rows[..nr].copy_from_slice(&rows[r0..r0 + nr]);
         if nr <= 2 {
-            let fetch = if b == 0 { fetch } else { 0 };
+            let ahead = ahead_of(pass);
+            pass += 1;
             let sums = out.wrapping_add(r0 * 32);
             // SAFETY: the contract: n pairs of every row and of the chunk (both halves);
             // `sums` leads nr rows of 32 outputs.
             unsafe {
                 if nr == 2 {
-                    row_groups::<2, 4, 8>(fetch, &block_rows, chunk, n, sums, reload);
+                    row_groups::<2, 4, 8>(ahead, &block_rows, chunk, n, sums, reload);
                 } else {
-                    row_groups::<1, 4, 4>(fetch, &block_rows, chunk, n, sums, reload);
+                    row_groups::<1, 4, 4>(ahead, &block_rows, chunk, n, sums, reload);
                 }
             }
             r0 += nr;
@@ -168,7 +190,8 @@ pub(crate) unsafe fn chunk_rows(
             continue;
         }
         for h in 0..2 {
-            let fetch = if b == 0 && h == 0 { fetch } else { 0 };
+            let ahead = ahead_of(pass);
+            pass += 1;
             // The first of this half's 8-lane groups of block row 0 in `out`.
             let sums = out.wrapping_add(r0 * 32 + h * 16);
             // SAFETY: the contract: n pairs of every row and of the chunk; `sums` leads nr
@@ -178,16 +201,51 @@ pub(crate) unsafe fn chunk_rows(
                 match nr {
                     5 => {
                         let mut acc = load_sums::<2, 10>(sums, reload);
-                        five_row_pairs(fetch, block_rows, p, n, HI_MASK.as_ptr(), &mut acc);
+                        five_row_pairs(ahead, block_rows, p, n, HI_MASK.as_ptr(), &mut acc);
                         store_sums::<2, 10>(sums, &acc);
                     }
-                    4 => row_groups::<4, 2, 8>(fetch, &block_rows, p, n, sums, reload),
-                    _ => row_groups::<3, 2, 6>(fetch, &block_rows, p, n, sums, reload),
+                    4 => row_groups::<4, 2, 8>(ahead, &block_rows, p, n, sums, reload),
+                    _ => row_groups::<3, 2, 6>(ahead, &block_rows, p, n, sums, reload),
                 }
             }
         }
         r0 += nr;
         b += 1;
+    }
+    debug_assert_eq!(pass, passes);
+}
+
+/// Passes [`chunk_rows`] makes over a chunk for `rows` rows: one per register block of one or
+/// two rows, two (a half each) per larger block.
+fn pass_count(rows: usize) -> usize {
+    let mut passes = 0;
+    let mut r0 = 0;
+    while r0 < rows {
+        let nr = super::even_block(rows - r0, BLOCK);
+        passes += if nr <= 2 { 1 } else { 2 };
+        r0 += nr;
+    }
+    passes.max(1)
+}
+
+/// The prefetches one pass issues as it goes: at input pair q, the line `setting`'s distance
+/// past `start + q·step` (and the line after it when `step` exceeds a line), into the cache
+/// the setting names; nothing when `setting` is 0.
+#[derive(Clone, Copy)]
+struct Ahead {
+    setting: usize,
+    start: *const u8,
+    step: usize,
+}
+
+impl Ahead {
+    /// Both lines of each pair of a one-pass call over the panel at `panel`.
+    fn both_lines(setting: usize, panel: *const u16) -> Self {
+        Ahead {
+            setting,
+            start: panel as *const u8,
+            step: 128,
+        }
     }
 }
 
@@ -222,8 +280,7 @@ unsafe fn store_sums<const G: usize, const S: usize>(sums: *mut f32, acc: &[__m2
 
 /// Up to four rows over `n` input pairs of `G` 8-lane groups of each pair's panel bytes at
 /// `p` (`S = G·R` accumulators), adding into (or, for the first chunk, writing) the sums at
-/// `sums`; `fetch` is a prefetch setting ([`super::prefetch::set_of`], 0 = none), applied to
-/// both lines of each pair.
+/// `sums`; `ahead` names the prefetches it issues as it goes.
 /// - `G = 2`: one half (`p` at it, `sums` at its first output); three or four rows (6 or 8
 ///   accumulators, 4 weight vectors and the broadcasts: LLVM keeps them in registers).
 /// - `G = 4`: both halves in one pass, for one or two rows. With the halves in separate
@@ -238,7 +295,7 @@ unsafe fn store_sums<const G: usize, const S: usize>(sums: *mut f32, acc: &[__m2
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
 unsafe fn row_groups<const R: usize, const G: usize, const S: usize>(
-    fetch: usize,
+    ahead: Ahead,
     rows: &[*const f32; BLOCK],
     p: *const u16,
     n: usize,
@@ -248,12 +305,16 @@ unsafe fn row_groups<const R: usize, const G: usize, const S: usize>(
     let hi_mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     // SAFETY: the caller's contract.
     let mut acc = unsafe { load_sums::<G, S>(sums, reload) };
+    let second_line = ahead.step > 64;
     for q in 0..n {
         // SAFETY: within the panel and rows by the contract; prefetches do not fault.
         unsafe {
             let w_at = p.add(q * 64);
-            super::prefetch::ahead(w_at as *const u8, fetch);
-            super::prefetch::ahead(w_at.add(32) as *const u8, fetch);
+            let fetch_at = ahead.start.wrapping_add(q * ahead.step);
+            super::prefetch::ahead(fetch_at, ahead.setting);
+            if second_line {
+                super::prefetch::ahead(fetch_at.wrapping_add(64), ahead.setting);
+            }
             for g in 0..G {
                 let w = _mm256_loadu_si256(w_at.add(g * 16) as *const __m256i);
                 let w_even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
@@ -273,7 +334,8 @@ unsafe fn row_groups<const R: usize, const G: usize, const S: usize>(
 
 /// The five-row loop body over `n ≥ 1` input pairs, with the prefetch lines given.
 macro_rules! five_row_loop {
-    ($rows:expr, $p:expr, $n:expr, $distance:expr, $mask:expr, $acc:expr; $($prefetch:literal),*) => {
+    ($rows:expr, $p:expr, $n:expr, $ahead:expr, $distance:expr, $mask:expr, $acc:expr;
+     $($prefetch:literal),*) => {
         std::arch::asm!(
             "2:",
             $($prefetch,)*
@@ -314,12 +376,15 @@ macro_rules! five_row_loop {
             "vfmadd231ps ymm8, ymm15, ymm11",
             "vfmadd231ps ymm9, ymm15, ymm13",
             "add {p}, 128",
+            "add {fetch_at}, {step}",
             "add {off}, 8",
             "dec {n}",
             "jnz 2b",
             p = inout(reg) $p => _,
             n = inout(reg) $n => _,
             off = inout(reg) 0usize => _,
+            fetch_at = inout(reg) $ahead.start => _,
+            step = in(reg) $ahead.step,
             distance = in(reg) $distance,
             mask = in(reg) $mask,
             a0 = in(reg) $rows[0],
@@ -360,31 +425,31 @@ macro_rules! five_row_loop {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `n ≥ 1`; each row has `2n` readable f32 and the panel 128·n − 64
-/// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`. `fetch` is a prefetch
-/// setting ([`super::prefetch::set_of`], 0 = none).
+/// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`. `ahead` (a step of at
+/// most one line) names the prefetches it issues as it goes.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn five_row_pairs(
-    fetch: usize,
+    ahead: Ahead,
     rows: [*const f32; 5],
     p: *const u16,
     n: usize,
     mask: *const u32,
     acc: &mut [__m256; 10],
 ) {
-    debug_assert!(n >= 1);
-    let (distance, into_l2) = super::prefetch::describe(fetch);
+    debug_assert!(n >= 1 && ahead.step <= 64);
+    let (distance, into_l2) = super::prefetch::describe(ahead.setting);
     // SAFETY: the caller's contract; the assembly reads only what it states and writes only
     // the registers it names.
     unsafe {
-        match (distance, into_l2) {
+        // A setting of distance 0 into L2 prefetches the line at `fetch_at` itself.
+        match (ahead.setting, into_l2) {
             // The comment names the operand the other arms use.
-            (0, _) => five_row_loop!(rows, p, n, distance, mask, acc; "/* {distance} */"),
-            (_, false) => five_row_loop!(rows, p, n, distance, mask, acc;
-                "prefetcht0 byte ptr [{p} + {distance}]",
-                "prefetcht0 byte ptr [{p} + {distance} + 64]"),
-            (_, true) => five_row_loop!(rows, p, n, distance, mask, acc;
-                "prefetcht1 byte ptr [{p} + {distance}]",
-                "prefetcht1 byte ptr [{p} + {distance} + 64]"),
+            (0, _) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "/* {distance} */"),
+            (_, false) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht0 byte ptr [{fetch_at} + {distance}]"),
+            (_, true) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht1 byte ptr [{fetch_at} + {distance}]"),
         }
     }
 }
