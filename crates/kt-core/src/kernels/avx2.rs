@@ -80,11 +80,11 @@ unsafe fn many_rows(a_rows: &[*const f32], k: usize, panel: *const u16, out: *mu
             // Pair c0 of each row (inside it by the contract).
             *dst = src.wrapping_add(2 * c0);
         }
-        // The first chunk's passes prefetch the setting's distance ahead as they go, a share
-        // each. Later chunks were fetched during the chunk before; the lines after the last
-        // chunk are the next panel's a task usually reads next. Calls of up to
-        // [`STREAM_ROWS`] rows prefetch so during every chunk; larger ones spread the next
-        // chunk's 128 lines over their blocks, a share before each.
+        // Calls of up to [`STREAM_ROWS`] rows prefetch the setting's distance ahead as every
+        // pass over every chunk goes, a share each (the lines after the last chunk are the
+        // next panel's, which a task usually reads next). Larger ones prefetch so during the
+        // first chunk's first pass, then take each next chunk's 128 lines in bursts, a share
+        // before each block.
         let single = a_rows.len() <= STREAM_ROWS && setting != 0;
         let fetch = if c0 == 0 || single { setting } else { 0 };
         let next = (panel as *const u8).wrapping_add((c0 + n) * 128);
@@ -127,9 +127,10 @@ const STREAM_ROWS: usize = 16;
 /// `reload`, added to what it holds there), a lane's products in pair order, `x0·even` then
 /// `x1·odd`. A block of one or two rows takes both halves in one pass ([`row_groups`]),
 /// larger ones half by half. `rows[r]` points to the chunk's first input of row r, `chunk` to
-/// its first pair (128 bytes per pair, both halves). `fetch` is the prefetch setting of the
-/// passes, each prefetching its share of the chunk's lines the setting's distance ahead
-/// ([`super::prefetch::set_of`], 0 = none); the `next.1` lines from
+/// its first pair (128 bytes per pair, both halves). `fetch` is a prefetch setting
+/// ([`super::prefetch::set_of`], 0 = none): without `next` lines every pass prefetches its
+/// share of the chunk's lines that far ahead, with them the first pass both lines of each
+/// pair; the `next.1` lines from
 /// `next.0` are prefetched into L2, a share before each block, so memory fetches the next
 /// chunk while the blocks compute on this one.
 ///
@@ -155,10 +156,15 @@ pub(crate) unsafe fn chunk_rows(
     // blocks) takes an equal share of the prefetches, so misses stay in flight while all of
     // them compute rather than in a burst during the first (AMD Zen 3, one core, 8 rows
     // streamed: the first-pass burst let memory and FMAs take turns).
-    let passes = pass_count(rows.len());
+    // A call that also takes the next chunk in bursts (more than [`STREAM_ROWS`] rows, the
+    // first chunk) prefetches in its first pass only, both lines of each pair, as before the
+    // shares: with them, 512 tokens ran 1-9% slower in four of five alternated rounds (within
+    // this VM's noise, but nothing there to gain).
+    let share = next_lines == 0;
+    let passes = if share { pass_count(rows.len()) } else { 1 };
     let step = 128usize.div_ceil(passes);
     let ahead_of = |pass: usize| Ahead {
-        setting: fetch,
+        setting: if share || pass == 0 { fetch } else { 0 },
         start: (chunk as *const u8).wrapping_add(pass * n * step),
         step,
     };
@@ -212,7 +218,7 @@ pub(crate) unsafe fn chunk_rows(
         r0 += nr;
         b += 1;
     }
-    debug_assert_eq!(pass, passes);
+    debug_assert!(!share || pass == passes);
 }
 
 /// Passes [`chunk_rows`] makes over a chunk for `rows` rows: one per register block of one or
@@ -376,7 +382,6 @@ macro_rules! five_row_loop {
             "vfmadd231ps ymm8, ymm15, ymm11",
             "vfmadd231ps ymm9, ymm15, ymm13",
             "add {p}, 128",
-            "add {fetch_at}, {step}",
             "add {off}, 8",
             "dec {n}",
             "jnz 2b",
@@ -426,7 +431,7 @@ macro_rules! five_row_loop {
 /// # Safety
 /// The CPU has AVX2 and FMA; `n ≥ 1`; each row has `2n` readable f32 and the panel 128·n − 64
 /// readable bytes after `p`; `mask` points to 8 u32 of `0xFFFF_0000`. `ahead` (a step of at
-/// most one line) names the prefetches it issues as it goes.
+/// most two lines) names the prefetches it issues as it goes.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn five_row_pairs(
     ahead: Ahead,
@@ -436,20 +441,30 @@ unsafe fn five_row_pairs(
     mask: *const u32,
     acc: &mut [__m256; 10],
 ) {
-    debug_assert!(n >= 1 && ahead.step <= 64);
+    debug_assert!(n >= 1 && ahead.step <= 128);
     let (distance, into_l2) = super::prefetch::describe(ahead.setting);
     // SAFETY: the caller's contract; the assembly reads only what it states and writes only
     // the registers it names.
     unsafe {
         // A setting of distance 0 into L2 prefetches the line at `fetch_at` itself.
-        match (ahead.setting, into_l2) {
-            // The comment names the operand the other arms use.
-            (0, _) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
-                "/* {distance} */"),
-            (_, false) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
-                "prefetcht0 byte ptr [{fetch_at} + {distance}]"),
-            (_, true) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
-                "prefetcht1 byte ptr [{fetch_at} + {distance}]"),
+        match (ahead.setting, into_l2, ahead.step > 64) {
+            // The comment names the operands the other arms use.
+            (0, _, _) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "/* {distance} {fetch_at} {step} */"),
+            (_, false, false) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht0 byte ptr [{fetch_at} + {distance}]",
+                "add {fetch_at}, {step}"),
+            (_, true, false) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht1 byte ptr [{fetch_at} + {distance}]",
+                "add {fetch_at}, {step}"),
+            (_, false, true) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht0 byte ptr [{fetch_at} + {distance}]",
+                "prefetcht0 byte ptr [{fetch_at} + {distance} + 64]",
+                "add {fetch_at}, {step}"),
+            (_, true, true) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
+                "prefetcht1 byte ptr [{fetch_at} + {distance}]",
+                "prefetcht1 byte ptr [{fetch_at} + {distance} + 64]",
+                "add {fetch_at}, {step}"),
         }
     }
 }
