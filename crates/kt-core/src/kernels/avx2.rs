@@ -161,7 +161,12 @@ pub(crate) unsafe fn chunk_rows(
     // shares: with them, 512 tokens ran 1-9% slower in four of five alternated rounds (within
     // this VM's noise, but nothing there to gain).
     let share = next_lines == 0;
-    let passes = if share { pass_count(rows.len()) } else { 1 };
+    // One pass per block of one or two rows (only when there are no more rows), two (a half
+    // each) per larger block: [`super::even_block`] makes every block of 3+ rows at least 3.
+    let passes = match (share, rows.len()) {
+        (false, _) | (true, 0..=2) => 1,
+        (true, _) => 2 * blocks,
+    };
     let step = 128usize.div_ceil(passes);
     let ahead_of = |pass: usize| Ahead {
         setting: if share || pass == 0 { fetch } else { 0 },
@@ -219,19 +224,6 @@ pub(crate) unsafe fn chunk_rows(
         b += 1;
     }
     debug_assert!(!share || pass == passes);
-}
-
-/// Passes [`chunk_rows`] makes over a chunk for `rows` rows: one per register block of one or
-/// two rows, two (a half each) per larger block.
-fn pass_count(rows: usize) -> usize {
-    let mut passes = 0;
-    let mut r0 = 0;
-    while r0 < rows {
-        let nr = super::even_block(rows - r0, BLOCK);
-        passes += if nr <= 2 { 1 } else { 2 };
-        r0 += nr;
-    }
-    passes.max(1)
 }
 
 /// The prefetches one pass issues as it goes: at input pair q, the line `setting`'s distance
@@ -446,7 +438,6 @@ unsafe fn five_row_pairs(
     // SAFETY: the caller's contract; the assembly reads only what it states and writes only
     // the registers it names.
     unsafe {
-        // A setting of distance 0 into L2 prefetches the line at `fetch_at` itself.
         match (ahead.setting, into_l2, ahead.step > 64) {
             // The comment names the operands the other arms use.
             (0, _, _) => five_row_loop!(rows, p, n, ahead, distance, mask, acc;
