@@ -10,8 +10,10 @@
 
 namespace {
 
-// Bytes ahead of the tile being loaded that the programs prefetch (kt_amx_set_prefetch).
-std::atomic<size_t> g_prefetch_bytes{8192};
+// Bytes ahead of the tile being loaded that the programs prefetch (kt_amx_set_prefetch): [0]
+// the programs whose tile loads read the weights, [1] AMXINT4's, whose vector unpacking reads
+// them. Tuned apart (kernels::prefetch::AmxStream): how much each gains differs by machine.
+std::atomic<size_t> g_prefetch_bytes[2] = {8192, 8192};
 
 // Our own asm, not GCC's tile intrinsics: GCC 12's _tile_loadconfig tells the compiler it reads
 // 8 bytes (so the stores that fill rows and column widths may be dropped as dead; seen: tilezero
@@ -62,7 +64,7 @@ constexpr bool kKnownTriple = (C == 0 && A == 4 && B == 6) || (C == 1 && A == 4 
   } while (0)
 
 struct HwTiles {
-  size_t prefetch_bytes() const { return g_prefetch_bytes.load(std::memory_order_relaxed); }
+  size_t prefetch_bytes() const { return g_prefetch_bytes[0].load(std::memory_order_relaxed); }
   // Into L2 (measured on Emerald Rapids: T0, T1 and T2 alike, NTA half as fast), leaving L1
   // to the activations. asm, not _mm_prefetch: GCC 12 dropped the builtin's prefetches from
   // these loops.
@@ -108,6 +110,11 @@ struct HwTiles {
   }
 };
 
+// AMXINT4's groups: the vector unpacking, not the tile loads, reads the weights.
+struct Int4HwTiles : HwTiles {
+  size_t prefetch_bytes() const { return g_prefetch_bytes[1].load(std::memory_order_relaxed); }
+};
+
 // For weights already in cache (panels a decoder has just written): prefetching them again
 // only spends load slots (MXFP4's 512-token layer: 61-68 ms with, 58 ms without).
 struct CachedHwTiles : HwTiles {
@@ -144,7 +151,9 @@ uint64_t tile_peak(uint64_t iters) {
 
 extern "C" {
 
-void kt_amx_set_prefetch(size_t bytes) { g_prefetch_bytes.store(bytes, std::memory_order_relaxed); }
+void kt_amx_set_prefetch(size_t stream, size_t bytes) {
+  if (stream < 2) g_prefetch_bytes[stream].store(bytes, std::memory_order_relaxed);
+}
 
 // Peak rate of this core's tile unit (the yardstick of the AMX kernels): `iters` rounds of four
 // independent tdpbusd (or tdpbf16ps) on full 16x64-byte tiles. Returns the operations done,
@@ -161,7 +170,7 @@ void kt_amx_int8_dot(const uint8_t* const* a, size_t m, size_t k, const uint8_t*
 
 void kt_amx_int4_dot(const uint8_t* const* a, size_t m, size_t k, const uint8_t* group,
                      const int32_t* sums, int32_t* out) {
-  HwTiles tm;
+  Int4HwTiles tm;
   kt_amx::int4_group(tm, a, m, k, group, sums, out);
 }
 
@@ -214,7 +223,7 @@ void kt_amx_int8_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, 
 // As kt_amx_int4_dot, the rows packed by 64-byte column block (ActivationBlocks::Packed).
 void kt_amx_int4_dot_packed(const uint8_t* packed, size_t step_bytes, size_t m, size_t k,
                             const uint8_t* group, const int32_t* sums, int32_t* out) {
-  HwTiles tm;
+  Int4HwTiles tm;
   kt_amx::ActivationBlocks act(kt_amx::ActivationBlocks::Packed{packed, step_bytes}, m);
   kt_amx::int4_group(tm, act, m, k, group, sums, out);
 }

@@ -187,3 +187,67 @@ def test_bad_threshold_or_distance_is_a_clear_error(var):
     code = "import kt_kernel; kt_kernel.cpu_info()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode != 0 and var in r.stderr, r.stderr
+
+
+TUNE = """
+import sys, torch, kt_kernel
+from kt_kernel import _kt_core
+sys.path.insert(0, {tests!r})
+from conftest import make_wrapper, random_experts, random_routing
+g, u, d = random_experts(8, 128, 256, seed=5)
+w = make_wrapper(e=8, k=2, h=128, i=256, method={method!r})
+w.load_weights_from_tensors(g, u, d)
+x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+states = [_kt_core.amx_prefetch_state({method!r})]
+for call in range(40):
+    ids, wt = random_routing(64, 8, 2, seed=call)
+    w.forward(x, ids, wt, None)
+    states.append(_kt_core.amx_prefetch_state({method!r}))
+print(repr((w.moe.kernel, states, kt_kernel.cpu_info()["amx_prefetch_bytes"])))
+"""
+
+
+def tune_states(method, prefetch=None):
+    """40 prefills of 16 rows per expert in a fresh process: the layer's kernel, the method's
+    AMX prefetch state before and after each call, and what cpu_info reports at the end."""
+    env = dict(os.environ)
+    env.pop("KT_KERNEL_AMX_PREFETCH", None)
+    if prefetch is not None:
+        env["KT_KERNEL_AMX_PREFETCH"] = prefetch
+    code = TUNE.format(tests=os.path.dirname(__file__), method=method)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return ast.literal_eval(r.stdout.strip().splitlines()[-1])
+
+
+def test_amx_prefetch_state_names_the_methods_that_stream_into_tiles():
+    from kt_kernel import _kt_core
+
+    for method in ("AMXINT8", "AMXINT4", "BF16"):
+        tuned, ahead = _kt_core.amx_prefetch_state(method)
+        assert ahead in (0, 8192) or os.environ.get("KT_KERNEL_AMX_PREFETCH")
+    for method in ("FP8", "MXFP4", "LLAMAFILE"):
+        assert _kt_core.amx_prefetch_state(method) is None
+    with pytest.raises(ValueError):
+        _kt_core.amx_prefetch_state("NOPE")
+
+
+@pytest.mark.skipif(not AMX_USABLE, reason="needs AMX (CPUID, XCR0 and Linux permission)")
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4", "BF16"])
+def test_first_prefills_on_tiles_tune_the_weight_prefetch(method):
+    kernel, states, reported = tune_states(method)
+    assert kernel.startswith("amx+"), kernel
+    assert states[0] == (False, 8192), "8 KiB ahead until tuned"
+    # 4 warm-up calls, then 12 timed with each setting in runs of 2.
+    settled = next(i for i, (tuned, _) in enumerate(states) if tuned)
+    assert settled == 4 + 2 * 12, states
+    assert states[-1] in ((True, 0), (True, 8192)), states
+    assert all(s == states[-1] for s in states[settled:]), "decided until the next tuning"
+    if method != "AMXINT4":
+        assert reported == states[-1][1]
+
+
+@pytest.mark.skipif(not AMX_USABLE, reason="needs AMX (CPUID, XCR0 and Linux permission)")
+def test_a_prefetch_distance_from_the_environment_is_never_tuned():
+    _, states, reported = tune_states("AMXINT8", prefetch="1024")
+    assert set(states) == {(True, 1024)} and reported == 1024

@@ -117,9 +117,14 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         amx_rows.set_item(m.name(), rows)?;
     }
     d.set_item("amx_min_rows_by_method", amx_rows)?;
+    // The tile-load programs' distance now: KT_KERNEL_AMX_PREFETCH's, else what prefills
+    // tuned (amx_prefetch_state).
+    let amx_prefetch = kt_core::kernels::amx_prefetch_env().py()?;
     d.set_item(
         "amx_prefetch_bytes",
-        kt_core::kernels::amx_prefetch_from_env().py()?,
+        amx_prefetch.unwrap_or_else(|| {
+            kt_core::kernels::amx::prefetch_bytes(kt_core::kernels::prefetch::AmxStream::Tiles)
+        }),
     )?;
     d.set_item("kernels", kernels)?;
     d.set_item("prefetch_bytes", prefetch_bytes)?;
@@ -1086,6 +1091,16 @@ fn prefetch_state(method: &str) -> PyResult<(bool, usize, bool)> {
     Ok((prefetch::tuned(family), bytes, into_l2))
 }
 
+/// For a method whose AMX prefill streams weights into tiles: whether that stream's weight
+/// prefetch is final (tuned on prefills, or fixed by `KT_KERNEL_AMX_PREFETCH`) and its distance
+/// in bytes (0: off); None for the other methods.
+#[pyfunction]
+fn amx_prefetch_state(method: &str) -> PyResult<Option<(bool, usize)>> {
+    use kt_core::kernels::{amx, prefetch};
+    let stream = prefetch::amx_stream_of(Method::parse(method).py()?);
+    Ok(stream.map(|s| (prefetch::amx_tuned(s), amx::prefetch_bytes(s))))
+}
+
 #[pymodule]
 fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -1108,6 +1123,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_driver_status, m)?)?;
     m.add_function(wrap_pyfunction!(use_cuda_driver, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch_state, m)?)?;
+    m.add_function(wrap_pyfunction!(amx_prefetch_state, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<MoeLayer>()?;
     m.add_class::<Conversion>()?;

@@ -170,7 +170,7 @@ extern "C" {
         sums: *const i32,
         out: *mut i32,
     );
-    fn kt_amx_set_prefetch(bytes: usize);
+    fn kt_amx_set_prefetch(stream: usize, bytes: usize);
     fn kt_amx_peak_int8(iters: u64) -> u64;
     fn kt_amx_peak_bf16(iters: u64) -> u64;
 }
@@ -209,17 +209,27 @@ pub unsafe fn peak_bf16_loop(iters: u64) -> u64 {
 /// Default distance, in bytes, at which the hardware tile programs prefetch weights.
 pub const PREFETCH_BYTES: usize = 8192;
 
-/// How far ahead of the tile being loaded the hardware tile programs prefetch weights into
-/// L2 (0: off), process-wide. A tile load that misses the caches stalls the in-order tile unit
-/// for the whole DRAM latency; the prefetches overlap it with the tiles before.
-pub fn set_prefetch_bytes(bytes: usize) {
+/// What [`set_prefetch_bytes`] set last, per stream (the C++ side keeps its own copy).
+static PREFETCH: [std::sync::atomic::AtomicUsize; super::prefetch::AMX_STREAMS] =
+    [const { std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES) }; super::prefetch::AMX_STREAMS];
+
+/// How far ahead of the tile being loaded the hardware tile programs of `stream` prefetch
+/// weights into L2 (0: off), process-wide. A tile load that misses the caches stalls the
+/// in-order tile unit for the whole DRAM latency; the prefetches overlap it with the tiles
+/// before, but they also take fill buffers the tile loads need, so whether they pay is tuned
+/// ([`super::prefetch::amx_tune_begin`]).
+pub fn set_prefetch_bytes(stream: super::prefetch::AmxStream, bytes: usize) {
+    PREFETCH[stream as usize].store(bytes, std::sync::atomic::Ordering::Relaxed);
     #[cfg(kt_amx_hw)]
     // SAFETY: stores one integer the tile programs read.
     unsafe {
-        kt_amx_set_prefetch(bytes)
+        kt_amx_set_prefetch(stream as usize, bytes)
     };
-    #[cfg(not(kt_amx_hw))]
-    let _ = bytes;
+}
+
+/// The distance `stream`'s tile programs prefetch at now (0: off).
+pub fn prefetch_bytes(stream: super::prefetch::AmxStream) -> usize {
+    PREFETCH[stream as usize].load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Whether this build contains the hardware AMX kernels (the compiler knew `-mamx-*`).

@@ -240,14 +240,18 @@ pub fn amx_min_rows_env() -> Result<Option<usize>> {
     .map(Some)
 }
 
-/// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or the
-/// default.
-pub fn amx_prefetch_from_env() -> Result<usize> {
+/// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or None
+/// when unset (the process's first prefills tune it, [`prefetch::amx_tune_begin`]).
+pub fn amx_prefetch_env() -> Result<Option<usize>> {
+    if std::env::var_os("KT_KERNEL_AMX_PREFETCH").is_none() {
+        return Ok(None);
+    }
     count_from_env(
         "KT_KERNEL_AMX_PREFETCH",
         amx::PREFETCH_BYTES,
         "a byte count (use 0 to turn it off)",
     )
+    .map(Some)
 }
 
 /// A whole number from environment variable `var`, `default` when unset; a set value that is
@@ -485,7 +489,9 @@ impl KernelSet {
         }
         #[cfg(kt_amx_hw)]
         {
-            amx::set_prefetch_bytes(amx_prefetch_from_env()?);
+            if let Some(bytes) = amx_prefetch_env()? {
+                prefetch::freeze_amx(bytes);
+            }
             Ok(KernelSet {
                 amx: Some(AmxPath {
                     int8: amx::dot_int8,

@@ -195,57 +195,63 @@ pub const FAR: usize = 16384;
 /// 30-36, so the process's own decodes decide.
 const SETTINGS: [usize; 4] = [0, CANDIDATE, CANDIDATE | INTO_L2, FAR | INTO_L2];
 
-/// Arms the tuner compares.
-const ARMS: usize = SETTINGS.len();
+/// Most arms any tuner compares.
+const MAX_ARMS: usize = 4;
 
 /// Decodes of a family between the end of one tuning and the start of the next. The best
 /// setting depends on how fast memory answers, and that changes while a process serves: on
 /// the AMD Zen 4 VM, MXFP4 decodes in a minute when the read probe gave 56 GB/s ran 0.54 ms
 /// with [`FAR`] into L2 against 0.60 with [`CANDIDATE`] into L2 (RAWINT4 0.62 against 0.87),
 /// while at 31-34 GB/s no setting led in both rounds (`benches/decode_loop.py`). Retuning costs
-/// the arms' runs: [`ARMS`] × [`TUNE_SAMPLES`] decodes in this many, a few of them slower.
+/// the settings' runs: 4 × [`TUNE_SAMPLES`] decodes in this many, a few of them slower.
 const RETUNE_EVERY: usize = 4096;
 
-/// Decodes of each family since its tuner last decided (counted while it is not tuning).
-static SINCE_TUNED: [AtomicUsize; FAMILIES] = [const { AtomicUsize::new(0) }; FAMILIES];
-
-/// A family's tuning in the serving process: the calibration (a synthetic stream) only
-/// guesses; the first [`TUNE_SAMPLES`] decodes of each of [`SETTINGS`], in alternating runs,
-/// are timed per expert, and the fastest median is kept until the next tuning, every
-/// [`RETUNE_EVERY`] decodes.
-struct Tune {
-    /// Decodes seen before timing started.
+/// What a tuner compares, and how: its settings, the one kept unless another is 2% faster,
+/// samples per setting, calls timed in a row with one setting, calls run before timing starts,
+/// and calls between one decision and the next tuning.
+struct Plan {
+    settings: &'static [usize],
+    default_arm: usize,
+    samples: usize,
+    run: usize,
     warmup: usize,
-    /// Seconds per expert of the decodes run with each of [`SETTINGS`].
-    samples: [Vec<f64>; ARMS],
+    retune_every: usize,
+}
+
+/// The decode tuner's plan (one per [`Family`]).
+static DECODE_PLAN: Plan = Plan {
+    settings: &SETTINGS,
+    default_arm: 0,
+    samples: TUNE_SAMPLES,
+    run: TUNE_RUN,
+    warmup: TUNE_WARMUP,
+    retune_every: RETUNE_EVERY,
+};
+
+/// A tuning in the serving process: the calibration (a synthetic stream) only guesses; the
+/// first [`Plan::samples`] calls with each of the plan's settings, in alternating runs, are
+/// timed, and the fastest median is kept until the next tuning, every [`Plan::retune_every`]
+/// calls.
+struct Tune {
+    plan: &'static Plan,
+    /// Calls seen before timing started.
+    warmup: usize,
+    /// The timings of the calls run with each setting.
+    samples: [Vec<f64>; MAX_ARMS],
     /// Decided until the next tuning (or for good when `fixed`).
     done: bool,
     /// The distance came from the environment: never tuned.
     fixed: bool,
 }
 
-static TUNES: [std::sync::Mutex<Tune>; FAMILIES] =
-    [const { std::sync::Mutex::new(Tune::new()) }; FAMILIES];
-
-/// Whether any family is still being tuned (checked before locking anything).
-static TUNING: [std::sync::atomic::AtomicBool; FAMILIES] =
-    [const { std::sync::atomic::AtomicBool::new(true) }; FAMILIES];
-
-/// Stop tuning `family` (its distance is the one set now): the environment fixed it.
-pub fn freeze(family: Family) {
-    TUNING[family as usize].store(false, Ordering::Relaxed);
-    let mut t = TUNES[family as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    t.done = true;
-    t.fixed = true;
-}
-
 impl Tune {
-    const fn new() -> Tune {
+    const fn new(plan: &'static Plan) -> Tune {
+        assert!(plan.settings.len() >= 2 && plan.settings.len() <= MAX_ARMS);
+        assert!(plan.default_arm < plan.settings.len());
         Tune {
+            plan,
             warmup: 0,
-            samples: [const { Vec::new() }; ARMS],
+            samples: [const { Vec::new() }; MAX_ARMS],
             done: false,
             fixed: false,
         }
@@ -261,95 +267,267 @@ impl Tune {
         true
     }
 
-    /// The index into [`SETTINGS`] to time the next decode with, or None (warming up, done).
+    /// The index into the plan's settings to time the next call with, or None (warming up,
+    /// done).
     fn next_arm(&mut self) -> Option<usize> {
         if self.done {
             return None;
         }
-        if self.warmup < TUNE_WARMUP {
+        if self.warmup < self.plan.warmup {
             self.warmup += 1;
             return None;
         }
-        // Runs of TUNE_RUN decodes per setting, alternating: the hardware prefetchers train
-        // on what runs, so a setting flipped every decode measures the mix (seen: no
-        // difference per decode where runs differed by 8%).
+        // Runs of calls per setting, alternating: the hardware prefetchers train on what
+        // runs, so a setting flipped every decode measures the mix (seen: no difference per
+        // decode where runs differed by 8%).
         let taken: usize = self.samples.iter().map(Vec::len).sum();
-        Some((taken / TUNE_RUN) % SETTINGS.len())
+        Some((taken / self.plan.run) % self.plan.settings.len())
     }
 
-    /// Record a decode; once every setting has its samples, the decision: the setting with
-    /// the fastest median if that is 2% faster than no prefetching (off otherwise), and the
-    /// medians.
-    fn record(&mut self, arm: usize, secs_per_expert: f64) -> Option<(usize, [f64; ARMS])> {
-        if self.done || !secs_per_expert.is_finite() {
+    /// Record a call; once every setting has its samples, the decision: the setting with the
+    /// fastest median if that is 2% faster than the plan's default (the default otherwise),
+    /// and the medians.
+    fn record(&mut self, arm: usize, secs: f64) -> Option<(usize, Vec<f64>)> {
+        let arms = self.plan.settings.len();
+        if self.done || !secs.is_finite() || arm >= arms {
             return None;
         }
-        self.samples[arm].push(secs_per_expert);
-        if self.samples.iter().any(|v| v.len() < TUNE_SAMPLES) {
+        self.samples[arm].push(secs);
+        if self.samples[..arms]
+            .iter()
+            .any(|v| v.len() < self.plan.samples)
+        {
             return None;
         }
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        let m: [f64; ARMS] = std::array::from_fn(|arm| median(&mut self.samples[arm]));
-        let best = (1..ARMS)
+        let m: Vec<f64> = self.samples[..arms].iter_mut().map(median).collect();
+        let default = self.plan.default_arm;
+        let best = (0..arms)
+            .filter(|&a| a != default)
             .min_by(|&a, &b| m[a].total_cmp(&m[b]))
-            .unwrap_or(0);
+            .unwrap_or(default);
         self.done = true;
-        let chosen = if m[best] * 1.02 < m[0] {
-            SETTINGS[best]
+        let chosen = if m[best] * 1.02 < m[default] {
+            self.plan.settings[best]
         } else {
-            0
+            self.plan.settings[default]
         };
         Some((chosen, m))
     }
 }
 
+/// One tuned setting's state: the tuning, whether it is under way (checked before locking
+/// anything), and the calls since its last decision.
+struct Tuner {
+    retune_every: usize,
+    tune: std::sync::Mutex<Tune>,
+    tuning: std::sync::atomic::AtomicBool,
+    since: AtomicUsize,
+}
+
+impl Tuner {
+    const fn new(plan: &'static Plan) -> Tuner {
+        Tuner {
+            retune_every: plan.retune_every,
+            tune: std::sync::Mutex::new(Tune::new(plan)),
+            tuning: std::sync::atomic::AtomicBool::new(true),
+            since: AtomicUsize::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tune> {
+        self.tune.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stop tuning: the environment fixed the setting.
+    fn freeze(&self) {
+        self.tuning.store(false, Ordering::Relaxed);
+        let mut t = self.lock();
+        t.done = true;
+        t.fixed = true;
+    }
+
+    /// Before a call: the setting to time it with (arm, setting), or None when it is not
+    /// timed.
+    fn begin(&self) -> Option<(usize, usize)> {
+        if !self.tuning.load(Ordering::Relaxed)
+            && self.since.fetch_add(1, Ordering::Relaxed) + 1 < self.retune_every
+        {
+            return None;
+        }
+        let mut t = self.lock();
+        if t.done {
+            // retune_every calls since the last decision: tune again (unless fixed).
+            self.since.store(0, Ordering::Relaxed);
+            if !t.reopen() {
+                return None;
+            }
+            self.tuning.store(true, Ordering::Relaxed);
+        }
+        let arm = t.next_arm()?;
+        Some((arm, t.plan.settings[arm]))
+    }
+
+    /// After that call: it took `secs`. Once every setting has its samples, the chosen
+    /// setting and each setting's median (the caller applies the choice).
+    fn end(&self, arm: usize, secs: f64) -> Option<(usize, Vec<f64>)> {
+        let decided = self.lock().record(arm, secs)?;
+        self.tuning.store(false, Ordering::Relaxed);
+        Some(decided)
+    }
+
+    /// The settings with their medians, for a debug line.
+    fn report(&self, medians: &[f64], unit: f64) -> String {
+        let t = self.lock();
+        let arms: Vec<String> = t
+            .plan
+            .settings
+            .iter()
+            .zip(medians)
+            .map(|(&setting, secs)| format!("{} {:.1}", arm_name(setting), secs * unit))
+            .collect();
+        arms.join(", ")
+    }
+
+    /// Whether a tuning has decided from samples (not the environment).
+    fn decided_by_samples(&self) -> bool {
+        let t = self.lock();
+        t.done && t.samples.iter().any(|v| !v.is_empty())
+    }
+}
+
+static TUNERS: [Tuner; FAMILIES] = [const { Tuner::new(&DECODE_PLAN) }; FAMILIES];
+
+/// Stop tuning `family` (its distance is the one set now): the environment fixed it.
+pub fn freeze(family: Family) {
+    TUNERS[family as usize].freeze();
+}
+
 /// Before a decode of `family`: the setting to time it with (its distance is applied now), or
 /// None when this decode is not timed.
 pub fn tune_begin(family: Family) -> Option<usize> {
-    let f = family as usize;
-    if !TUNING[f].load(Ordering::Relaxed)
-        && SINCE_TUNED[f].fetch_add(1, Ordering::Relaxed) + 1 < RETUNE_EVERY
-    {
-        return None;
-    }
-    let mut t = TUNES[f].lock().unwrap_or_else(|e| e.into_inner());
-    if t.done {
-        // RETUNE_EVERY decodes since the last decision: tune again (unless fixed).
-        SINCE_TUNED[f].store(0, Ordering::Relaxed);
-        if !t.reopen() {
-            return None;
-        }
-        TUNING[f].store(true, Ordering::Relaxed);
-    }
-    let arm = t.next_arm()?;
-    DISTANCE[f].store(SETTINGS[arm], Ordering::Relaxed);
+    let (arm, setting) = TUNERS[family as usize].begin()?;
+    DISTANCE[family as usize].store(setting, Ordering::Relaxed);
     Some(arm)
 }
 
 /// After that decode: it took `secs_per_expert`. Once every setting has its samples the
 /// decision stays for the next [`RETUNE_EVERY`] decodes.
 pub fn tune_end(family: Family, arm: usize, secs_per_expert: f64) {
-    let mut t = TUNES[family as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let Some((chosen, m)) = t.record(arm, secs_per_expert) else {
+    let tuner = &TUNERS[family as usize];
+    let Some((chosen, m)) = tuner.end(arm, secs_per_expert) else {
         return;
     };
     DISTANCE[family as usize].store(chosen, Ordering::Relaxed);
-    TUNING[family as usize].store(false, Ordering::Relaxed);
-    if std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1") {
-        let arms: Vec<String> = SETTINGS
-            .iter()
-            .zip(m)
-            .map(|(&setting, secs)| format!("{} {:.1}", arm_name(setting), secs * 1e6))
-            .collect();
+    if debug() {
         eprintln!(
             "[kt_kernel] prefetch tuned on {TUNE_SAMPLES} decodes each ({family:?}), µs/expert: \
              {} -> {}",
-            arms.join(", "),
+            tuner.report(&m, 1e6),
+            arm_name(chosen)
+        );
+    }
+}
+
+/// `KT_KERNEL_DEBUG=1`: the tuners report their decisions.
+fn debug() -> bool {
+    std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1")
+}
+
+/// The AMX tile programs whose weight prefetch is tuned apart: the ones whose tile loads read
+/// the weights (AMXINT8 groups, BF16 panels) and AMXINT4's, whose vector unpacking reads them.
+/// On an Intel Emerald Rapids VM (S1, 512 tokens, `prefill`, processes alternated) prefetching
+/// 8 KiB ahead made the first 10-14% slower for half an hour (AMXINT8 46.4-48.2 ms off against
+/// 51.9-53.5, BF16 76.1-79.4 against 82.8-87.7) and AMXINT4 6-7% faster (36.4-37.0 against
+/// 38.7-39.7); in the next hour the first prefills of a process found it 7-10% faster for
+/// AMXINT8 and BF16; on a VM of that kind five days earlier BF16 ran 9-16% slower without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AmxStream {
+    /// Tile loads straight from the weights.
+    Tiles = 0,
+    /// AMXINT4's nibbles, unpacked by vector loads.
+    Int4 = 1,
+}
+
+/// AMX tile programs tuned apart.
+pub const AMX_STREAMS: usize = 2;
+
+/// The AMX settings compared: off, and [`super::amx::PREFETCH_BYTES`] ahead into L2 (the tile
+/// programs always prefetch into L2; the flag names it so).
+const AMX_SETTINGS: [usize; 2] = [0, super::amx::PREFETCH_BYTES | INTO_L2];
+
+/// The prefill tuner's plan: a prefill call is long (tens of ms at 512 tokens), so fewer
+/// samples and short runs; a model's forward calls every layer with the same tokens, so runs
+/// of two calls compare like with like. The distance stays unless off is 2% faster: on the
+/// Emerald Rapids VM the winner changed within the hour (AMXINT8 at 512 tokens, in-process
+/// medians: off 10% faster in one phase, prefetching 7% faster in the next).
+static PREFILL_PLAN: Plan = Plan {
+    settings: &AMX_SETTINGS,
+    default_arm: 1,
+    samples: 12,
+    run: 2,
+    warmup: 4,
+    retune_every: RETUNE_EVERY,
+};
+
+static AMX_TUNERS: [Tuner; AMX_STREAMS] = [const { Tuner::new(&PREFILL_PLAN) }; AMX_STREAMS];
+
+/// The stream a method's AMX prefill reads its weights with, if it streams them into tiles
+/// (the formats that decode panels first read them with their own kernels).
+pub fn amx_stream_of(method: crate::method::Method) -> Option<AmxStream> {
+    use crate::method::Method as M;
+    match method {
+        M::AmxInt8 | M::Bf16 => Some(AmxStream::Tiles),
+        M::AmxInt4 => Some(AmxStream::Int4),
+        _ => None,
+    }
+}
+
+/// Fix every AMX stream's distance (`KT_KERNEL_AMX_PREFETCH` was set): never tuned.
+pub fn freeze_amx(bytes: usize) {
+    for (i, tuner) in AMX_TUNERS.iter().enumerate() {
+        super::amx::set_prefetch_bytes(amx_stream(i), bytes);
+        tuner.freeze();
+    }
+}
+
+fn amx_stream(i: usize) -> AmxStream {
+    if i == AmxStream::Int4 as usize {
+        AmxStream::Int4
+    } else {
+        AmxStream::Tiles
+    }
+}
+
+/// Whether `stream`'s distance is final (tuned on prefills, or fixed).
+pub fn amx_tuned(stream: AmxStream) -> bool {
+    !AMX_TUNERS[stream as usize].tuning.load(Ordering::Relaxed)
+}
+
+/// Before a prefill of a method on `stream`: the arm to time it with (its distance is applied
+/// now), or None when this call is not timed.
+pub fn amx_tune_begin(stream: AmxStream) -> Option<usize> {
+    let (arm, setting) = AMX_TUNERS[stream as usize].begin()?;
+    super::amx::set_prefetch_bytes(stream, describe(setting).0);
+    Some(arm)
+}
+
+/// After that prefill: it took `secs_per_expert`.
+pub fn amx_tune_end(stream: AmxStream, arm: usize, secs_per_expert: f64) {
+    let tuner = &AMX_TUNERS[stream as usize];
+    let Some((chosen, m)) = tuner.end(arm, secs_per_expert) else {
+        return;
+    };
+    super::amx::set_prefetch_bytes(stream, describe(chosen).0);
+    if debug() {
+        eprintln!(
+            "[kt_kernel] AMX weight prefetch tuned on {} prefills each ({stream:?}), \
+             µs/expert: {} -> {}",
+            PREFILL_PLAN.samples,
+            tuner.report(&m, 1e6),
             arm_name(chosen)
         );
     }
@@ -365,17 +543,14 @@ fn arm_name(setting: usize) -> String {
 
 /// Set `family`'s distance unless decodes have tuned it (the tuned value stays).
 pub fn set_unless_tuned(family: Family, bytes: usize) {
-    let t = TUNES[family as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if !(t.done && t.samples.iter().any(|v| !v.is_empty())) {
+    if !TUNERS[family as usize].decided_by_samples() {
         set_of(family, bytes);
     }
 }
 
 /// Whether `family` is tuned (or fixed) and its distance final.
 pub fn tuned(family: Family) -> bool {
-    !TUNING[family as usize].load(Ordering::Relaxed)
+    !TUNERS[family as usize].tuning.load(Ordering::Relaxed)
 }
 
 /// `_mm_prefetch` hints: into L1, and into L2 (a streaming decode on an Emerald Rapids VM ran
@@ -496,7 +671,7 @@ mod tests {
 
     /// Drive a tuner with per-decode times `time(arm)` until it decides.
     fn decide(time: impl Fn(usize) -> f64) -> (usize, usize) {
-        decide_with(&mut Tune::new(), time)
+        decide_with(&mut Tune::new(&DECODE_PLAN), time)
     }
 
     fn decide_with(t: &mut Tune, time: impl Fn(usize) -> f64) -> (usize, usize) {
@@ -504,7 +679,7 @@ mod tests {
         loop {
             decodes += 1;
             let Some(arm) = t.next_arm() else {
-                assert!(decodes <= TUNE_WARMUP, "no arm after the warm-up");
+                assert!(decodes <= t.plan.warmup, "no arm after the warm-up");
                 continue;
             };
             if last != Some(arm) {
@@ -534,14 +709,42 @@ mod tests {
         // Alternating runs of TUNE_RUN, not single decodes.
         assert_eq!(decide(|_| 1.0).1, SETTINGS.len() * TUNE_SAMPLES / TUNE_RUN);
         // A non-finite time is ignored.
-        let mut t = Tune::new();
+        let mut t = Tune::new(&DECODE_PLAN);
         while t.next_arm().is_none() {}
         assert!(t.record(0, f64::NAN).is_none() && t.samples[0].is_empty());
     }
 
     #[test]
+    fn the_prefill_tuner_keeps_the_amx_distance_only_where_it_pays() {
+        let prefill = |time: [f64; 2]| decide_with(&mut Tune::new(&PREFILL_PLAN), |a| time[a]);
+        let ahead = super::super::amx::PREFETCH_BYTES | INTO_L2;
+        assert_eq!(prefill([1.0, 0.9]).0, ahead);
+        assert_eq!(prefill([0.9, 1.0]).0, 0);
+        assert_eq!(prefill([0.99, 1.0]).0, ahead, "off only if 2% faster");
+        assert_eq!(prefill([1.0, 0.99]).0, ahead);
+        // Runs of two calls, alternating, until each setting has its samples.
+        assert_eq!(
+            prefill([1.0, 1.0]).1,
+            2 * PREFILL_PLAN.samples / PREFILL_PLAN.run
+        );
+        // A timing of an arm the plan does not have is ignored.
+        let mut t = Tune::new(&PREFILL_PLAN);
+        while t.next_arm().is_none() {}
+        assert!(t.record(2, 1.0).is_none() && t.samples.iter().all(Vec::is_empty));
+        use crate::method::Method as M;
+        assert_eq!(amx_stream_of(M::AmxInt8), Some(AmxStream::Tiles));
+        assert_eq!(amx_stream_of(M::Bf16), Some(AmxStream::Tiles));
+        assert_eq!(amx_stream_of(M::AmxInt4), Some(AmxStream::Int4));
+        assert_eq!(
+            amx_stream_of(M::Fp8),
+            None,
+            "FP8 tiles read panels it just decoded"
+        );
+    }
+
+    #[test]
     fn a_reopened_tuner_decides_again_without_a_warm_up_unless_fixed() {
-        let mut t = Tune::new();
+        let mut t = Tune::new(&DECODE_PLAN);
         assert_eq!(
             decide_with(&mut t, |arm| [1.0, 0.95, 0.9, 0.93][arm]).0,
             CANDIDATE | INTO_L2
@@ -558,12 +761,12 @@ mod tests {
             FAR | INTO_L2
         );
         // A distance from the environment is never retuned.
-        let mut fixed = Tune::new();
+        let mut fixed = Tune::new(&DECODE_PLAN);
         (fixed.done, fixed.fixed) = (true, true);
         assert!(!fixed.reopen() && fixed.next_arm().is_none());
         const {
             assert!(
-                RETUNE_EVERY > 10 * ARMS * TUNE_SAMPLES,
+                RETUNE_EVERY > 10 * SETTINGS.len() * TUNE_SAMPLES,
                 "retuning stays a small share"
             )
         };

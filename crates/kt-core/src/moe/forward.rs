@@ -21,6 +21,10 @@ use std::ops::Range;
 /// Forwards of at most this many tokens tune the prefetch distance.
 const TUNE_MAX_TOKENS: usize = 4;
 
+/// Forwards whose experts get at least this many rows each on average tune the AMX tile
+/// programs' weight prefetch (the tiles then carry the work).
+const AMX_TUNE_MIN_MEAN_ROWS: usize = 8;
+
 /// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
 const DOWN_GROUP_PANELS: usize = 4;
 
@@ -214,10 +218,22 @@ impl MoeLayer {
             .then(|| crate::kernels::prefetch::tune_begin(family))
             .flatten()
             .map(|arm| (arm, std::time::Instant::now()));
+        // Prefills on hardware tiles tune the tile programs' weight prefetch the same way.
+        let amx_tuning = self
+            .kernels
+            .amx()
+            .filter(|a| !a.emulated)
+            .and(crate::kernels::prefetch::amx_stream_of(self.method()))
+            .filter(|_| args.qlen * c.top_k >= AMX_TUNE_MIN_MEAN_ROWS * c.num_experts)
+            .and_then(|stream| {
+                let arm = crate::kernels::prefetch::amx_tune_begin(stream)?;
+                Some((stream, arm, std::time::Instant::now()))
+            });
         let timing = phase_timing::interval().map(|every| (every, std::time::Instant::now()));
         let times = timing.map(|_| CallTimes::default());
         let times = times.as_ref();
-        let mut t0 = 0;
+        // Experts activated, summed over the chunks: the tuners' unit of work.
+        let (mut t0, mut activated) = (0, 0);
         while t0 < args.qlen {
             let tokens = t0..(t0 + CHUNK_TOKENS).min(args.qlen);
             let mut lap = times.map(CallTimes::lap);
@@ -225,18 +241,23 @@ impl MoeLayer {
             let (ids, weights) = unsafe { args.routing_of(tokens.clone(), k) };
             ws.routing
                 .build(ids, weights, tokens.len(), k, c.num_experts, mask);
+            activated += ws.routing.experts.len();
             phase_timing::mark(&mut lap, Phase::Route);
             // SAFETY: forwarded contract, restricted to this chunk's rows; the workspace was
             // reserved for this layer and its routing is this chunk's.
             unsafe { self.forward_chunk(pool, ws, &args.rows(tokens.clone(), h), times)? };
             t0 = tokens.end;
         }
-        if let Some((arm, start)) = tuning {
-            let experts = ws.routing.experts.len();
-            if experts > 0 {
-                let per_expert = start.elapsed().as_secs_f64() / experts as f64;
-                crate::kernels::prefetch::tune_end(family, arm, per_expert);
-            }
+        let per_expert = |start: std::time::Instant| {
+            (activated > 0).then(|| start.elapsed().as_secs_f64() / activated as f64)
+        };
+        if let Some((arm, secs)) = tuning.and_then(|(arm, t)| Some((arm, per_expert(t)?))) {
+            crate::kernels::prefetch::tune_end(family, arm, secs);
+        }
+        if let Some((stream, arm, secs)) =
+            amx_tuning.and_then(|(stream, arm, t)| Some((stream, arm, per_expert(t)?)))
+        {
+            crate::kernels::prefetch::amx_tune_end(stream, arm, secs);
         }
         if let (Some((every, start)), Some(times)) = (timing, times) {
             let total = start.elapsed();
