@@ -146,7 +146,7 @@ previous = open("BENCHMARKS.md").read() if os.path.exists("BENCHMARKS.md") else 
 def section(name, heading, intro=True):
     """The step's output `name`, or the old section `heading` less the intro paragraph the
     assembler writes itself (`intro`)."""
-    if os.path.exists(f"{out}/{name}"):
+    if name and os.path.exists(f"{out}/{name}"):
         return open(f"{out}/{name}").read()
     at = previous.find("\n## " + heading)
     if at < 0:
@@ -164,7 +164,10 @@ lines.append(f"Assembled by `bash scripts/benchmarks.sh` on {datetime.date.today
 stamps = []
 for name in ("layer", "threads", "convert", "wwsb", "cargo", "original", "peer"):
     path = f"{out}/{name}.stamp"
-    stamps.append(f"{name} {open(path).read().strip()}" if os.path.exists(path) else f"{name} (not recorded)")
+    # A step not rerun in this clone keeps the stamp the previous BENCHMARKS.md gave it.
+    kept = re.search(rf"[:;] {name} (\d{{4}}-\d\d-\d\d at [^;.]+)", previous.split("\n## ")[0])
+    stamps.append(f"{name} {open(path).read().strip()}" if os.path.exists(path)
+                  else f"{name} {kept.group(1)}" if kept else f"{name} (not recorded)")
 lines += ["", "Each step as last run (date, commit): " + "; ".join(stamps) + "."]
 lines += ["", "## Whole layer: kt-kernel's methods vs plain torch (`python -m kt_kernel bench`)", ""]
 lines.append(open(f"{out}/layer.md").read())
@@ -205,7 +208,10 @@ lines += ["", "## Kernels and pool (`cargo bench -p kt-benches`)", "",
           "pinned pool and on a 2-thread rayon pool, and four such phases back to back as one "
           "decode forward issues them.", "", "```"]
 name = None
-for line in open(f"{out}/cargo.txt"):
+cargo_lines = open(f"{out}/cargo.txt") if os.path.exists(f"{out}/cargo.txt") else []
+if not cargo_lines:
+    lines[-1:] = [section(None, "Kernels and pool").rstrip("\n").removesuffix("```").rstrip("\n")]
+for line in cargo_lines:
     m = re.match(r"^(\S+/\S+)\s*$", line) or re.match(r"^(\S+/\S+)\s+time:", line)
     if m:
         name = m.group(1)
@@ -235,6 +241,10 @@ if orig_ok:
         lines.append(f"| {r['method']} | {r['tokens']} | {r['median_ms']:.2f} | {m['median_ms']:.2f} | "
                      f"{r['median_ms'] / m['median_ms']:.2f}× | {r['gbps']:.1f} | {m['gbps']:.1f} | "
                      f"{r['gflops']:.1f} | {m['gflops']:.1f} | {r['rel_l2']:.1e} / {m['rel_l2']:.1e} |")
+elif not os.path.exists(f"{out}/original.log"):
+    heading = "Against the original kt-kernel 0.7.2"
+    lines += ["", "## " + heading + " (`benches/compare_original.py`, same script, one after the "
+              "other)", "", section(None, heading, intro=False)]
 else:
     lines += ["", "The original kt-kernel could not be run in this regeneration (see bench-results/)."]
 
