@@ -123,7 +123,7 @@ fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item(
         "amx_prefetch_bytes",
         amx_prefetch.unwrap_or_else(|| {
-            kt_core::kernels::amx::prefetch_bytes(kt_core::kernels::prefetch::AmxStream::Tiles)
+            kt_core::kernels::amx::prefetch_bytes(kt_core::kernels::amx::AmxStream::Tiles)
         }),
     )?;
     d.set_item("kernels", kernels)?;
@@ -1096,9 +1096,9 @@ fn prefetch_state(method: &str) -> PyResult<(bool, usize, bool)> {
 /// in bytes (0: off); None for the other methods.
 #[pyfunction]
 fn amx_prefetch_state(method: &str) -> PyResult<Option<(bool, usize)>> {
-    use kt_core::kernels::{amx, prefetch};
-    let stream = prefetch::amx_stream_of(Method::parse(method).py()?);
-    Ok(stream.map(|s| (prefetch::amx_tuned(s), amx::prefetch_bytes(s))))
+    use kt_core::kernels::amx;
+    let stream = amx::amx_stream_of(Method::parse(method).py()?);
+    Ok(stream.map(|s| (amx::amx_tuned(s), amx::prefetch_bytes(s))))
 }
 
 #[pymodule]

@@ -12,6 +12,7 @@
 //! with the contracts of [`GroupDotFn`](super::group_dot::GroupDotFn) and
 //! [`PanelDotBf16Fn`](super::PanelDotBf16Fn); bf16 additionally needs `k % 32 == 0`.
 
+use super::prefetch;
 use std::ffi::c_void;
 
 /// Token rows per call (two tile row blocks).
@@ -210,15 +211,15 @@ pub unsafe fn peak_bf16_loop(iters: u64) -> u64 {
 pub const PREFETCH_BYTES: usize = 8192;
 
 /// What [`set_prefetch_bytes`] set last, per stream (the C++ side keeps its own copy).
-static PREFETCH: [std::sync::atomic::AtomicUsize; super::prefetch::AMX_STREAMS] =
-    [const { std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES) }; super::prefetch::AMX_STREAMS];
+static PREFETCH: [std::sync::atomic::AtomicUsize; AMX_STREAMS] =
+    [const { std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES) }; AMX_STREAMS];
 
 /// How far ahead of the tile being loaded the hardware tile programs of `stream` prefetch
 /// weights into L2 (0: off), process-wide. A tile load that misses the caches stalls the
 /// in-order tile unit for the whole DRAM latency; the prefetches overlap it with the tiles
 /// before, but they also take fill buffers the tile loads need, so whether they pay is tuned
-/// ([`super::prefetch::amx_tune_begin`]).
-pub fn set_prefetch_bytes(stream: super::prefetch::AmxStream, bytes: usize) {
+/// ([`amx_tune_begin`]).
+pub fn set_prefetch_bytes(stream: AmxStream, bytes: usize) {
     PREFETCH[stream as usize].store(bytes, std::sync::atomic::Ordering::Relaxed);
     #[cfg(kt_amx_hw)]
     // SAFETY: stores one integer the tile programs read.
@@ -228,8 +229,105 @@ pub fn set_prefetch_bytes(stream: super::prefetch::AmxStream, bytes: usize) {
 }
 
 /// The distance `stream`'s tile programs prefetch at now (0: off).
-pub fn prefetch_bytes(stream: super::prefetch::AmxStream) -> usize {
+pub fn prefetch_bytes(stream: AmxStream) -> usize {
     PREFETCH[stream as usize].load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The AMX tile programs whose weight prefetch is tuned apart: the ones whose tile loads read
+/// the weights (AMXINT8 groups, BF16 panels) and AMXINT4's, whose vector unpacking reads them.
+/// On an Intel Emerald Rapids VM (S1, 512 tokens, `prefill`, processes alternated) prefetching
+/// 8 KiB ahead made the first 10-14% slower for half an hour (AMXINT8 46.4-48.2 ms off against
+/// 51.9-53.5, BF16 76.1-79.4 against 82.8-87.7) and AMXINT4 6-7% faster (36.4-37.0 against
+/// 38.7-39.7); in the next hour the first prefills of a process found it 7-10% faster for
+/// AMXINT8 and BF16; on a VM of that kind five days earlier BF16 ran 9-16% slower without it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AmxStream {
+    /// Tile loads straight from the weights.
+    Tiles = 0,
+    /// AMXINT4's nibbles, unpacked by vector loads.
+    Int4 = 1,
+}
+
+/// AMX tile programs tuned apart.
+pub const AMX_STREAMS: usize = 2;
+
+/// The AMX settings compared: off, and [`PREFETCH_BYTES`] ahead into L2 (the tile
+/// programs always prefetch into L2; the flag names it so).
+const AMX_SETTINGS: [usize; 2] = [0, PREFETCH_BYTES | prefetch::INTO_L2];
+
+/// The prefill tuner's plan: a prefill call is long (tens of ms at 512 tokens), so fewer
+/// samples and short runs; a model's forward calls every layer with the same tokens, so runs
+/// of two calls compare like with like. The distance stays unless off is 2% faster: on the
+/// Emerald Rapids VM the winner changed within the hour (AMXINT8 at 512 tokens, in-process
+/// medians: off 10% faster in one phase, prefetching 7% faster in the next).
+pub(crate) static PREFILL_PLAN: prefetch::Plan = prefetch::Plan {
+    settings: &AMX_SETTINGS,
+    default_arm: 1,
+    samples: 12,
+    run: 2,
+    warmup: 4,
+    retune_every: prefetch::RETUNE_EVERY,
+};
+
+static AMX_TUNERS: [prefetch::Tuner; AMX_STREAMS] =
+    [const { prefetch::Tuner::new(&PREFILL_PLAN) }; AMX_STREAMS];
+
+/// The stream a method's AMX prefill reads its weights with, if it streams them into tiles
+/// (the formats that decode panels first read them with their own kernels).
+pub fn amx_stream_of(method: crate::method::Method) -> Option<AmxStream> {
+    use crate::method::Method as M;
+    match method {
+        M::AmxInt8 | M::Bf16 => Some(AmxStream::Tiles),
+        M::AmxInt4 => Some(AmxStream::Int4),
+        _ => None,
+    }
+}
+
+/// Fix every AMX stream's distance (`KT_KERNEL_AMX_PREFETCH` was set): never tuned.
+pub fn freeze_amx(bytes: usize) {
+    for (i, tuner) in AMX_TUNERS.iter().enumerate() {
+        set_prefetch_bytes(amx_stream(i), bytes);
+        tuner.freeze();
+    }
+}
+
+fn amx_stream(i: usize) -> AmxStream {
+    if i == AmxStream::Int4 as usize {
+        AmxStream::Int4
+    } else {
+        AmxStream::Tiles
+    }
+}
+
+/// Whether `stream`'s distance is final (tuned on prefills, or fixed).
+pub fn amx_tuned(stream: AmxStream) -> bool {
+    AMX_TUNERS[stream as usize].settled()
+}
+
+/// Before a prefill of a method on `stream`: the arm to time it with (its distance is applied
+/// now), or None when this call is not timed.
+pub fn amx_tune_begin(stream: AmxStream) -> Option<usize> {
+    let (arm, setting) = AMX_TUNERS[stream as usize].begin()?;
+    set_prefetch_bytes(stream, prefetch::describe(setting).0);
+    Some(arm)
+}
+
+/// After that prefill: it took `secs_per_expert`.
+pub fn amx_tune_end(stream: AmxStream, arm: usize, secs_per_expert: f64) {
+    let tuner = &AMX_TUNERS[stream as usize];
+    let Some((chosen, m)) = tuner.end(arm, secs_per_expert) else {
+        return;
+    };
+    set_prefetch_bytes(stream, prefetch::describe(chosen).0);
+    if prefetch::debug() {
+        eprintln!(
+            "[kt_kernel] AMX weight prefetch tuned on {} prefills each ({stream:?}), \
+             µs/expert: {} -> {}",
+            PREFILL_PLAN.samples,
+            tuner.report(&m, 1e6),
+            prefetch::arm_name(chosen)
+        );
+    }
 }
 
 /// Whether this build contains the hardware AMX kernels (the compiler knew `-mamx-*`).

@@ -241,7 +241,7 @@ pub fn amx_min_rows_env() -> Result<Option<usize>> {
 }
 
 /// The AMX weight prefetch distance from `KT_KERNEL_AMX_PREFETCH` (bytes, 0 = off), or None
-/// when unset (the process's first prefills tune it, [`prefetch::amx_tune_begin`]).
+/// when unset (the process's first prefills tune it, [`amx::amx_tune_begin`]).
 pub fn amx_prefetch_env() -> Result<Option<usize>> {
     if std::env::var_os("KT_KERNEL_AMX_PREFETCH").is_none() {
         return Ok(None);
@@ -490,7 +490,7 @@ impl KernelSet {
         #[cfg(kt_amx_hw)]
         {
             if let Some(bytes) = amx_prefetch_env()? {
-                prefetch::freeze_amx(bytes);
+                amx::freeze_amx(bytes);
             }
             Ok(KernelSet {
                 amx: Some(AmxPath {

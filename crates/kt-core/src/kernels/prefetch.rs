@@ -204,18 +204,18 @@ const MAX_ARMS: usize = 4;
 /// with [`FAR`] into L2 against 0.60 with [`CANDIDATE`] into L2 (RAWINT4 0.62 against 0.87),
 /// while at 31-34 GB/s no setting led in both rounds (`benches/decode_loop.py`). Retuning costs
 /// the settings' runs: 4 × [`TUNE_SAMPLES`] decodes in this many, a few of them slower.
-const RETUNE_EVERY: usize = 4096;
+pub(crate) const RETUNE_EVERY: usize = 4096;
 
 /// What a tuner compares, and how: its settings, the one kept unless another is 2% faster,
 /// samples per setting, calls timed in a row with one setting, calls run before timing starts,
 /// and calls between one decision and the next tuning.
-struct Plan {
-    settings: &'static [usize],
-    default_arm: usize,
-    samples: usize,
-    run: usize,
-    warmup: usize,
-    retune_every: usize,
+pub(crate) struct Plan {
+    pub(crate) settings: &'static [usize],
+    pub(crate) default_arm: usize,
+    pub(crate) samples: usize,
+    pub(crate) run: usize,
+    pub(crate) warmup: usize,
+    pub(crate) retune_every: usize,
 }
 
 /// The decode tuner's plan (one per [`Family`]).
@@ -321,7 +321,7 @@ impl Tune {
 
 /// One tuned setting's state: the tuning, whether it is under way (checked before locking
 /// anything), and the calls since its last decision.
-struct Tuner {
+pub(crate) struct Tuner {
     retune_every: usize,
     tune: std::sync::Mutex<Tune>,
     tuning: std::sync::atomic::AtomicBool,
@@ -329,7 +329,7 @@ struct Tuner {
 }
 
 impl Tuner {
-    const fn new(plan: &'static Plan) -> Tuner {
+    pub(crate) const fn new(plan: &'static Plan) -> Tuner {
         Tuner {
             retune_every: plan.retune_every,
             tune: std::sync::Mutex::new(Tune::new(plan)),
@@ -343,7 +343,7 @@ impl Tuner {
     }
 
     /// Stop tuning: the environment fixed the setting.
-    fn freeze(&self) {
+    pub(crate) fn freeze(&self) {
         self.tuning.store(false, Ordering::Relaxed);
         let mut t = self.lock();
         t.done = true;
@@ -352,7 +352,7 @@ impl Tuner {
 
     /// Before a call: the setting to time it with (arm, setting), or None when it is not
     /// timed.
-    fn begin(&self) -> Option<(usize, usize)> {
+    pub(crate) fn begin(&self) -> Option<(usize, usize)> {
         if !self.tuning.load(Ordering::Relaxed)
             && self.since.fetch_add(1, Ordering::Relaxed) + 1 < self.retune_every
         {
@@ -373,14 +373,14 @@ impl Tuner {
 
     /// After that call: it took `secs`. Once every setting has its samples, the chosen
     /// setting and each setting's median (the caller applies the choice).
-    fn end(&self, arm: usize, secs: f64) -> Option<(usize, Vec<f64>)> {
+    pub(crate) fn end(&self, arm: usize, secs: f64) -> Option<(usize, Vec<f64>)> {
         let decided = self.lock().record(arm, secs)?;
         self.tuning.store(false, Ordering::Relaxed);
         Some(decided)
     }
 
     /// The settings with their medians, for a debug line.
-    fn report(&self, medians: &[f64], unit: f64) -> String {
+    pub(crate) fn report(&self, medians: &[f64], unit: f64) -> String {
         let t = self.lock();
         let arms: Vec<String> = t
             .plan
@@ -390,6 +390,11 @@ impl Tuner {
             .map(|(&setting, secs)| format!("{} {:.1}", arm_name(setting), secs * unit))
             .collect();
         arms.join(", ")
+    }
+
+    /// Whether the setting is final (decided, or fixed).
+    pub(crate) fn settled(&self) -> bool {
+        !self.tuning.load(Ordering::Relaxed)
     }
 
     /// Whether a tuning has decided from samples (not the environment).
@@ -433,108 +438,12 @@ pub fn tune_end(family: Family, arm: usize, secs_per_expert: f64) {
 }
 
 /// `KT_KERNEL_DEBUG=1`: the tuners report their decisions.
-fn debug() -> bool {
+pub(crate) fn debug() -> bool {
     std::env::var("KT_KERNEL_DEBUG").is_ok_and(|v| v == "1")
 }
 
-/// The AMX tile programs whose weight prefetch is tuned apart: the ones whose tile loads read
-/// the weights (AMXINT8 groups, BF16 panels) and AMXINT4's, whose vector unpacking reads them.
-/// On an Intel Emerald Rapids VM (S1, 512 tokens, `prefill`, processes alternated) prefetching
-/// 8 KiB ahead made the first 10-14% slower for half an hour (AMXINT8 46.4-48.2 ms off against
-/// 51.9-53.5, BF16 76.1-79.4 against 82.8-87.7) and AMXINT4 6-7% faster (36.4-37.0 against
-/// 38.7-39.7); in the next hour the first prefills of a process found it 7-10% faster for
-/// AMXINT8 and BF16; on a VM of that kind five days earlier BF16 ran 9-16% slower without it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AmxStream {
-    /// Tile loads straight from the weights.
-    Tiles = 0,
-    /// AMXINT4's nibbles, unpacked by vector loads.
-    Int4 = 1,
-}
-
-/// AMX tile programs tuned apart.
-pub const AMX_STREAMS: usize = 2;
-
-/// The AMX settings compared: off, and [`super::amx::PREFETCH_BYTES`] ahead into L2 (the tile
-/// programs always prefetch into L2; the flag names it so).
-const AMX_SETTINGS: [usize; 2] = [0, super::amx::PREFETCH_BYTES | INTO_L2];
-
-/// The prefill tuner's plan: a prefill call is long (tens of ms at 512 tokens), so fewer
-/// samples and short runs; a model's forward calls every layer with the same tokens, so runs
-/// of two calls compare like with like. The distance stays unless off is 2% faster: on the
-/// Emerald Rapids VM the winner changed within the hour (AMXINT8 at 512 tokens, in-process
-/// medians: off 10% faster in one phase, prefetching 7% faster in the next).
-static PREFILL_PLAN: Plan = Plan {
-    settings: &AMX_SETTINGS,
-    default_arm: 1,
-    samples: 12,
-    run: 2,
-    warmup: 4,
-    retune_every: RETUNE_EVERY,
-};
-
-static AMX_TUNERS: [Tuner; AMX_STREAMS] = [const { Tuner::new(&PREFILL_PLAN) }; AMX_STREAMS];
-
-/// The stream a method's AMX prefill reads its weights with, if it streams them into tiles
-/// (the formats that decode panels first read them with their own kernels).
-pub fn amx_stream_of(method: crate::method::Method) -> Option<AmxStream> {
-    use crate::method::Method as M;
-    match method {
-        M::AmxInt8 | M::Bf16 => Some(AmxStream::Tiles),
-        M::AmxInt4 => Some(AmxStream::Int4),
-        _ => None,
-    }
-}
-
-/// Fix every AMX stream's distance (`KT_KERNEL_AMX_PREFETCH` was set): never tuned.
-pub fn freeze_amx(bytes: usize) {
-    for (i, tuner) in AMX_TUNERS.iter().enumerate() {
-        super::amx::set_prefetch_bytes(amx_stream(i), bytes);
-        tuner.freeze();
-    }
-}
-
-fn amx_stream(i: usize) -> AmxStream {
-    if i == AmxStream::Int4 as usize {
-        AmxStream::Int4
-    } else {
-        AmxStream::Tiles
-    }
-}
-
-/// Whether `stream`'s distance is final (tuned on prefills, or fixed).
-pub fn amx_tuned(stream: AmxStream) -> bool {
-    !AMX_TUNERS[stream as usize].tuning.load(Ordering::Relaxed)
-}
-
-/// Before a prefill of a method on `stream`: the arm to time it with (its distance is applied
-/// now), or None when this call is not timed.
-pub fn amx_tune_begin(stream: AmxStream) -> Option<usize> {
-    let (arm, setting) = AMX_TUNERS[stream as usize].begin()?;
-    super::amx::set_prefetch_bytes(stream, describe(setting).0);
-    Some(arm)
-}
-
-/// After that prefill: it took `secs_per_expert`.
-pub fn amx_tune_end(stream: AmxStream, arm: usize, secs_per_expert: f64) {
-    let tuner = &AMX_TUNERS[stream as usize];
-    let Some((chosen, m)) = tuner.end(arm, secs_per_expert) else {
-        return;
-    };
-    super::amx::set_prefetch_bytes(stream, describe(chosen).0);
-    if debug() {
-        eprintln!(
-            "[kt_kernel] AMX weight prefetch tuned on {} prefills each ({stream:?}), \
-             µs/expert: {} -> {}",
-            PREFILL_PLAN.samples,
-            tuner.report(&m, 1e6),
-            arm_name(chosen)
-        );
-    }
-}
-
 /// A setting in words: "off", or "N B into L1/L2".
-fn arm_name(setting: usize) -> String {
+pub(crate) fn arm_name(setting: usize) -> String {
     match describe(setting) {
         (0, _) => "off".to_string(),
         (bytes, l2) => format!("{bytes} B into {}", if l2 { "L2" } else { "L1" }),
@@ -550,7 +459,7 @@ pub fn set_unless_tuned(family: Family, bytes: usize) {
 
 /// Whether `family` is tuned (or fixed) and its distance final.
 pub fn tuned(family: Family) -> bool {
-    !TUNERS[family as usize].tuning.load(Ordering::Relaxed)
+    TUNERS[family as usize].settled()
 }
 
 /// `_mm_prefetch` hints: into L1, and into L2 (a streaming decode on an Emerald Rapids VM ran
@@ -716,6 +625,7 @@ mod tests {
 
     #[test]
     fn the_prefill_tuner_keeps_the_amx_distance_only_where_it_pays() {
+        use crate::kernels::amx::{amx_stream_of, AmxStream, PREFILL_PLAN};
         let prefill = |time: [f64; 2]| decide_with(&mut Tune::new(&PREFILL_PLAN), |a| time[a]);
         let ahead = super::super::amx::PREFETCH_BYTES | INTO_L2;
         assert_eq!(prefill([1.0, 0.9]).0, ahead);

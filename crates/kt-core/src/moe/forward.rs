@@ -223,10 +223,10 @@ impl MoeLayer {
             .kernels
             .amx()
             .filter(|a| !a.emulated)
-            .and(crate::kernels::prefetch::amx_stream_of(self.method()))
+            .and(crate::kernels::amx::amx_stream_of(self.method()))
             .filter(|_| args.qlen * c.top_k >= AMX_TUNE_MIN_MEAN_ROWS * c.num_experts)
             .and_then(|stream| {
-                let arm = crate::kernels::prefetch::amx_tune_begin(stream)?;
+                let arm = crate::kernels::amx::amx_tune_begin(stream)?;
                 Some((stream, arm, std::time::Instant::now()))
             });
         let timing = phase_timing::interval().map(|every| (every, std::time::Instant::now()));
@@ -257,7 +257,7 @@ impl MoeLayer {
         if let Some((stream, arm, secs)) =
             amx_tuning.and_then(|(stream, arm, t)| Some((stream, arm, per_expert(t)?)))
         {
-            crate::kernels::prefetch::amx_tune_end(stream, arm, secs);
+            crate::kernels::amx::amx_tune_end(stream, arm, secs);
         }
         if let (Some((every, start)), Some(times)) = (timing, times) {
             let total = start.elapsed();
