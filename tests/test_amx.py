@@ -15,13 +15,17 @@ import pytest
 import torch
 from conftest import make_wrapper, random_experts, random_routing, reference_moe, rel_l2
 
-RUN = """
-import sys, torch
+# A fresh process's layer of {e} experts (H=128, I=256, top-2); the scripts below go on from it.
+LAYER = """
+import sys, torch, kt_kernel
 sys.path.insert(0, {tests!r})
 from conftest import make_wrapper, random_experts, random_routing
-g, u, d = random_experts(6, 128, 256, seed=5)
-w = make_wrapper(e=6, k=2, h=128, i=256, method={method!r})
+g, u, d = random_experts({e}, 128, 256, seed=5)
+w = make_wrapper(e={e}, k=2, h=128, i=256, method={method!r})
 w.load_weights_from_tensors(g, u, d)
+"""
+
+RUN = """
 x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
 ids, wt = random_routing(40, 6, 2, seed=3)
 print(w.moe.kernel)
@@ -37,7 +41,7 @@ def run_emulated(method, tmp_path, min_rows="4", emulate="1"):
     env.pop("KT_KERNEL_AMX_MIN_ROWS", None)
     if min_rows is not None:
         env["KT_KERNEL_AMX_MIN_ROWS"] = min_rows
-    code = RUN.format(tests=os.path.dirname(__file__), method=method, out=str(out))
+    code = (LAYER + RUN).format(tests=os.path.dirname(__file__), e=6, method=method, out=str(out))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.strip(), torch.load(out)
@@ -190,13 +194,7 @@ def test_bad_threshold_or_distance_is_a_clear_error(var):
 
 
 TUNE = """
-import sys, torch, kt_kernel
 from kt_kernel import _kt_core
-sys.path.insert(0, {tests!r})
-from conftest import make_wrapper, random_experts, random_routing
-g, u, d = random_experts(8, 128, 256, seed=5)
-w = make_wrapper(e=8, k=2, h=128, i=256, method={method!r})
-w.load_weights_from_tensors(g, u, d)
 x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
 states = [_kt_core.amx_prefetch_state({method!r})]
 for call in range(40):
@@ -214,7 +212,7 @@ def tune_states(method, prefetch=None):
     env.pop("KT_KERNEL_AMX_PREFETCH", None)
     if prefetch is not None:
         env["KT_KERNEL_AMX_PREFETCH"] = prefetch
-    code = TUNE.format(tests=os.path.dirname(__file__), method=method)
+    code = (LAYER + TUNE).format(tests=os.path.dirname(__file__), e=8, method=method)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return ast.literal_eval(r.stdout.strip().splitlines()[-1])

@@ -285,17 +285,9 @@ pub fn amx_stream_of(method: crate::method::Method) -> Option<AmxStream> {
 
 /// Fix every AMX stream's distance (`KT_KERNEL_AMX_PREFETCH` was set): never tuned.
 pub fn freeze_amx(bytes: usize) {
-    for (i, tuner) in AMX_TUNERS.iter().enumerate() {
-        set_prefetch_bytes(amx_stream(i), bytes);
-        tuner.freeze();
-    }
-}
-
-fn amx_stream(i: usize) -> AmxStream {
-    if i == AmxStream::Int4 as usize {
-        AmxStream::Int4
-    } else {
-        AmxStream::Tiles
+    for stream in [AmxStream::Tiles, AmxStream::Int4] {
+        set_prefetch_bytes(stream, bytes);
+        AMX_TUNERS[stream as usize].freeze();
     }
 }
 
