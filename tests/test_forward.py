@@ -285,3 +285,54 @@ def test_an_output_is_recycled_only_once_nothing_else_can_reach_it(small_layer):
             assert torch.equal(torch.from_numpy(held).view(torch.bfloat16), expected[n - 1]), name
         address = out.data_ptr()
         del held
+
+
+def _unusual_inputs(x, ids, wt):
+    """Inputs the kernels cannot take as they are, each with what the general path makes of it."""
+    return {
+        "strided x": (torch.cat([x, x], 1)[:, ::2], ids, wt),
+        "negated view of x": ((-x)._neg_view(), ids, wt),
+        "3-D x": (x.reshape(1, *x.shape), ids, wt),
+        "float64 x": (x.double(), ids, wt),
+        "int16 ids": (x, ids.to(torch.int16), wt),
+        "bf16 weights": (x, ids, wt.bfloat16()),
+        "transposed ids": (x, ids.t().contiguous().t(), wt),
+        "a Parameter as x": (torch.nn.Parameter(x, requires_grad=False), ids, wt),
+    }
+
+
+def test_ready_inputs_skip_conversion_and_others_are_converted(small_layer):
+    """forward's decode path takes inputs that are already in kernel form as they are; any
+    other input goes through the general checks and conversions, to the same numbers."""
+    w, (gate, up, down) = small_layer
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids, wt = random_routing(3, 8, 2, seed=5)
+    assert w._kernel_ready(x, ids, wt)
+    assert w._kernel_ready(x, ids.int(), wt) and w._kernel_ready(x.float(), ids, wt)
+    plain = w.forward(x, ids, wt, None).clone()
+    assert rel_l2(plain, reference_moe(x, ids, wt, gate, up, down)) < TOL[torch.bfloat16]
+    for name, (ux, uids, uwt) in _unusual_inputs(x, ids, wt).items():
+        assert not w._kernel_ready(ux, uids, uwt), name
+        out = w.forward(ux, uids, uwt, None)
+        ref = reference_moe(ux.resolve_neg(), uids, uwt, gate, up, down)
+        assert out.shape == ux.shape, name
+        tol = 5e-3 if ux.dtype == torch.float64 else TOL[torch.bfloat16]
+        assert rel_l2(out.reshape(3, 64), ref) < tol, name
+    # Inputs without ordinary storage are not ready either: the general checks refuse them.
+    refused = {
+        "zero tensor x": torch._efficientzerotensor(x.shape, dtype=x.dtype),
+        "sparse x": x.float().to_sparse(),
+    }
+    for name, ux in refused.items():
+        assert not w._kernel_ready(ux, ids, wt), name
+        with pytest.raises((TypeError, ValueError), match="hidden_states"):
+            w.forward(ux, ids, wt, None)
+    # A mask swapped for one the kernels cannot read sends the call to the general checks.
+    good_mask = w.gpu_experts_mask
+    try:
+        w.gpu_experts_mask = torch.zeros(5, dtype=torch.bool)
+        assert not w._kernel_ready(x, ids, wt)
+        with pytest.raises(ValueError, match="gpu_experts_mask"):
+            w.forward(x, ids, wt, None)
+    finally:
+        w.gpu_experts_mask = good_mask

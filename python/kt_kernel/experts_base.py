@@ -27,6 +27,7 @@ _REQUIRED = _Required()
 
 _FLOAT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _ID_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+_CPU = torch.device("cpu")
 # chunked_prefill_size <= 0 means "no limit" (SGLang uses -1 when chunking is off); the native
 # layer chunks internally, so no buffer grows with it.
 _UNLIMITED_TOKENS = 1 << 31
@@ -320,8 +321,53 @@ class BaseMoEWrapper:
     # ----------------------------------------------------------------------------- forward
     def _check_forward_inputs(self, hidden_states, topk_ids, topk_weights):
         """Validate, then bring the inputs to the CPU in the dtypes the kernels take."""
+        if self._kernel_ready(hidden_states, topk_ids, topk_weights):
+            return hidden_states, topk_ids, topk_weights, _CPU
         x = self._validate_forward_inputs(hidden_states, topk_ids, topk_weights)
         return self._to_cpu(x, hidden_states.device, topk_ids, topk_weights)
+
+    def _kernel_ready(self, x, ids, w) -> bool:
+        """Whether the inputs are already exactly what the kernels take (plain dense CPU
+        tensors, ``[T, H]`` in a float type, ``[T, k]`` int ids and f32 weights, contiguous,
+        with storage) and the mask is intact. Any other input goes the general way, which
+        converts or explains. Written as few cheap torch calls: a decode runs this on caches
+        its weights have just flushed, where the general checks cost it 20-40 us."""
+        tensor = torch.Tensor
+        if type(x) is not tensor or type(ids) is not tensor or type(w) is not tensor:
+            return False
+        if not (x.is_cpu and ids.is_cpu and w.is_cpu):
+            return False
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != self.hidden_size:
+            return False
+        qlen = shape[0]
+        k = self.num_experts_per_tok
+        if not 0 < qlen <= self.chunked_prefill_size or ids.shape != (qlen, k):
+            return False
+        if w.shape != (qlen, k) or w.dtype is not torch.float32:
+            return False
+        if x.dtype not in _FLOAT_DTYPES or ids.dtype not in _ID_DTYPES:
+            return False
+        strided = torch.strided
+        if x.layout is not strided or ids.layout is not strided or w.layout is not strided:
+            return False
+        if not (x.is_contiguous() and ids.is_contiguous() and w.is_contiguous()):
+            return False
+        # A negated view's memory holds the values before negation.
+        if x.is_neg() or ids.is_neg() or w.is_neg():
+            return False
+        # Zero tensors (torch._efficientzerotensor) have no storage: address 0.
+        if not (x.data_ptr() and ids.data_ptr() and w.data_ptr()):
+            return False
+        mask = self.gpu_experts_mask
+        return (
+            type(mask) is tensor
+            and mask.is_cpu
+            and mask.numel() == self.num_experts
+            and (mask.dtype is torch.bool or mask.dtype is torch.uint8)
+            and mask.layout is strided
+            and mask.is_contiguous()
+        )
 
     def _validate_forward_inputs(self, hidden_states, topk_ids, topk_weights) -> torch.Tensor:
         """Check types, shapes and the mask without copying anything; returns the ``[T, H]``
@@ -614,6 +660,13 @@ class BaseMoEWrapper:
             else _stream.device_for(hidden_states, cuda_stream, self._force_sync_submit)
         )
         if stream_path is None and self._can_run_now():
+            if self._kernel_ready(hidden_states, topk_ids, topk_weights):
+                # The decode path: nothing to convert, nothing to reshape.
+                out = self._buffer("out", hidden_states.shape[0], hidden_states.dtype)
+                self._check_loaded()
+                args = self._forward_args(hidden_states, topk_ids, topk_weights, out, None)
+                self.moe.forward_now(*args)
+                return out
             x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
             out = self._buffer("out", x.shape[0], _out_dtype(hidden_states))
             self._check_loaded()
