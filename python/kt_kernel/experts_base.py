@@ -660,19 +660,14 @@ class BaseMoEWrapper:
             else _stream.device_for(hidden_states, cuda_stream, self._force_sync_submit)
         )
         if stream_path is None and self._can_run_now():
-            if self._kernel_ready(hidden_states, topk_ids, topk_weights):
-                # The decode path: nothing to convert, nothing to reshape.
-                out = self._buffer("out", hidden_states.shape[0], hidden_states.dtype)
-                self._check_loaded()
-                args = self._forward_args(hidden_states, topk_ids, topk_weights, out, None)
-                self.moe.forward_now(*args)
-                return out
             x, ids, w, device = self._check_forward_inputs(hidden_states, topk_ids, topk_weights)
             out = self._buffer("out", x.shape[0], _out_dtype(hidden_states))
             self._check_loaded()
             # On this thread when the engine is idle: no hand-off to the engine thread and back.
             self.moe.forward_now(*self._forward_args(x, ids, w, out, None))
-            if device.type != "cpu":
+            if x is hidden_states:  # already [T, H] on the CPU (kernel-ready inputs, say)
+                return out
+            if device is not _CPU and device.type != "cpu":
                 out = out.to(device)
         else:
             self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
