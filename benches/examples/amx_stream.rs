@@ -1,17 +1,20 @@
-//! Diagnostic: how fast does the AMX int8 prefill tile program stream 32-output groups from
-//! DRAM on packed rows, all threads at once, against the read probe in the same minute? This
-//! is the ceiling the AMXINT8 layer's phases can reach; the layer adds routing, packing and
-//! the weighted sums around it.
+//! Diagnostic: how fast does the AMX int8 (or, `INT4=1`, AMXINT4) prefill tile program stream
+//! 32-output groups from DRAM on packed rows, all threads at once, against the read probe in
+//! the same minute? This is the ceiling the AMX layers' phases can reach; the layer adds
+//! routing, packing and the weighted sums around it.
 //!
 //! `K` inputs per row (768: a down group of S1; 2048: gate/up), `M` rows per expert (32; more
 //! than 32 go in blocks of at most 32 as the forward cuts them, `BALANCED=1` in blocks of equal
-//! size), `PF` prefetch bytes (8192), `THREADS` (2), `BATCH` groups per visit before jumping
-//! elsewhere (8: one down task's panels of an expert).
+//! size), `PF` prefetch bytes for both streams (8192), `THREADS` (2), `BATCH` groups per visit
+//! before jumping elsewhere (8: one down task's panels of an expert), `BYTES` of weights (1 GiB;
+//! 2 MiB with `REPS=20000` repeats keeps them in L2: the program's own compute rate).
 //!
-//! Emerald Rapids VM, 2 threads, probe 30-32 GB/s (2026-11-30): K 768 M 32 streams 20-21 GB/s,
-//! M 16 24, M 1 25.7, K 2048 M 32 24; a plain vector read of the same groups in the same order
-//! 32. Prefetch distance barely matters (off 19.6-20.8, 8 KiB 20.4-21.7); M 38 in blocks of
-//! 32 + 6 19.0, in 19 + 19 20.0.
+//! Emerald Rapids VM, 2 threads, probe 30-32 GB/s, int8, K 2048 / K 768, 32 rows (2026-12-01):
+//! PF 512 31.2 / 25.4 GB/s, 1024 32.3 / 26.8, 1536 26.6 / 22.7, 2048 25.2 / 22.1, 8192 24.0 /
+//! 21.4, off 21.7 / 20.7 (the tiles reach the probe at half a K step ahead); M 38 in blocks of
+//! 32 + 6 at 1024: 23.6 / 22.3. AMXINT4, GB/s of nibbles: 4096 22.6 / 15.6, 3072 19.2 / 16.6,
+//! 8192 16.4 / 13.8, off 19.4 / 14.4; in L2 47.6 (K 2048) and 65.8 (K 768), the unpacking
+//! alone (tiles skipped) from DRAM 25.3 / 18.3 at 8 groups a visit, 27.2 / 24.2 at 64.
 //! `cargo run --release -p kt-benches --example amx_stream`
 use kt_core::kernels::amx::{prefetch_bytes, set_prefetch_bytes, AmxStream};
 use kt_core::kernels::KernelSet;
@@ -25,16 +28,25 @@ fn main() {
     let m: usize = kt_benches::env_or("M", 32).max(1);
     let batch: usize = kt_benches::env_or("BATCH", 8).max(1);
     let balanced = kt_benches::env_or("BALANCED", 0) == 1;
-    set_prefetch_bytes(AmxStream::Tiles, kt_benches::env_or("PF", 8192));
-    assert!(k.is_multiple_of(64), "K must be a multiple of 64");
+    let pf = kt_benches::env_or("PF", 8192);
+    set_prefetch_bytes(AmxStream::Tiles, pf);
+    set_prefetch_bytes(AmxStream::Int4, pf);
+    assert!(k.is_multiple_of(128), "K must be a multiple of 128");
     let set = KernelSet::best().unwrap();
     let Some(amx) = set.amx().filter(|a| !a.emulated) else {
         println!("no AMX hardware");
         return;
     };
-    let kernel = amx.int8_packed;
-    let group = 32 * k;
-    let groups = ((1usize << 30) / group) / (threads * batch) * (threads * batch);
+    let int4 = kt_benches::env_or("INT4", 0) == 1;
+    let kernel = if int4 {
+        amx.int4_packed
+    } else {
+        amx.int8_packed
+    };
+    // A group of 32 outputs: a byte per weight, or two (AMXINT4).
+    let group = if int4 { 16 * k } else { 32 * k };
+    let bytes: usize = kt_benches::env_or("BYTES", 1usize << 30);
+    let groups = (bytes / group) / (threads * batch) * (threads * batch);
     let buf = AlignedBuf::<u8>::zeroed(groups * group).unwrap();
     let base = buf.as_ptr() as usize;
     pool.parallel_for_all(groups, &|g| {
@@ -54,6 +66,7 @@ fn main() {
     } else {
         32
     };
+    let reps: usize = kt_benches::env_or("REPS", 1);
     let times: Vec<f64> = (0..5)
         .map(|_| {
             let t = Instant::now();
@@ -62,7 +75,7 @@ fn main() {
                 let sums = [0i32; 32];
                 let mut out = vec![0i32; 32 * 32];
                 // Visits in a scattered order (as experts are), each `batch` groups in a row.
-                for v in 0..visits {
+                for v in (0..visits * reps).map(|v| v % visits) {
                     let visit = (v * 7919) % visits;
                     for b in 0..batch {
                         let g = th * per_thread + visit * batch + b;
@@ -94,7 +107,7 @@ fn main() {
         .collect();
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
-    let gb = (groups * group) as f64 / 1e9;
+    let gb = (groups * group * reps) as f64 / 1e9;
     let probe = kt_core::probe::dram_read_gbps(&pool, 512 << 20, 3).unwrap();
     println!(
         "K {k} M {m} batch {batch}{} PF {}: median {:.1} GB/s best {:.1} GB/s of weights; \

@@ -105,10 +105,17 @@ pub fn pool(threads: usize) -> Pool {
 }
 
 /// Random top-k routing for `tokens` tokens.
+/// With `EVEN_ROUTING=1` every expert gets the same number of rows (token t picks experts
+/// t·k.. t·k+k-1 modulo e), to tell the cost of uneven experts from the kernels'.
 pub fn routing(rng: &mut Rng, tokens: usize, e: usize, k: usize) -> (Vec<i64>, Vec<f32>) {
     let mut ids = Vec::with_capacity(tokens * k);
-    for _ in 0..tokens {
-        ids.extend(rng.distinct(e, k).into_iter().map(|v| v as i64));
+    let even = env_or("EVEN_ROUTING", 0) == 1;
+    for t in 0..tokens {
+        if even {
+            ids.extend((0..k).map(|j| ((t * k + j) % e) as i64));
+        } else {
+            ids.extend(rng.distinct(e, k).into_iter().map(|v| v as i64));
+        }
     }
     (ids, vec![1.0 / k as f32; tokens * k])
 }
