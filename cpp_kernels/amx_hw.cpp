@@ -12,8 +12,9 @@ namespace {
 
 // Bytes ahead of the tile being loaded that the programs prefetch (kt_amx_set_prefetch): [0]
 // the programs whose tile loads read the weights, [1] AMXINT4's, whose vector unpacking reads
-// them. Tuned apart (kernels::prefetch::AmxStream): how much each gains differs by machine.
-std::atomic<size_t> g_prefetch_bytes[2] = {8192, 8192};
+// them. Tuned apart (kernels::amx::AmxStream): how much each gains differs by machine. These
+// start values are kernels::amx::PREFETCH_BYTES and INT4_PREFETCH_BYTES; keep them equal.
+std::atomic<size_t> g_prefetch_bytes[2] = {1024, 4096};
 
 // Our own asm, not GCC's tile intrinsics: GCC 12's _tile_loadconfig tells the compiler it reads
 // 8 bytes (so the stores that fill rows and column widths may be dropped as dead; seen: tilezero

@@ -197,7 +197,7 @@ TUNE = """
 from kt_kernel import _kt_core
 x = torch.randn(64, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
 states = [_kt_core.amx_prefetch_state({method!r})]
-for call in range(40):
+for call in range(48):
     ids, wt = random_routing(64, 8, 2, seed=call)
     w.forward(x, ids, wt, None)
     states.append(_kt_core.amx_prefetch_state({method!r}))
@@ -206,7 +206,7 @@ print(repr((w.moe.kernel, states, kt_kernel.cpu_info()["amx_prefetch_bytes"])))
 
 
 def tune_states(method, prefetch=None):
-    """40 prefills of 16 rows per expert in a fresh process: the layer's kernel, the method's
+    """48 prefills of 16 rows per expert in a fresh process: the layer's kernel, the method's
     AMX prefetch state before and after each call, and what cpu_info reports at the end."""
     env = dict(os.environ)
     env.pop("KT_KERNEL_AMX_PREFETCH", None)
@@ -223,7 +223,7 @@ def test_amx_prefetch_state_names_the_methods_that_stream_into_tiles():
 
     for method in ("AMXINT8", "AMXINT4", "BF16"):
         tuned, ahead = _kt_core.amx_prefetch_state(method)
-        assert ahead in (0, 8192) or os.environ.get("KT_KERNEL_AMX_PREFETCH")
+        assert ahead in (0, 1024, 4096, 8192) or os.environ.get("KT_KERNEL_AMX_PREFETCH")
     for method in ("FP8", "MXFP4", "LLAMAFILE"):
         assert _kt_core.amx_prefetch_state(method) is None
     with pytest.raises(ValueError):
@@ -235,11 +235,12 @@ def test_amx_prefetch_state_names_the_methods_that_stream_into_tiles():
 def test_first_prefills_on_tiles_tune_the_weight_prefetch(method):
     kernel, states, reported = tune_states(method)
     assert kernel.startswith("amx+"), kernel
-    assert states[0] == (False, 8192), "8 KiB ahead until tuned"
-    # 4 warm-up calls, then 12 timed with each setting in runs of 2.
+    near = 4096 if method == "AMXINT4" else 1024
+    assert states[0] == (False, near), "the stream's default distance until tuned"
+    # 4 warm-up calls, then 12 timed with each of the 3 settings in runs of 2.
     settled = next(i for i, (tuned, _) in enumerate(states) if tuned)
-    assert settled == 4 + 2 * 12, states
-    assert states[-1] in ((True, 0), (True, 8192)), states
+    assert settled == 4 + 3 * 12, states
+    assert states[-1] in ((True, 0), (True, near), (True, 8192)), states
     assert all(s == states[-1] for s in states[settled:]), "decided until the next tuning"
     if method != "AMXINT4":
         assert reported == states[-1][1]
@@ -247,5 +248,5 @@ def test_first_prefills_on_tiles_tune_the_weight_prefetch(method):
 
 @pytest.mark.skipif(not AMX_USABLE, reason="needs AMX (CPUID, XCR0 and Linux permission)")
 def test_a_prefetch_distance_from_the_environment_is_never_tuned():
-    _, states, reported = tune_states("AMXINT8", prefetch="1024")
-    assert set(states) == {(True, 1024)} and reported == 1024
+    _, states, reported = tune_states("AMXINT8", prefetch="2048")
+    assert set(states) == {(True, 2048)} and reported == 2048

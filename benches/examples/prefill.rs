@@ -43,13 +43,13 @@ fn main() {
     let x = rng.normals(tokens * h, 1.0);
     let mut out = vec![0f32; tokens * h];
     let iters = kt_benches::env_or("ITERS", 20);
-    // On hardware tiles the first prefills tune the tiles' weight prefetch (4 + 2·12 calls,
-    // kernels::prefetch::amx_tune_begin): untimed, so the timed calls run the chosen setting.
+    // On hardware tiles the first prefills tune the tiles' weight prefetch (4 + 3·12 calls,
+    // kernels::amx::amx_tune_begin): untimed, so the timed calls run the chosen setting.
     let on_tiles = KernelSet::best()
         .unwrap()
         .amx()
         .is_some_and(|a| !a.emulated);
-    let warmup = kt_benches::env_or("WARMUP", if on_tiles { 30 } else { 0 });
+    let warmup = kt_benches::env_or("WARMUP", if on_tiles { 42 } else { 0 });
     for it in 0..warmup {
         let (ids, w) = kt_benches::routing(&mut rng, tokens, e, k);
         layers[it % 2]

@@ -228,7 +228,7 @@ def settle_prefetch(layers, gen: torch.Generator, max_calls: int = 400) -> None:
 def settle_amx_prefetch(layers, gen: torch.Generator, tokens: int, max_calls: int = 200) -> None:
     """Run ``tokens``-token prefills on ``layers`` until the weight prefetch of the AMX tile
     programs they stream with is final: a serving process tunes it on its first prefills of
-    at least 8 rows per expert (``kernels::prefetch::amx_tune_begin``). Nothing to do for
+    at least 8 rows per expert (``kernels::amx::amx_tune_begin``). Nothing to do for
     layers off hardware tiles, methods that decode panels first, or smaller sizes."""
     from . import _kt_core
 

@@ -207,12 +207,31 @@ pub unsafe fn peak_bf16_loop(iters: u64) -> u64 {
     }
 }
 
-/// Default distance, in bytes, at which the hardware tile programs prefetch weights.
-pub const PREFETCH_BYTES: usize = 8192;
+/// How far ahead the tile programs whose tile loads read the weights prefetch them until
+/// tuned: half a K step (a step loads 2 KiB of weights: the two 1 KiB halves), so each step
+/// asks for its own second half and the next step's first. Intel Emerald Rapids VM, 2 threads,
+/// read probe 31 GB/s (`amx_stream`, K 2048 / K 768, 32 rows): 512 B 31.2 / 25.4 GB/s, 1 KiB
+/// 32.3 / 26.8, 1.5 KiB 26.6 / 22.7, 2 KiB 25.2 / 22.1, 8 KiB 24.0 / 21.4, off 21.7 / 20.7;
+/// the AMXINT8 layer at 512 tokens (`prefill`, processes alternated) 36.4-36.6 ms against
+/// 37.5-39.0 at 768 B, 2 KiB and 8 KiB.
+pub const PREFETCH_BYTES: usize = 1024;
+
+/// The same for AMXINT4, whose vector unpacking reads the weights (2 KiB of nibbles per two
+/// K steps). Same VM (`amx_stream INT4=1`, K 2048 / K 768): 3 KiB 19.2 / 16.6 GB/s, 4 KiB
+/// 22.6 / 15.6, 6 KiB 17.7 / 15.6, 8 KiB 16.4 / 13.8, off 19.4 / 14.4, 1-2 KiB 16-17 / 13-14;
+/// the layer at 512 tokens 31.4 ms against 32.3-32.5 at 8 KiB and 32.8-33.5 off.
+pub const INT4_PREFETCH_BYTES: usize = 4096;
+
+/// The farther distance each stream's tuner also tries: the one these programs used before
+/// the shorter ones were measured, and the better one on some VMs (BF16 9-16% faster than
+/// off on an Emerald Rapids VM of 2026-11-20).
+pub const FAR_PREFETCH_BYTES: usize = 8192;
 
 /// What [`set_prefetch_bytes`] set last, per stream (the C++ side keeps its own copy).
-static PREFETCH: [std::sync::atomic::AtomicUsize; AMX_STREAMS] =
-    [const { std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES) }; AMX_STREAMS];
+static PREFETCH: [std::sync::atomic::AtomicUsize; AMX_STREAMS] = [
+    std::sync::atomic::AtomicUsize::new(PREFETCH_BYTES),
+    std::sync::atomic::AtomicUsize::new(INT4_PREFETCH_BYTES),
+];
 
 /// How far ahead of the tile being loaded the hardware tile programs of `stream` prefetch
 /// weights into L2 (0: off), process-wide. A tile load that misses the caches stalls the
@@ -251,26 +270,45 @@ pub enum AmxStream {
 /// AMX tile programs tuned apart.
 pub const AMX_STREAMS: usize = 2;
 
-/// The AMX settings compared: off, and [`PREFETCH_BYTES`] ahead into L2 (the tile
-/// programs always prefetch into L2; the flag names it so).
-const AMX_SETTINGS: [usize; 2] = [0, PREFETCH_BYTES | prefetch::INTO_L2];
+/// The settings each stream's tuner compares: off, its default distance, and
+/// [`FAR_PREFETCH_BYTES`], all into L2 (the tile programs always prefetch into L2; the flag
+/// names it so).
+const TILES_SETTINGS: [usize; 3] = [
+    0,
+    PREFETCH_BYTES | prefetch::INTO_L2,
+    FAR_PREFETCH_BYTES | prefetch::INTO_L2,
+];
+const INT4_SETTINGS: [usize; 3] = [
+    0,
+    INT4_PREFETCH_BYTES | prefetch::INTO_L2,
+    FAR_PREFETCH_BYTES | prefetch::INTO_L2,
+];
 
-/// The prefill tuner's plan: a prefill call is long (tens of ms at 512 tokens), so fewer
+/// The prefill tuners' plans: a prefill call is long (tens of ms at 512 tokens), so fewer
 /// samples and short runs; a model's forward calls every layer with the same tokens, so runs
-/// of two calls compare like with like. The distance stays unless off is 2% faster: on the
-/// Emerald Rapids VM the winner changed within the hour (AMXINT8 at 512 tokens, in-process
-/// medians: off 10% faster in one phase, prefetching 7% faster in the next).
-pub(crate) static PREFILL_PLAN: prefetch::Plan = prefetch::Plan {
-    settings: &AMX_SETTINGS,
-    default_arm: 1,
-    samples: 12,
-    run: 2,
-    warmup: 4,
-    retune_every: prefetch::RETUNE_EVERY,
-};
+/// of two calls compare like with like. The default distance stays unless another setting is
+/// 2% faster: on the Emerald Rapids VM the winner changed within the hour (AMXINT8 at 512
+/// tokens, in-process medians: off 10% faster in one phase, prefetching 7% faster in the
+/// next).
+const fn prefill_plan(settings: &'static [usize]) -> prefetch::Plan {
+    prefetch::Plan {
+        settings,
+        default_arm: 1,
+        samples: 12,
+        run: 2,
+        warmup: 4,
+        retune_every: prefetch::RETUNE_EVERY,
+    }
+}
 
-static AMX_TUNERS: [prefetch::Tuner; AMX_STREAMS] =
-    [const { prefetch::Tuner::new(&PREFILL_PLAN) }; AMX_STREAMS];
+/// Per [`AmxStream`], in its order.
+pub(crate) static PREFILL_PLANS: [prefetch::Plan; AMX_STREAMS] =
+    [prefill_plan(&TILES_SETTINGS), prefill_plan(&INT4_SETTINGS)];
+
+static AMX_TUNERS: [prefetch::Tuner; AMX_STREAMS] = [
+    prefetch::Tuner::new(&PREFILL_PLANS[0]),
+    prefetch::Tuner::new(&PREFILL_PLANS[1]),
+];
 
 /// The stream a method's AMX prefill reads its weights with, if it streams them into tiles
 /// (the formats that decode panels first read them with their own kernels).
@@ -315,7 +353,7 @@ pub fn amx_tune_end(stream: AmxStream, arm: usize, secs_per_expert: f64) {
         eprintln!(
             "[kt_kernel] AMX weight prefetch tuned on {} prefills each ({stream:?}), \
              µs/expert: {} -> {}",
-            PREFILL_PLAN.samples,
+            PREFILL_PLANS[stream as usize].samples,
             tuner.report(&m, 1e6),
             prefetch::arm_name(chosen)
         );

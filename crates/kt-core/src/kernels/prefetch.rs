@@ -625,22 +625,29 @@ mod tests {
 
     #[test]
     fn the_prefill_tuner_keeps_the_amx_distance_only_where_it_pays() {
-        use crate::kernels::amx::{amx_stream_of, AmxStream, PREFILL_PLAN};
-        let prefill = |time: [f64; 2]| decide_with(&mut Tune::new(&PREFILL_PLAN), |a| time[a]);
-        let ahead = super::super::amx::PREFETCH_BYTES | INTO_L2;
-        assert_eq!(prefill([1.0, 0.9]).0, ahead);
-        assert_eq!(prefill([0.9, 1.0]).0, 0);
-        assert_eq!(prefill([0.99, 1.0]).0, ahead, "off only if 2% faster");
-        assert_eq!(prefill([1.0, 0.99]).0, ahead);
-        // Runs of two calls, alternating, until each setting has its samples.
-        assert_eq!(
-            prefill([1.0, 1.0]).1,
-            2 * PREFILL_PLAN.samples / PREFILL_PLAN.run
-        );
-        // A timing of an arm the plan does not have is ignored.
-        let mut t = Tune::new(&PREFILL_PLAN);
-        while t.next_arm().is_none() {}
-        assert!(t.record(2, 1.0).is_none() && t.samples.iter().all(Vec::is_empty));
+        use crate::kernels::amx::{self, amx_stream_of, AmxStream, PREFILL_PLANS};
+        for (plan, near) in PREFILL_PLANS
+            .iter()
+            .zip([amx::PREFETCH_BYTES, amx::INT4_PREFETCH_BYTES])
+        {
+            let prefill = |time: [f64; 3]| decide_with(&mut Tune::new(plan), |a| time[a]);
+            let (near, far) = (near | INTO_L2, amx::FAR_PREFETCH_BYTES | INTO_L2);
+            assert_eq!(prefill([1.0, 0.9, 0.95]).0, near);
+            assert_eq!(prefill([0.9, 1.0, 1.0]).0, 0);
+            assert_eq!(prefill([1.0, 1.0, 0.9]).0, far);
+            assert_eq!(
+                prefill([0.99, 1.0, 0.995]).0,
+                near,
+                "another only if 2% faster"
+            );
+            assert_eq!(prefill([1.0, 0.99, 1.0]).0, near);
+            // Runs of two calls, alternating, until each setting has its samples.
+            assert_eq!(prefill([1.0, 1.0, 1.0]).1, 3 * plan.samples / plan.run);
+            // A timing of an arm the plan does not have is ignored.
+            let mut t = Tune::new(plan);
+            while t.next_arm().is_none() {}
+            assert!(t.record(3, 1.0).is_none() && t.samples.iter().all(Vec::is_empty));
+        }
         use crate::method::Method as M;
         assert_eq!(amx_stream_of(M::AmxInt8), Some(AmxStream::Tiles));
         assert_eq!(amx_stream_of(M::Bf16), Some(AmxStream::Tiles));
