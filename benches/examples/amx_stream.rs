@@ -5,7 +5,7 @@
 //!
 //! `K` inputs per row (768: a down group of S1; 2048: gate/up), `M` rows per expert (32; more
 //! than 32 go in blocks of at most 32 as the forward cuts them, `BALANCED=1` in blocks of equal
-//! size), `PF` prefetch bytes for both streams (8192), `THREADS` (2), `BATCH` groups per visit
+//! size), `PF` prefetch bytes (the program's default), `THREADS` (2), `BATCH` groups per visit
 //! before jumping elsewhere (8: one down task's panels of an expert), `BYTES` of weights (1 GiB;
 //! 2 MiB with `REPS=20000` repeats keeps them in L2: the program's own compute rate).
 //!
@@ -28,9 +28,6 @@ fn main() {
     let m: usize = kt_benches::env_or("M", 32).max(1);
     let batch: usize = kt_benches::env_or("BATCH", 8).max(1);
     let balanced = kt_benches::env_or("BALANCED", 0) == 1;
-    let pf = kt_benches::env_or("PF", 8192);
-    set_prefetch_bytes(AmxStream::Tiles, pf);
-    set_prefetch_bytes(AmxStream::Int4, pf);
     assert!(k.is_multiple_of(128), "K must be a multiple of 128");
     let set = KernelSet::best().unwrap();
     let Some(amx) = set.amx().filter(|a| !a.emulated) else {
@@ -38,6 +35,12 @@ fn main() {
         return;
     };
     let int4 = kt_benches::env_or("INT4", 0) == 1;
+    let stream = if int4 {
+        AmxStream::Int4
+    } else {
+        AmxStream::Tiles
+    };
+    set_prefetch_bytes(stream, kt_benches::env_or("PF", prefetch_bytes(stream)));
     let kernel = if int4 {
         amx.int4_packed
     } else {
@@ -113,7 +116,7 @@ fn main() {
         "K {k} M {m} batch {batch}{} PF {}: median {:.1} GB/s best {:.1} GB/s of weights; \
          probe {probe:.1} GB/s",
         if balanced { " balanced" } else { "" },
-        prefetch_bytes(AmxStream::Tiles),
+        prefetch_bytes(stream),
         gb / sorted[2],
         gb / sorted[0]
     );
