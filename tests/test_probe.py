@@ -49,6 +49,19 @@ def test_unknown_peak_kind_and_tiny_buffers_are_refused(engine):
         engine.measure_peak_gflops("fp64", 10)
     with pytest.raises(ValueError, match="too small"):
         engine.measure_read_bandwidth(64, 1)
+    with pytest.raises(ValueError, match="too small"):
+        engine.measure_read_passes(64, 3)
+
+
+def test_read_passes_are_each_pass_and_the_bandwidth_is_their_best(engine):
+    passes = engine.measure_read_passes(64 << 20, 3, huge_pages=False)
+    assert len(passes) == 3 and all(p > 0.1 for p in passes), passes
+    assert len(engine.measure_read_passes(64 << 20, 0)) == 1
+    # Best of three passes of one buffer against the median of another's: the same machine,
+    # so within the VM's swing, never an order of magnitude (a per-pass figure off by the
+    # thread count or the buffer size would be).
+    best = engine.measure_read_bandwidth(64 << 20, 3)
+    assert 0.3 < best / statistics.median(passes) < 3.0, (best, passes)
 
 
 def test_peaks_are_positive_where_the_cpu_has_the_instructions(engine):
@@ -74,11 +87,11 @@ def _reference(binary: str) -> dict[str, float]:
 
 
 def _ours(engine) -> dict[str, float]:
-    # Median of five single passes over 512 MiB in the pages a plain allocation gets, as the
-    # reference's --quick DRAM figure (the benchmark's own figure uses huge pages, as the
-    # weights do; on a VM that reads 10-20% faster).
-    passes = (engine.measure_read_bandwidth(512 << 20, 1, huge_pages=False) for _ in range(5))
-    dram = statistics.median(passes)
+    # As the reference's --quick DRAM figure: the median of five passes over one 512 MiB buffer,
+    # after one untimed pass, in the pages a plain allocation gets (the benchmark's own figure
+    # uses huge pages, as the weights do; on a VM that reads 10-50% faster). Five fresh buffers
+    # read once each, as before, read 0.6-0.8x the reference in a slow phase of this VM.
+    dram = statistics.median(engine.measure_read_passes(512 << 20, 5, huge_pages=False))
     figures = {"dram_read": dram}
     for kind, name in (("fma", "peak_fp32_fma"), ("int8", "peak_int8_madd")):
         figures[name] = engine.measure_peak_gflops(kind, 300)
@@ -152,8 +165,9 @@ def test_probes_agree_with_the_reference(engine, tmp_path):
     subprocess.run(build, check=True)
     # The compute peaks are steady: within 5%. This shared VM's DRAM rate moves by 0.7-1.25x
     # between back-to-back runs of the same program (measured), so DRAM must agree within 15%
-    # in at least one of six back-to-back attempts: a systematic gap like the old narrow read
-    # loop's 25% fails every attempt, a neighbour's burst only some.
+    # in at least one of eight back-to-back attempts: a systematic gap like the old narrow read
+    # loop's 25% fails nearly every attempt, a neighbour's burst only some (in a slow phase,
+    # 10 of 12 attempts agreed, median ratio 0.95; the reference against itself: 0.72-1.27).
     tolerance = {"dram_read": 0.15}
     ratios: dict[str, list[float]] = {}
 
@@ -169,7 +183,7 @@ def test_probes_agree_with_the_reference(engine, tmp_path):
     # the CPU flags.
     int8_comparable = _reference_int8_loop_is_clean(tmp_path)
     print("reference int8 loop clean (compared):", int8_comparable)
-    for _ in range(6):
+    for _ in range(8):
         ours, ref = _ours(engine), _reference(binary)
         if not int8_comparable:
             ours.pop("peak_int8_madd")

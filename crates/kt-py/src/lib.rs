@@ -241,6 +241,15 @@ fn pool_split(
     Ok((cfg.threads, cfg.numa_nodes))
 }
 
+/// The read probe's pages: huge pages (as the weights) or what a plain allocation gets.
+fn probe_pages(huge_pages: bool) -> kt_core::probe::Pages {
+    if huge_pages {
+        kt_core::probe::Pages::Huge
+    } else {
+        kt_core::probe::Pages::Default
+    }
+}
+
 fn stream_copies(copies: &[(usize, usize, usize)]) -> Vec<kt_core::cuda_bridge::StreamCopy> {
     copies
         .iter()
@@ -356,14 +365,25 @@ impl Engine {
         repeats: usize,
         huge_pages: bool,
     ) -> PyResult<f64> {
-        use kt_core::probe::{dram_read_gbps_in, Pages};
-        let pages = if huge_pages {
-            Pages::Huge
-        } else {
-            Pages::Default
-        };
+        let pages = probe_pages(huge_pages);
         let e = self.inner.clone();
-        py.detach(move || dram_read_gbps_in(e.pool(), bytes, repeats, pages))
+        py.detach(move || kt_core::probe::dram_read_gbps_in(e.pool(), bytes, repeats, pages))
+            .py()
+    }
+
+    /// The DRAM read bandwidth (GB/s) of each of `passes` passes over one buffer of `bytes`,
+    /// after one untimed pass, in huge pages unless `huge_pages` is false (for a median).
+    #[pyo3(signature = (bytes=1 << 30, passes=5, huge_pages=true))]
+    fn measure_read_passes(
+        &self,
+        py: Python<'_>,
+        bytes: usize,
+        passes: usize,
+        huge_pages: bool,
+    ) -> PyResult<Vec<f64>> {
+        let pages = probe_pages(huge_pages);
+        let e = self.inner.clone();
+        py.detach(move || kt_core::probe::dram_read_passes_in(e.pool(), bytes, passes, pages))
             .py()
     }
 
