@@ -576,7 +576,8 @@ def run(args: argparse.Namespace) -> int:
             calls,
             sample,
             # Decodes right after the 512 MiB probe (or torch's block) run on cold caches,
-            # TLBs and prefetchers, and a block of ten calls is short: three go untimed.
+            # TLBs and prefetchers: three go untimed (thirty more did not change a ten-call
+            # median; a hundred timed calls per round did, see `repeats`).
             warmup=3 if tokens <= 4 else 1,
         )
         dram_median = statistics.median(d for d, _ in samples)
@@ -635,8 +636,11 @@ def run(args: argparse.Namespace) -> int:
     for tokens in args.tokens:
         # At least 15 calls (5 per round) even for long prefills: with 9 (3 per round), one slow
         # round moved a 512-token median by 10% on this VM (AMXINT8: median 64.7 ms, best 58.0,
-        # while a tight loop minutes later gave a median of 58.9).
-        repeats = args.repeats or max(15, min(30, int(2000 / tokens)))
+        # while a tight loop minutes later gave a median of 58.9). Decodes get 300 (100 per
+        # round): after each round's probe sample the next 20-50 decodes run slow (measured in
+        # Rust: 1.6-5.7 ms against 1.45 steady), so with 10 per round the medians of one and
+        # four tokens read 1.3-2.5x a serving loop's (AMXINT8, FP8, RAWINT4, alternating runs).
+        repeats = args.repeats or max(15, min(300, int(2000 / tokens)))
         # Fresh inputs per call, cycling layers so weights come from DRAM, not cache.
         calls = []
         for i in range(repeats + 1):
