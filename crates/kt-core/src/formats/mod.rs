@@ -66,6 +66,34 @@ pub struct RowBlock<'a> {
     pub prepared: &'a [*const u8],
     /// What the format's prepare returned for each row (e.g. its int8 scale).
     pub scales: &'a [f32],
+    /// The panel the calling thread most likely multiplies next, on a block whose panel is
+    /// already in cache (not the expert's first): the format may bring this block's slice
+    /// of that panel's weights into L2 while its kernel multiplies ([`NextPanel`]).
+    pub next: Option<NextPanel>,
+    /// Whether this block's weights are likely in cache: a later block of the expert, or the
+    /// first of an expert with several, whose panel the thread's previous task brought in
+    /// through [`RowBlock::next`]. Kernels may then order their loads for the arithmetic
+    /// rather than for the DRAM stream.
+    pub warm: bool,
+}
+
+/// See [`RowBlock::next`]: slice `slice` of `slices` of panel `at`'s weights (the expert's
+/// later blocks share the panel out between them).
+#[derive(Debug, Clone, Copy)]
+pub struct NextPanel {
+    /// The panel (same stage as the call).
+    pub at: PanelAt,
+    /// This block's slice.
+    pub slice: usize,
+    /// How many slices the panel is cut into.
+    pub slices: usize,
+}
+
+impl NextPanel {
+    /// This slice of `len` bytes: its byte range.
+    pub fn range(&self, len: usize) -> std::ops::Range<usize> {
+        len * self.slice / self.slices..len * (self.slice + 1) / self.slices
+    }
 }
 
 /// A fresh [`RowBlock::reuse`] key. The forward takes one per phase, after the phase before

@@ -120,6 +120,8 @@ pub struct GroupDotVariants {
     pub avx512bw: GroupDotFn,
     /// AVX512-VNNI.
     pub avx512_vnni: GroupDotFn,
+    /// The most rows one AVX512-VNNI call takes (at most [`crate::kernels::MAX_ROWS`]).
+    pub avx512_vnni_rows: usize,
 }
 
 impl GroupDotVariants {
@@ -127,7 +129,7 @@ impl GroupDotVariants {
     /// serves AVX2-level CPUs that have it.
     pub fn pick(&self, level: Level) -> VectorKernel {
         let (dot, rows, name) = if level >= Level::Avx512Vnni {
-            (self.avx512_vnni, ROWS, "avx512-vnni")
+            (self.avx512_vnni, self.avx512_vnni_rows, "avx512-vnni")
         } else if level >= Level::Avx512Base {
             (self.avx512bw, 6, "avx512bw")
         } else if level >= Level::Avx2 && crate::isa::has_feature("avx_vnni") {

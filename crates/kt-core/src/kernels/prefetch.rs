@@ -531,6 +531,48 @@ pub(crate) fn take_side_stream() -> (*const u8, usize) {
     (p as *const u8, bytes)
 }
 
+/// The fewest rows a many-row integer kernel needs to take a side stream: with fewer, its
+/// own weight reads are the DRAM stream and the extra lines would compete with them.
+pub(crate) const SIDE_STREAM_ROWS: usize = 4;
+
+/// A side stream as a kernel consumes it: one line into L2 per [`SideStream::step`] until its
+/// bytes are asked for, so the prefetches spread over the kernel's own loads.
+pub(crate) struct SideStream {
+    next: *const u8,
+    left: usize,
+}
+
+impl SideStream {
+    /// The side stream set for this call ([`take_side_stream`]); none when `take` is false
+    /// (kernels with too few rows to hide the extra reads).
+    #[inline(always)]
+    pub(crate) fn take_if(take: bool) -> SideStream {
+        let (next, left) = if take {
+            take_side_stream()
+        } else {
+            (std::ptr::null(), 0)
+        };
+        SideStream { next, left }
+    }
+
+    /// Whether the caller set a stream: it does so only on blocks whose own weights are in
+    /// cache already.
+    #[inline(always)]
+    pub(crate) fn is_set(&self) -> bool {
+        !self.next.is_null()
+    }
+
+    /// Ask for the stream's next line, if any is left.
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
+        if self.left > 0 {
+            line_into_l2(self.next);
+            self.next = self.next.wrapping_add(64);
+            self.left = self.left.saturating_sub(64);
+        }
+    }
+}
+
 /// Prefetch every line of the `bytes` bytes at `p` (for data about to be read and written
 /// at scattered places, which the hardware prefetchers cannot predict).
 #[inline(always)]

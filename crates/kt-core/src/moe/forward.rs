@@ -9,7 +9,7 @@ use super::phase_timing::{self, CallTimes, Phase};
 use super::workspace::PartPtrs;
 use super::{MoeLayer, Workspace, CHUNK_TOKENS};
 use crate::dtype::{row_from_f32, row_to_f32, FloatType};
-use crate::formats::{PanelAcc, PanelAt, RowBlock, Stage};
+use crate::formats::{NextPanel, PanelAcc, PanelAt, RowBlock, Stage};
 use crate::kernels::MAX_ROWS;
 use crate::pack::PANEL;
 use crate::pool::{Pool, Team};
@@ -397,9 +397,18 @@ impl Gathered {
         }
     }
 
-    fn block(&self, expert_rows: usize, n: usize, reuse: u64) -> RowBlock<'_> {
+    fn block(
+        &self,
+        expert_rows: usize,
+        n: usize,
+        reuse: u64,
+        next: Option<NextPanel>,
+        warm: bool,
+    ) -> RowBlock<'_> {
         RowBlock {
             reuse: Some(reuse),
+            next,
+            warm,
             expert_rows,
             f32_rows: &self.f32_rows[..n],
             prepared: &self.prepared[..n],
@@ -472,12 +481,31 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g, u, a } = &mut *scratch;
         let mut gathered = Gathered::new();
+        // The next task of this thread is most often the next one (tasks are handed out in
+        // runs): the expert's next panel, or the next expert's first.
+        let panels = self.ip / PANEL;
+        let next_at = if p + 1 < panels {
+            Some(PanelAt { panel: p + 1, ..at })
+        } else {
+            routing.experts.get(ei + 1).map(|&slot| PanelAt {
+                slot: slot as usize,
+                panel: 0,
+                ..at
+            })
+        };
+        let blocks = rows.len().div_ceil(block);
         let mut r0 = rows.start;
         while r0 < rows.end {
             let nr = block.min(rows.end - r0);
             // SAFETY: rows r0..r0+nr are this chunk's; the chunk's contract.
             unsafe { self.gather_x_rows(&mut gathered, r0..r0 + nr) };
-            let rb = gathered.block(rows.len(), nr, reuse);
+            let bi = (r0 - rows.start) / block;
+            let next = next_at.filter(|_| bi > 0).map(|at| NextPanel {
+                at,
+                slice: bi - 1,
+                slices: blocks - 1,
+            });
+            let rb = gathered.block(rows.len(), nr, reuse, next, blocks > 1);
             // SAFETY: rows gathered above: nr ≤ the format's block, x rows of H values,
             // prepared rows of x_stride bytes when prep_x (the chunk's contract covers the
             // workspace), which no task writes in this phase; g and u hold MAX_ROWS·32.
@@ -596,10 +624,31 @@ impl PartForward<'_> {
         let mut scratch = PanelScratch::take();
         let PanelScratch { acc, g: o, .. } = &mut *scratch;
         let mut at = Gathered::new();
-        for p in panels {
+        let blocks = rows.len().div_ceil(block);
+        for p in panels.clone() {
+            // As in gate/up: the later blocks bring in the panel this task takes next.
+            let next_at = if p + 1 < panels.end {
+                Some(PanelAt {
+                    part: self.part,
+                    slot,
+                    panel: p + 1,
+                })
+            } else {
+                routing.experts.get(ei + 1).map(|&s| PanelAt {
+                    part: self.part,
+                    slot: s as usize,
+                    panel: panels.start,
+                })
+            };
             let mut r0 = rows.start;
             while r0 < rows.end {
                 let nr = block.min(rows.end - r0);
+                let bi = (r0 - rows.start) / block;
+                let next = next_at.filter(|_| bi > 0).map(|at| NextPanel {
+                    at,
+                    slice: bi - 1,
+                    slices: blocks - 1,
+                });
                 before_block(r0..r0 + nr, p);
                 for (i, r) in (r0..r0 + nr).enumerate() {
                     // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
@@ -621,7 +670,14 @@ impl PartForward<'_> {
                 // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU rows
                 // of ip values, prepared rows of act_stride bytes when prep_act; `o` holds
                 // MAX_ROWS·32.
-                unsafe { experts.down_panel(panel, &at.block(rows.len(), nr, reuse), acc, o) };
+                unsafe {
+                    experts.down_panel(
+                        panel,
+                        &at.block(rows.len(), nr, reuse, next, blocks > 1),
+                        acc,
+                        o,
+                    )
+                };
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }

@@ -140,6 +140,25 @@ pub struct IntExperts {
     parts: Vec<[Matrices; 3]>,
 }
 
+/// Where a panel's 32 rows start in its matrix, and where those of [`RowBlock::next`]'s
+/// panel start (the slice the vector kernels bring into L2 as they go).
+#[derive(Clone, Copy)]
+struct PanelRows {
+    first: usize,
+    next_first: Option<usize>,
+}
+
+impl PanelRows {
+    /// For panel `at` of a matrix with `slot_rows` rows per expert slot.
+    fn of(at: PanelAt, rows: &RowBlock, slot_rows: usize) -> PanelRows {
+        let first = |at: PanelAt| at.slot * slot_rows + at.panel * PANEL;
+        PanelRows {
+            first: first(at),
+            next_first: rows.next.map(|n| first(n.at)),
+        }
+    }
+}
+
 impl IntExperts {
     /// Room for `config.num_experts` experts in `parts` parts (whole `layout.unit` slices).
     pub fn new(
@@ -190,7 +209,8 @@ impl IntExperts {
         }
     }
 
-    /// `out` (32 per row) = rows `qrow..qrow+32` of matrix `m` (k inputs) against `rows`.
+    /// `out` (32 per row) = rows `q.first..q.first+32` of matrix `m` (k inputs) against
+    /// `rows`.
     ///
     /// # Safety
     /// The [`ExpertFormat::gate_up_panel`] contract for prepared rows of `ACT_COPIES · k`
@@ -198,14 +218,19 @@ impl IntExperts {
     unsafe fn panel(
         &self,
         m: &Matrices,
-        qrow: usize,
+        q: PanelRows,
         k: usize,
         rows: &RowBlock,
         acc: &mut PanelAcc,
         out: &mut [f32],
     ) {
+        let PanelRows {
+            first: qrow,
+            next_first: next_qrow,
+        } = q;
         let start = self.layout.matrix_bytes(qrow, k);
-        let group = &m.mats.as_slice()[start..start + self.layout.matrix_bytes(PANEL, k)];
+        let group_bytes = self.layout.matrix_bytes(PANEL, k);
+        let group = &m.mats.as_slice()[start..start + group_bytes];
         let sums = &m.sums.as_slice()[qrow..qrow + PANEL];
         assert!(rows.len() <= crate::kernels::MAX_ROWS && out.len() >= rows.len() * PANEL);
         assert!(rows.prepared.len() == rows.len() && rows.scales.len() == rows.len());
@@ -233,19 +258,37 @@ impl IntExperts {
                     })
                 };
             }
-            // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the
-            // prepared rows are activation rows of ACT_COPIES·k bytes (this fn's contract);
-            // `acc` holds MAX_ROWS·32; the kernel's ISA was checked when the KernelSet was
-            // built.
-            _ => unsafe {
-                (self.kernel_for(rows.expert_rows).0)(
-                    rows.prepared,
-                    k,
-                    group.as_ptr(),
-                    sums.as_ptr(),
-                    acc.acc.as_mut_ptr(),
-                )
-            },
+            _ => {
+                // Later blocks find this group in cache: the memory system is idle while they
+                // multiply, so they bring in the next panel's group (vector kernels of
+                // SIDE_STREAM_ROWS rows and more take it, one line per weight line).
+                // A set stream, even an empty one, also tells the kernel its group is warm.
+                if let (Some(next), Some(nq)) = (rows.next, next_qrow) {
+                    let slice = next.range(group_bytes);
+                    let at = self.layout.matrix_bytes(nq, k) + slice.start;
+                    crate::kernels::prefetch::set_side_stream(
+                        m.mats.as_slice().as_ptr().wrapping_add(at),
+                        slice.len(),
+                    );
+                } else if rows.warm {
+                    crate::kernels::prefetch::set_side_stream(group.as_ptr(), 0);
+                }
+                // SAFETY: a 32-row group of k inputs and its 32 row sums (sliced above); the
+                // prepared rows are activation rows of ACT_COPIES·k bytes (this fn's
+                // contract); `acc` holds MAX_ROWS·32; the kernel's ISA was checked when the
+                // KernelSet was built.
+                unsafe {
+                    (self.kernel_for(rows.expert_rows).0)(
+                        rows.prepared,
+                        k,
+                        group.as_ptr(),
+                        sums.as_ptr(),
+                        acc.acc.as_mut_ptr(),
+                    )
+                };
+                // Not left for an unrelated call when the kernel took none (few rows).
+                crate::kernels::prefetch::take_side_stream();
+            }
         }
         let w_scale = &m.scales.as_slice()[qrow..qrow + PANEL];
         scale_panel_rows(self.kernels.level(), &acc.acc, w_scale, rows.scales, out);
@@ -391,7 +434,14 @@ impl ExpertFormat for IntExperts {
     }
 
     fn block_rows(&self, _part: usize, expert_rows: usize, _stage: Stage) -> usize {
-        self.kernel_for(expert_rows).1
+        match self.kernel_for(expert_rows).1 {
+            // Vector blocks as even as they go: each block reads the whole group, so 33 rows
+            // as 8+8+8+8+1 pay a fifth pass for one row.
+            rows if rows < crate::kernels::amx::ROWS => {
+                crate::kernels::even_block(expert_rows.max(1), rows)
+            }
+            rows => rows,
+        }
     }
 
     unsafe fn gate_up_panel(
@@ -402,18 +452,14 @@ impl ExpertFormat for IntExperts {
         g: &mut [f32],
         u: &mut [f32],
     ) {
-        let PanelAt {
-            part,
-            slot,
-            panel: p,
-        } = at;
+        let part = at.part;
         let (ip, h) = (self.ranges[part].len(), self.hidden);
-        let qrow = slot * ip + p * PANEL;
+        let q = PanelRows::of(at, rows, ip);
         let [gate, up, _] = &self.parts[part];
         // SAFETY: the trait's contract, forwarded (prepared rows of x_stride bytes).
         unsafe {
-            self.panel(gate, qrow, h, rows, scratch, g);
-            self.panel(up, qrow, h, rows, scratch, u);
+            self.panel(gate, q, h, rows, scratch, g);
+            self.panel(up, q, h, rows, scratch, u);
         }
     }
 
@@ -424,15 +470,11 @@ impl ExpertFormat for IntExperts {
         scratch: &mut PanelAcc,
         o: &mut [f32],
     ) {
-        let PanelAt {
-            part,
-            slot,
-            panel: p,
-        } = at;
+        let part = at.part;
         let ip = self.ranges[part].len();
-        let qrow = slot * self.hidden + p * PANEL;
+        let q = PanelRows::of(at, rows, self.hidden);
         // SAFETY: the trait's contract, forwarded (prepared rows of act_stride bytes).
-        unsafe { self.panel(&self.parts[part][2], qrow, ip, rows, scratch, o) }
+        unsafe { self.panel(&self.parts[part][2], q, ip, rows, scratch, o) }
     }
 
     fn packs_from_source(&self) -> bool {

@@ -78,6 +78,19 @@ fn check_case(
             got, want,
             "{name} rows={rows} k={k} case {weight_sign:?}/{act:?}"
         );
+        // With a side stream set (the warm-group loops of many-row kernels), a real one over
+        // the group and an empty one: the same numbers.
+        for side_bytes in [group.len(), 0] {
+            crate::kernels::prefetch::set_side_stream(group.as_ptr(), side_bytes);
+            got.fill(0);
+            // SAFETY: as above.
+            unsafe { f(&ptrs, k, group.as_ptr(), sums.as_ptr(), got.as_mut_ptr()) };
+            crate::kernels::prefetch::take_side_stream();
+            assert_eq!(
+                got, want,
+                "{name} rows={rows} k={k} case {weight_sign:?}/{act:?} side {side_bytes}"
+            );
+        }
         for r in 0..rows {
             for j in 0..32 {
                 let exact: i64 = (0..k)
