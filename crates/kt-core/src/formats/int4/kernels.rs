@@ -111,13 +111,44 @@ pub(crate) mod x86 {
         // SAFETY: tile t (2048 bytes), half h, line w inside the group; inputs 128t + 4w and
         // 128t + 64 + 4w inside each row.
         unsafe {
+            let high = _mm512_set1_epi8(0xF0u8 as i8);
+            let pf = crate::kernels::prefetch::distance();
+            let mut side = SideStream::take_if(R >= SIDE_STREAM_ROWS);
+            // A warm group (the caller set a side stream): both halves' lines in step, so each
+            // activation broadcast serves two products and the loads stop limiting the
+            // multiply-adds; low and high nibbles share a chain (2R chains of two).
+            if side.is_set() {
+                let mut acc = [[_mm512_setzero_si512(); 2]; R];
+                for t in 0..k / 128 {
+                    for w in 0..16 {
+                        let line = g.add(t * 2048 + w * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
+                        crate::kernels::prefetch::ahead(line.add(1024), pf);
+                        side.step();
+                        side.step();
+                        let b0 = _mm512_loadu_si512(line as *const __m512i);
+                        let b1 = _mm512_loadu_si512(line.add(1024) as *const __m512i);
+                        let lo0 = _mm512_and_si512(_mm512_slli_epi16::<4>(b0), high);
+                        let lo1 = _mm512_and_si512(_mm512_slli_epi16::<4>(b1), high);
+                        let hi0 = _mm512_and_si512(b0, high);
+                        let hi1 = _mm512_and_si512(b1, high);
+                        for r in 0..R {
+                            let base = a[r].add(t * 128 + w * 4);
+                            let x_lo = O::prep(quad512(base));
+                            let x_hi = O::prep(quad512(base.add(64)));
+                            acc[r][0] = O::dot(acc[r][0], x_lo, lo0);
+                            acc[r][1] = O::dot(acc[r][1], x_lo, lo1);
+                            acc[r][0] = O::dot(acc[r][0], x_hi, hi0);
+                            acc[r][1] = O::dot(acc[r][1], x_hi, hi1);
+                        }
+                    }
+                }
+                return store512::<R, O>(&acc, s, o);
+            }
             // Low- and high-nibble products in separate chains, so one half already has the
             // parallelism the core needs and the halves can stay in address order.
             let mut acc = [[_mm512_setzero_si512(); 2]; R];
             let mut acc_hi = [[_mm512_setzero_si512(); 2]; R];
-            let high = _mm512_set1_epi8(0xF0u8 as i8);
-            let pf = crate::kernels::prefetch::distance();
-            let mut side = SideStream::take_if(R >= SIDE_STREAM_ROWS);
             for t in 0..k / 128 {
                 for h in 0..2 {
                     for w in 0..16 {
