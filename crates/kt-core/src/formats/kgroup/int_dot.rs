@@ -516,7 +516,7 @@ family_pickers!(
 family_pickers!(
     /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
     /// [`int_fine_gemm_scalar`]) for methods whose error budget has no room for 8-bit ones:
-    /// AVX-512 VNNI (8 rows), AVX-VNNI (3 rows) or AVX2 (the i16 kernel, 4 rows).
+    /// AVX-512 VNNI (4 rows), AVX-VNNI (3 rows) or AVX2 (the i16 kernel, 4 rows).
     int_fine_gemm_for,
     /// [`int_fine_gemm_for`] with the AVX2-level multiply given.
     int_fine_gemm_with,
@@ -1270,8 +1270,8 @@ pub(crate) mod x86 {
 
     /// The many-row kernel, one 16-row half of the panel at a time so that every row's
     /// accumulators stay in registers: per 8 inputs, one 64-byte load of codes feeds `2·R`
-    /// `vpdpbusd` (`4·R` with 15-bit activations). With 8-bit activations and up to
-    /// [`PAIRED_ROWS_512`] rows, [`gemm512_paired`] takes both halves at once.
+    /// `vpdpbusd` (`4·R` with 15-bit activations). Up to [`PAIRED_ROWS_512`] rows
+    /// ([`FINE_PAIRED_ROWS_512`] 15-bit), [`gemm512_paired`] takes both halves at once.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     unsafe fn gemm512<const R: usize, const LUT: bool, const FINE: bool>(
@@ -1290,8 +1290,12 @@ pub(crate) mod x86 {
         unsafe {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
             let nib = _mm512_set1_epi32(0x0F0F_0F0F);
-            if !FINE && R <= PAIRED_ROWS_512 {
-                return gemm512_paired::<R, LUT>(
+            if R <= if FINE {
+                FINE_PAIRED_ROWS_512
+            } else {
+                PAIRED_ROWS_512
+            } {
+                return gemm512_paired::<R, LUT, FINE>(
                     rows,
                     k,
                     (i0, n),
@@ -1366,14 +1370,16 @@ pub(crate) mod x86 {
     /// The most rows [`gemm512_paired`] keeps in registers: 4 accumulators a row, the block's
     /// four weight vectors, two activation words and the constants.
     const PAIRED_ROWS_512: usize = 6;
+    /// The same with 15-bit activations: 6 accumulators a row.
+    const FINE_PAIRED_ROWS_512: usize = 4;
 
-    /// [`gemm512`] (8-bit activations) on both halves of the panel at once: each row's two
-    /// activation words serve four `vpdpbusd` (one 16-row half at a time, as many broadcast
-    /// loads as multiply-adds, and the loads limited the loop). Same operations per output
-    /// as `gemm512`, so the same bits.
+    /// [`gemm512`] on both halves of the panel at once: each row's activation words serve
+    /// twice the `vpdpbusd` (one 16-row half at a time, as many broadcast loads as
+    /// multiply-adds, and the loads limited the loop). Same operations per output as
+    /// `gemm512`, so the same bits.
     #[inline(always)]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn gemm512_paired<const R: usize, const LUT: bool>(
+    unsafe fn gemm512_paired<const R: usize, const LUT: bool, const FINE: bool>(
         rows: &[*const u8],
         k: usize,
         (i0, n): (usize, usize),
@@ -1391,6 +1397,7 @@ pub(crate) mod x86 {
             let mut total = [[_mm512_setzero_ps(); 2]; R];
             for (c, g) in chunks_with_groups((i0, n), chunk, group) {
                 let mut a = [[_mm512_setzero_si512(); 2]; R];
+                let mut b = [[_mm512_setzero_si512(); 2]; R];
                 for blk in c * chunk / 8..(c + 1) * chunk / 8 {
                     prefetch_block_ahead(codes, blk);
                     let mut wv = [_mm512_setzero_si512(); 4];
@@ -1411,6 +1418,15 @@ pub(crate) mod x86 {
                             a[r][h] = _mm512_dpbusd_epi32(a[r][h], wv[2 * h], xe);
                             a[r][h] = _mm512_dpbusd_epi32(a[r][h], wv[2 * h + 1], xo);
                         }
+                        if FINE {
+                            let rr = rows[r].add(k + 8 * blk) as *const i32;
+                            let re = _mm512_set1_epi32(rr.read_unaligned());
+                            let ro = _mm512_set1_epi32(rr.add(1).read_unaligned());
+                            for h in 0..2 {
+                                b[r][h] = _mm512_dpbusd_epi32(b[r][h], wv[2 * h], re);
+                                b[r][h] = _mm512_dpbusd_epi32(b[r][h], wv[2 * h + 1], ro);
+                            }
+                        }
                     }
                 }
                 for h in 0..2 {
@@ -1418,11 +1434,22 @@ pub(crate) mod x86 {
                     let sw = scales16(at, w.scale_type);
                     for r in 0..R {
                         let rec = chunk_record(rows[r], k, c);
-                        let f = _mm512_cvtepi32_ps(_mm512_add_epi32(
+                        let mut f = _mm512_cvtepi32_ps(_mm512_add_epi32(
                             a[r][h],
                             _mm512_set1_epi32(rec.neg_bias_x),
                         ));
-                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(rec.s_inv_m));
+                        // FINE: as in gemm512.
+                        let sx = if FINE {
+                            let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(
+                                b[r][h],
+                                _mm512_set1_epi32(rec.neg_bias_r),
+                            ));
+                            f = _mm512_fmadd_ps(f, _mm512_set1_ps(254.0), fb);
+                            rec.s_inv_m254
+                        } else {
+                            rec.s_inv_m
+                        };
+                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
                         total[r][h] = _mm512_fmadd_ps(f, swx, total[r][h]);
                     }
                 }
@@ -1598,8 +1625,11 @@ pub(crate) mod x86 {
         }};
     }
 
-    /// Rows per call of [`int_fine_gemm_avx512vnni`] (two int32 accumulators per row).
-    pub(crate) const FINE_ROWS_512: usize = 8;
+    /// Rows per call of [`int_fine_gemm_avx512vnni`]: [`gemm512_paired`]'s. AMD Zen 5, 128
+    /// tokens, 2 threads, `prefill` alternated: GPTQ_INT4 18.2-18.4 -> 15.0 ms, NVFP4
+    /// 22.9-23.1 -> 19.7-19.8 (against 8 rows, one half at a time). At 512 tokens the bf16
+    /// panels still win ([`super::BF16_PANELS_FROM_ROWS`] at 64: NVFP4 56 -> 79 ms).
+    pub(crate) const FINE_ROWS_512: usize = FINE_PAIRED_ROWS_512;
     /// Rows per call of [`int_fine_gemm_avxvnni`].
     pub(crate) const FINE_ROWS_256: usize = 3;
     /// Rows per call of [`int_fine_gemm_avx2`]: from 16 rows groups of 8 in vector lanes
