@@ -403,6 +403,31 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Line `line` of a warm group's first half and the same line of its second (1 KiB on),
+    /// for the kernels that take both halves in step: both prefetched `pf` ahead, and two
+    /// lines of the side stream asked for.
+    ///
+    /// # Safety
+    /// 64 readable bytes at `line` and at `line + 1024`; AVX-512F in the caller.
+    #[inline(always)]
+    pub(crate) unsafe fn warm_line_pair512(
+        line: *const u8,
+        pf: usize,
+        side: &mut crate::kernels::prefetch::SideStream,
+    ) -> [__m512i; 2] {
+        crate::kernels::prefetch::ahead(line, pf);
+        crate::kernels::prefetch::ahead(line.wrapping_add(1024), pf);
+        side.step();
+        side.step();
+        // SAFETY: the contract above.
+        unsafe {
+            [
+                _mm512_loadu_si512(line as *const __m512i),
+                _mm512_loadu_si512(line.add(1024) as *const __m512i),
+            ]
+        }
+    }
+
     /// Broadcast the 4 activation bytes at `p`.
     ///
     /// # Safety

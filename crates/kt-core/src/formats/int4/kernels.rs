@@ -88,8 +88,8 @@ pub(crate) mod x86 {
     #[cfg(test)]
     use crate::kernels::group_dot::x86::EmulatedAvxVnni;
     use crate::kernels::group_dot::x86::{
-        group_dot_entry, quad256, quad512, signed_sum256, store512, Avx2Sign, AvxVnni, Bw512,
-        Op256, Op512, Vnni512, NIBBLE_LINES_PER_WIDEN,
+        group_dot_entry, quad256, quad512, signed_sum256, store512, warm_line_pair512, Avx2Sign,
+        AvxVnni, Bw512, Op256, Op512, Vnni512, NIBBLE_LINES_PER_WIDEN,
     };
     use crate::kernels::prefetch::{SideStream, SIDE_STREAM_ROWS};
     use std::arch::x86_64::*;
@@ -121,13 +121,7 @@ pub(crate) mod x86 {
                 let mut acc = [[_mm512_setzero_si512(); 2]; R];
                 for t in 0..k / 128 {
                     for w in 0..16 {
-                        let line = g.add(t * 2048 + w * 64);
-                        crate::kernels::prefetch::ahead(line, pf);
-                        crate::kernels::prefetch::ahead(line.add(1024), pf);
-                        side.step();
-                        side.step();
-                        let b0 = _mm512_loadu_si512(line as *const __m512i);
-                        let b1 = _mm512_loadu_si512(line.add(1024) as *const __m512i);
+                        let [b0, b1] = warm_line_pair512(g.add(t * 2048 + w * 64), pf, &mut side);
                         let lo0 = _mm512_and_si512(_mm512_slli_epi16::<4>(b0), high);
                         let lo1 = _mm512_and_si512(_mm512_slli_epi16::<4>(b1), high);
                         let hi0 = _mm512_and_si512(b0, high);

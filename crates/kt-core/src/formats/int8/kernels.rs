@@ -123,8 +123,8 @@ pub(crate) mod x86 {
     #[cfg(test)]
     use crate::kernels::group_dot::x86::EmulatedAvxVnni;
     use crate::kernels::group_dot::x86::{
-        group_dot_entry, quad512, store256, store512, Avx2Sign, AvxVnni, Bw512, Op256, Op512,
-        Vnni512,
+        group_dot_entry, quad512, store256, store512, warm_line_pair512, Avx2Sign, AvxVnni, Bw512,
+        Op256, Op512, Vnni512,
     };
     use crate::kernels::prefetch::{SideStream, SIDE_STREAM_ROWS};
     use std::arch::x86_64::*;
@@ -156,13 +156,7 @@ pub(crate) mod x86 {
             if side.is_set() {
                 for t in 0..k / 64 {
                     for w in 0..16 {
-                        let line = g.add(t * 2048 + w * 64);
-                        crate::kernels::prefetch::ahead(line, pf);
-                        crate::kernels::prefetch::ahead(line.add(1024), pf);
-                        side.step();
-                        side.step();
-                        let w0 = _mm512_loadu_si512(line as *const __m512i);
-                        let w1 = _mm512_loadu_si512(line.add(1024) as *const __m512i);
+                        let [w0, w1] = warm_line_pair512(g.add(t * 2048 + w * 64), pf, &mut side);
                         for r in 0..R {
                             let x = O::prep(quad512(a[r].add(t * 64 + w * 4)));
                             acc[r][0] = O::dot(acc[r][0], x, w0);
