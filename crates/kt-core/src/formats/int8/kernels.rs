@@ -148,11 +148,13 @@ pub(crate) mod x86 {
                 crate::kernels::prefetch::distance_of(crate::kernels::prefetch::Family::Int8Groups);
             let mut side = SideStream::take_if(R >= SIDE_STREAM_ROWS);
             let mut acc = [[_mm512_setzero_si512(); 2]; R];
-            // Blocks of many rows find their group in cache or already on its way (the
-            // previous block's side stream), so the order of addresses matters less than the
-            // chains: both halves in step give 2R independent sums instead of R, and one
-            // broadcast per row serves two products (AMXINT8 512 tokens, gate/up 41-42 ->
-            // 35 ms, down 23-24 -> 20-21, Xeon AVX512-VNNI).
+            // A warm group (the caller set a side stream: a later block of the expert, or the
+            // first of one with several, whose panel the previous task brought in): the order
+            // of addresses matters less than the chains, so both halves go in step, 2R
+            // independent sums instead of R and one broadcast per row for two products
+            // (AMXINT8 512 tokens, gate/up 41-42 -> 35 ms, down 23-24 -> 20-21, Xeon
+            // AVX512-VNNI). From DRAM the in-step order costs the stream rate: without the
+            // warm test, 128 tokens took 17.5-18.4 ms against 12.5-12.9 (AMD Zen 5).
             if side.is_set() {
                 for t in 0..k / 64 {
                     for w in 0..16 {
