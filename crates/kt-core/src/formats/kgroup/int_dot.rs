@@ -1254,11 +1254,13 @@ pub(crate) mod x86 {
         crate::kernels::prefetch::line_into_l2(at.wrapping_add(64));
     }
 
-    /// Rows per call of [`int_gemm_avx512vnni`]: [`gemm512_paired`]'s, which read each
-    /// block's codes for fewer rows but half the activation words per multiply-add. AMD Zen 5,
+    /// Rows per call of [`int_gemm_avx512vnni`]: 4 accumulators a row, the block's four weight
+    /// vectors, two activation words and the constants fill the 32 registers. Against 12
+    /// rows one half at a time (fewer rows per read of the codes, but twice the activation
+    /// words per multiply-add), AMD Zen 5,
     /// RAWINT4 `prefill` alternated, 2 threads: 512 tokens 41.8-41.9 -> 34.8-35.0 ms, 128
-    /// tokens 12.4-12.8 -> 10.0-10.3 (against 12 rows, one half at a time).
-    pub(crate) const GEMM_ROWS_512: usize = PAIRED_ROWS_512;
+    /// tokens 12.4-12.8 -> 10.0-10.3.
+    pub(crate) const GEMM_ROWS_512: usize = 6;
     /// Rows per call of [`int_gemm_avxvnni`] (not measured on an AVX-VNNI CPU, so left at 4).
     pub(crate) const GEMM_ROWS_AVXVNNI: usize = 4;
     /// Rows per call of [`int_gemm_avx2`]: 12 i16 accumulators, the two weight vectors, the
@@ -1268,10 +1270,11 @@ pub(crate) mod x86 {
     /// block from L2, 3.75-3.98 -> 3.38-3.63 ns (calm minutes), 6.7 -> 4.9-5.2 ns (slowed).
     pub(crate) const GEMM_ROWS_AVX2: usize = 12;
 
-    /// The many-row kernel, one 16-row half of the panel at a time so that every row's
-    /// accumulators stay in registers: per 8 inputs, one 64-byte load of codes feeds `2·R`
-    /// `vpdpbusd` (`4·R` with 15-bit activations). Up to [`PAIRED_ROWS_512`] rows
-    /// ([`FINE_PAIRED_ROWS_512`] 15-bit), [`gemm512_paired`] takes both halves at once.
+    /// The many-row kernel on both 16-row halves of the panel at once, every row's
+    /// accumulators in registers: per 8 inputs, two 64-byte loads of codes feed `4·R`
+    /// `vpdpbusd` (`8·R` with 15-bit activations), and each row's activation words serve both
+    /// halves. One half at a time, the broadcast loads were as many as the multiply-adds and
+    /// the loads limited the loop (rows per call: [`GEMM_ROWS_512`], [`FINE_ROWS_512`]).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
     unsafe fn gemm512<const R: usize, const LUT: bool, const FINE: bool>(
@@ -1287,110 +1290,6 @@ pub(crate) mod x86 {
     ) {
         // SAFETY: the IntFusedFn contract with exactly R rows: every block, activation word,
         // chunk record and scale read below is inside the caller's buffers.
-        unsafe {
-            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
-            let nib = _mm512_set1_epi32(0x0F0F_0F0F);
-            if R <= if FINE {
-                FINE_PAIRED_ROWS_512
-            } else {
-                PAIRED_ROWS_512
-            } {
-                return gemm512_paired::<R, LUT, FINE>(
-                    rows,
-                    k,
-                    (i0, n),
-                    chunk,
-                    group,
-                    codes,
-                    scales,
-                    w,
-                    out,
-                );
-            }
-            for h in 0..2 {
-                let mut total = [_mm512_setzero_ps(); R];
-                for (c, g) in chunks_with_groups((i0, n), chunk, group) {
-                    let mut a = [_mm512_setzero_si512(); R];
-                    let mut b = [_mm512_setzero_si512(); R];
-                    for blk in c * chunk / 8..(c + 1) * chunk / 8 {
-                        if h == 0 {
-                            prefetch_block_ahead(codes, blk);
-                        }
-                        let d = _mm512_loadu_si512(codes.add(blk * 128 + 64 * h) as *const __m512i);
-                        let mut we = _mm512_and_si512(d, nib);
-                        let mut wo = _mm512_and_si512(_mm512_srli_epi32(d, 4), nib);
-                        if LUT {
-                            we = _mm512_shuffle_epi8(lut, we);
-                            wo = _mm512_shuffle_epi8(lut, wo);
-                        }
-                        for r in 0..R {
-                            let x = rows[r].add(8 * blk) as *const i32;
-                            let (xe, xo) = (x.read_unaligned(), x.add(1).read_unaligned());
-                            a[r] = _mm512_dpbusd_epi32(a[r], we, _mm512_set1_epi32(xe));
-                            a[r] = _mm512_dpbusd_epi32(a[r], wo, _mm512_set1_epi32(xo));
-                            if FINE {
-                                let rr = rows[r].add(k + 8 * blk) as *const i32;
-                                let (re, ro) = (rr.read_unaligned(), rr.add(1).read_unaligned());
-                                b[r] = _mm512_dpbusd_epi32(b[r], we, _mm512_set1_epi32(re));
-                                b[r] = _mm512_dpbusd_epi32(b[r], wo, _mm512_set1_epi32(ro));
-                            }
-                        }
-                    }
-                    let at = scales.add((g * 32 + 16 * h) * w.scale_type.size());
-                    let sw = scales16(at, w.scale_type);
-                    for r in 0..R {
-                        let rec = chunk_record(rows[r], k, c);
-                        let mut f = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                            a[r],
-                            _mm512_set1_epi32(rec.neg_bias_x),
-                        ));
-                        // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
-                        let sx = if FINE {
-                            let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                                b[r],
-                                _mm512_set1_epi32(rec.neg_bias_r),
-                            ));
-                            f = _mm512_fmadd_ps(f, _mm512_set1_ps(254.0), fb);
-                            rec.s_inv_m254
-                        } else {
-                            rec.s_inv_m
-                        };
-                        let swx = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
-                        total[r] = _mm512_fmadd_ps(f, swx, total[r]);
-                    }
-                }
-                for r in 0..R {
-                    let o = out.add(r * 32 + 16 * h);
-                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), total[r]));
-                }
-            }
-        }
-    }
-
-    /// The most rows [`gemm512_paired`] keeps in registers: 4 accumulators a row, the block's
-    /// four weight vectors, two activation words and the constants.
-    const PAIRED_ROWS_512: usize = 6;
-    /// The same with 15-bit activations: 6 accumulators a row.
-    const FINE_PAIRED_ROWS_512: usize = 4;
-
-    /// [`gemm512`] on both halves of the panel at once: each row's activation words serve
-    /// twice the `vpdpbusd` (one 16-row half at a time, as many broadcast loads as
-    /// multiply-adds, and the loads limited the loop). Same operations per output as
-    /// `gemm512`, so the same bits.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn gemm512_paired<const R: usize, const LUT: bool, const FINE: bool>(
-        rows: &[*const u8],
-        k: usize,
-        (i0, n): (usize, usize),
-        chunk: usize,
-        group: usize,
-        codes: *const u8,
-        scales: *const u8,
-        w: &WeightBytes,
-        out: *mut f32,
-    ) {
-        // SAFETY: as gemm512 (its caller's contract, R rows).
         unsafe {
             let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(w.lut.as_ptr() as *const __m128i));
             let nib = _mm512_set1_epi32(0x0F0F_0F0F);
@@ -1438,7 +1337,7 @@ pub(crate) mod x86 {
                             a[r][h],
                             _mm512_set1_epi32(rec.neg_bias_x),
                         ));
-                        // FINE: as in gemm512.
+                        // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
                         let sx = if FINE {
                             let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(
                                 b[r][h],
@@ -1625,11 +1524,11 @@ pub(crate) mod x86 {
         }};
     }
 
-    /// Rows per call of [`int_fine_gemm_avx512vnni`]: [`gemm512_paired`]'s. AMD Zen 5, 128
+    /// Rows per call of [`int_fine_gemm_avx512vnni`]: 6 accumulators a row. AMD Zen 5, 128
     /// tokens, 2 threads, `prefill` alternated: GPTQ_INT4 18.2-18.4 -> 15.0 ms, NVFP4
     /// 22.9-23.1 -> 19.7-19.8 (against 8 rows, one half at a time). At 512 tokens the bf16
     /// panels still win ([`super::BF16_PANELS_FROM_ROWS`] at 64: NVFP4 56 -> 79 ms).
-    pub(crate) const FINE_ROWS_512: usize = FINE_PAIRED_ROWS_512;
+    pub(crate) const FINE_ROWS_512: usize = 4;
     /// Rows per call of [`int_fine_gemm_avxvnni`].
     pub(crate) const FINE_ROWS_256: usize = 3;
     /// Rows per call of [`int_fine_gemm_avx2`]: from 16 rows groups of 8 in vector lanes
@@ -1710,7 +1609,7 @@ pub(crate) mod x86 {
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
         int_fine_gemm_avx512vnni, gemm512, true, "the kgroup avx512 fine gemm kernel",
-        1 2 3 4 5 6 7 8
+        1 2 3 4
     );
     /// AVX2 many-row kernel with 15-bit activations (`x16`, [`super::WIDE_SLOTS`]), 1 to
     /// [`WIDE_ROWS_256`] rows: from 16 rows groups of 8 in vector lanes ([`super::lane_rows`],
