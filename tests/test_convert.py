@@ -244,5 +244,9 @@ def test_interrupted_run_leaves_only_complete_files_and_resumes(tmp_path):
     if proc.returncode == 130:
         assert "--resume-layer" in err
         assert not any(".partial-" in p.name for p in again.iterdir())
-    else:  # it finished before the signal arrived
-        assert proc.returncode == 0, err
+    else:
+        # It finished before the signal arrived (0), or the signal came while the interpreter
+        # was shutting down after the conversion (killed by SIGINT: a fast CPU converts this
+        # test's 8 small layers in 0.1 s). Either way every file is complete.
+        assert proc.returncode in (0, -signal.SIGINT), err
+        assert tree(again) == tree(full)
