@@ -308,6 +308,36 @@ pub trait ExpertFormat: Send + Sync + Any {
         u: &mut [f32],
     );
 
+    /// [`ExpertFormat::gate_up_panel`] for `n` panels from `at.panel` on, one block of rows
+    /// (`m` = 32 values per row): panel `at.panel + i` goes to `g[i·m..]` and `u[i·m..]`. A
+    /// decode task takes such a run so that a core reads long runs of one matrix; formats whose
+    /// gate and up matrices lie apart read all of the run's gate panels first, then its up
+    /// panels (the default goes panel by panel).
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::gate_up_panel`] for each of the `n` panels, which all exist; `g` and
+    /// `u` hold `n·m` values.
+    unsafe fn gate_up_run(
+        &self,
+        at: PanelAt,
+        n: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let m = rows.len() * crate::pack::PANEL;
+        for i in 0..n {
+            let at = PanelAt {
+                panel: at.panel + i,
+                ..at
+            };
+            let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
+            // SAFETY: the caller's contract, panel by panel.
+            unsafe { self.gate_up_panel(at, rows, scratch, g, u) };
+        }
+    }
+
     /// Where down panel `at`'s weight bytes lie, where the format keeps them in one run (the
     /// forward prefetches the next expert's first panel while the current one computes):
     /// `(start, bytes)`, or `None` (the default: no such prefetch). `at` must name an

@@ -25,8 +25,35 @@ const TUNE_MAX_TOKENS: usize = 4;
 /// programs' weight prefetch (the tiles then carry the work).
 const AMX_TUNE_MIN_MEAN_ROWS: usize = 8;
 
-/// Down panels per task in the row-wise scheme (a contiguous run of one expert's matrix).
+/// Output panels per column block of the row-wise scheme's sum over experts, and the fewest
+/// down panels one of its tasks takes.
 const DOWN_GROUP_PANELS: usize = 4;
+
+/// Most gate/up panels one decode task takes (see `PartForward::gate_up_runs`).
+const MAX_RUN_PANELS: usize = 16;
+
+/// Tasks per thread that the decode phases aim for when they cut experts into runs of panels:
+/// enough to even out the threads, few enough that each task reads long runs.
+const RUN_TASKS_PER_THREAD: usize = 4;
+
+/// `panels` panels of each of `experts` experts cut into runs for `threads` threads: runs as
+/// long as still leave [`RUN_TASKS_PER_THREAD`] tasks per thread, at least `min` and at most
+/// `max` panels (`max` wins; both within `1..=panels`), and as even as the panels allow.
+/// Returns (panels per run, runs per expert); run `r` is panels `r·run..min((r+1)·run, panels)`.
+fn panel_runs(
+    experts: usize,
+    panels: usize,
+    threads: usize,
+    min: usize,
+    max: usize,
+) -> (usize, usize) {
+    let panels = panels.max(1);
+    let max = max.clamp(1, panels);
+    let tasks = RUN_TASKS_PER_THREAD * threads.max(1);
+    let want = (experts * panels / tasks).max(min).min(max);
+    let runs = panels.div_ceil(want.max(1));
+    (panels.div_ceil(runs), runs)
+}
 
 /// Inputs and outputs of one forward call, as raw memory (the Python binding's form).
 #[derive(Clone, Copy, Debug)]
@@ -451,11 +478,32 @@ impl PartForward<'_> {
     unsafe fn gate_up_swiglu(&self) {
         let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
         let reuse = crate::formats::next_reuse_key();
-        self.team.parallel_for(experts * panels, &|task| {
-            // SAFETY: the chunk's contract; task (expert, panel) writes only its panel's
+        let (run, per_expert) = self.gate_up_runs(panels);
+        self.team.parallel_for(experts * per_expert, &|task| {
+            let (ei, r) = (task / per_expert, task % per_expert);
+            let own = r * run..((r + 1) * run).min(panels);
+            // SAFETY: the chunk's contract; task (expert, panels) writes only its panels'
             // columns of the expert's act rows.
-            unsafe { self.gate_up_task(task / panels, task % panels, reuse) }
+            unsafe { self.gate_up_task(ei, own, reuse) }
         });
+    }
+
+    /// Panels per gate/up task, and tasks per expert. Where every expert's rows fit one
+    /// block (decode, small batches), a task takes a run of panels ([`panel_runs`]): a core
+    /// then reads the run's gate panels and its up panels in two long runs, where single
+    /// panels switched matrix every 32 KiB (AMXINT4, one token, two threads, AMD Zen 5: the
+    /// bare kernel read the same gate/up bytes in 167 µs a panel at a time, 146 in runs of 8).
+    /// Larger experts keep one panel per task: their blocks share the panel in cache.
+    fn gate_up_runs(&self, panels: usize) -> (usize, usize) {
+        let routing = self.c.routing;
+        let max_rows = routing.offsets.windows(2).map(|w| w[1] - w[0]).max();
+        let max_rows = max_rows.unwrap_or(0).max(1);
+        let experts = &*self.c.layer.experts;
+        if max_rows > experts.block_rows(self.part, max_rows, Stage::GateUp) {
+            return (1, panels);
+        }
+        let max = MAX_RUN_PANELS.min(MAX_ROWS / max_rows);
+        panel_runs(routing.experts.len(), panels, self.team.threads(), 1, max)
     }
 
     /// Expert `ei`'s rows against gate/up panel `p`, in blocks of the format's size; SwiGLU
@@ -466,20 +514,67 @@ impl PartForward<'_> {
     ///
     /// # Safety
     /// The chunk's contract; no other task writes panel `p` of expert `ei`'s act rows.
-    unsafe fn gate_up_task(&self, ei: usize, p: usize, reuse: u64) {
+    unsafe fn gate_up_task(&self, ei: usize, panels: Range<usize>, reuse: u64) {
         let (layer, routing) = (self.c.layer, self.c.routing);
-        let cfg = &layer.config;
         let rows = routing.offsets[ei]..routing.offsets[ei + 1];
         let block = layer
             .experts
             .block_rows(self.part, rows.len(), Stage::GateUp);
+        let mut scratch = PanelScratch::take();
+        let (n, nr) = (panels.len(), rows.len());
+        if n > 1 && nr <= block && n * nr <= MAX_ROWS {
+            // One block of rows against the whole run (see `gate_up_runs`).
+            let PanelScratch { acc, g, u, a } = &mut *scratch;
+            let mut gathered = Gathered::new();
+            // SAFETY: the expert's rows, at most one block; the chunk's contract.
+            unsafe { self.gather_x_rows(&mut gathered, rows.clone()) };
+            let at = PanelAt {
+                part: self.part,
+                slot: routing.experts[ei] as usize,
+                panel: panels.start,
+            };
+            let rb = gathered.block(nr, nr, reuse, None, false);
+            let m = nr * PANEL;
+            // SAFETY: as in `gate_up_panel_task`; g and u hold MAX_ROWS·32 ≥ n·m values.
+            unsafe { layer.experts.gate_up_run(at, n, &rb, acc, g, u) };
+            let cfg = &layer.config;
+            let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
+            let (g, u, a) = (&g[..n * m], &u[..n * m], &mut a[..n * m]);
+            layer.kernels.swiglu(g, u, a, limit, alpha);
+            for (p, vals) in panels.zip(a.chunks_exact(m)) {
+                // SAFETY: this task owns panel p of these rows (the caller's contract).
+                unsafe { self.store_act(rows.clone(), p, nr, vals) };
+            }
+        } else {
+            for p in panels {
+                // SAFETY: forwarded.
+                unsafe { self.gate_up_panel_task(ei, p, block, reuse, &mut scratch) };
+            }
+        }
+        PanelScratch::give_back(scratch);
+    }
+
+    /// Expert `ei`'s rows against gate/up panel `p` in blocks of `block` rows (see
+    /// [`PartForward::gate_up_task`]).
+    ///
+    /// # Safety
+    /// As [`PartForward::gate_up_task`] for the one panel.
+    unsafe fn gate_up_panel_task(
+        &self,
+        ei: usize,
+        p: usize,
+        block: usize,
+        reuse: u64,
+        scratch: &mut PanelScratch,
+    ) {
+        let (layer, routing) = (self.c.layer, self.c.routing);
+        let rows = routing.offsets[ei]..routing.offsets[ei + 1];
         let at = PanelAt {
             part: self.part,
             slot: routing.experts[ei] as usize,
             panel: p,
         };
-        let mut scratch = PanelScratch::take();
-        let PanelScratch { acc, g, u, a } = &mut *scratch;
+        let PanelScratch { acc, g, u, a } = scratch;
         let mut gathered = Gathered::new();
         // The next task of this thread is most often the next one (tasks are handed out in
         // runs): the expert's next panel, or the next expert's first.
@@ -511,6 +606,7 @@ impl PartForward<'_> {
             // workspace), which no task writes in this phase; g and u hold MAX_ROWS·32.
             unsafe { layer.experts.gate_up_panel(at, &rb, acc, g, u) };
             let m = nr * PANEL;
+            let cfg = &layer.config;
             let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
             layer
                 .kernels
@@ -519,7 +615,6 @@ impl PartForward<'_> {
             unsafe { self.store_act(r0..r0 + nr, p, rows.len(), &a[..m]) };
             r0 += nr;
         }
-        PanelScratch::give_back(scratch);
     }
 
     /// The x rows of routed rows `rows` (their tokens' fp32 rows, prepared rows and scales).
@@ -729,30 +824,35 @@ impl PartForward<'_> {
         let routing = c.routing;
         let h = c.layer.config.hidden;
         let out_panels = h / PANEL;
-        let group = DOWN_GROUP_PANELS.min(out_panels);
-        let per_expert = out_panels.div_ceil(group);
+        // Each task streams a run of one expert's down matrix: runs of 64 panels (a whole
+        // expert) took AMXINT4's down phase from 101 to 85 µs against runs of 4 (one token,
+        // two threads, AMD Zen 5).
+        let threads = self.team.threads();
+        let experts = routing.experts.len();
+        let (run, per_expert) =
+            panel_runs(experts, out_panels, threads, DOWN_GROUP_PANELS, out_panels);
         let reuse = crate::formats::next_reuse_key();
-        self.team
-            .parallel_for(routing.experts.len() * per_expert, &|task| {
-                let (ei, g) = (task / per_expert, task % per_expert);
-                let panels = g * group..((g + 1) * group).min(out_panels);
-                let mut sink = |row: usize, p: usize, vals: &[f32]| {
-                    let w = routing.row_weight[row];
-                    // SAFETY: (row, panel p) of down_rows is written by this task only.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            s.down_rows.get().add(row * h + p * PANEL),
-                            PANEL,
-                        )
-                    };
-                    for (d, v) in dst.iter_mut().zip(vals) {
-                        *d = w * v;
-                    }
+        self.team.parallel_for(experts * per_expert, &|task| {
+            let (ei, r) = (task / per_expert, task % per_expert);
+            let panels = r * run..((r + 1) * run).min(out_panels);
+            let mut sink = |row: usize, p: usize, vals: &[f32]| {
+                let w = routing.row_weight[row];
+                // SAFETY: (row, panel p) of down_rows is written by this task only.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        s.down_rows.get().add(row * h + p * PANEL),
+                        PANEL,
+                    )
                 };
-                // SAFETY: forwarded.
-                unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
-            });
-        self.team.parallel_for(per_expert, &|g| {
+                for (d, v) in dst.iter_mut().zip(vals) {
+                    *d = w * v;
+                }
+            };
+            // SAFETY: forwarded.
+            unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
+        });
+        let group = DOWN_GROUP_PANELS.min(out_panels);
+        self.team.parallel_for(out_panels.div_ceil(group), &|g| {
             let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
             // SAFETY: this task owns columns `cols` of every partial row.
             unsafe { self.zero_columns(cols.clone()) };
@@ -959,5 +1059,38 @@ impl PanelScratch {
 
     fn give_back(scratch: Box<PanelScratch>) {
         PANEL_SCRATCH.set(Some(scratch));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panel_runs_cover_every_panel_once_within_their_bounds() {
+        for experts in [1, 2, 8, 33] {
+            for panels in [1, 2, 3, 24, 64, 100] {
+                for threads in [1, 2, 3, 16, 64] {
+                    for (min, max) in [(1, 16), (4, 64), (4, 2), (1, 1), (8, 200)] {
+                        let (run, runs) = panel_runs(experts, panels, threads, min, max);
+                        let covered: Vec<usize> = (0..runs)
+                            .flat_map(|r| r * run..((r + 1) * run).min(panels))
+                            .collect();
+                        assert_eq!(covered, (0..panels).collect::<Vec<_>>());
+                        assert!(run >= 1 && run <= max.clamp(1, panels), "{run} > {max}");
+                        // Every run holds a panel, and the runs differ by at most one
+                        // run's worth of rounding.
+                        assert!((runs - 1) * run < panels);
+                    }
+                }
+            }
+        }
+        // Two threads, eight experts of 24 gate/up panels: runs of 12 (16 tasks).
+        assert_eq!(panel_runs(8, 24, 2, 1, 16), (12, 2));
+        // Many threads: single panels.
+        assert_eq!(panel_runs(8, 24, 64, 1, 16), (1, 24));
+        // The down scheme's floor holds where the panels allow it.
+        assert_eq!(panel_runs(8, 64, 64, 4, 64), (4, 16));
+        assert_eq!(panel_runs(8, 64, 2, 4, 64), (64, 1));
     }
 }

@@ -657,3 +657,49 @@ fn results_do_not_depend_on_earlier_forwards() {
         );
     }
 }
+
+#[test]
+fn decode_runs_of_panels_equal_one_panel_per_task() {
+    // One thread cuts each expert's 16 gate/up panels into one run (a task reads the run's
+    // gate panels, then its up panels); sixteen threads give every panel a task of its own.
+    // The same kernels on the same rows: bit-identical for every method packed from a source.
+    let mut rng = Rng::new(47);
+    let (e, k, h, i) = (8, 4, 128, 512);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let (few, many) = (pool(1, 1), pool(1, 16));
+    let mut checked = Vec::new();
+    for method in crate::formats::implemented() {
+        let kern = KernelSet::best().unwrap();
+        let Ok(mut layer) = MoeLayer::with_method(config(e, k, h, i, 4), 1, kern, method) else {
+            continue;
+        };
+        if layer.load(&few, &wts.source(), None).is_err() {
+            continue; // formats read from files only
+        }
+        for qlen in [1, 2, 4] {
+            let x = rng.normals(qlen * h, 1.0);
+            let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
+            let run = |pool: &Pool| {
+                let mut out = vec![0f32; qlen * h];
+                layer
+                    .forward_f32(pool, &mut Workspace::new(), &x, &ids, &w, &mut out)
+                    .unwrap();
+                out
+            };
+            let (runs, singles) = (run(&few), run(&many));
+            assert!(
+                runs.iter()
+                    .zip(&singles)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{method:?} qlen={qlen}"
+            );
+            let map: Vec<usize> = (0..e).collect();
+            let err = rel_l2(&runs, &wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0));
+            assert!(err < 0.3, "{method:?} qlen={qlen}: rel err {err}");
+        }
+        checked.push(method);
+    }
+    for method in [Method::Bf16, Method::AmxInt8, Method::AmxInt4] {
+        assert!(checked.contains(&method), "{method:?} was not checked");
+    }
+}

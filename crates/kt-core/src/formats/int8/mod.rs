@@ -463,6 +463,33 @@ impl ExpertFormat for IntExperts {
         }
     }
 
+    unsafe fn gate_up_run(
+        &self,
+        at: PanelAt,
+        n: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let part = at.part;
+        let (ip, h) = (self.ranges[part].len(), self.hidden);
+        let m = rows.len() * PANEL;
+        let [gate, up, _] = &self.parts[part];
+        // All the gate panels, then all the up panels: two long runs through memory rather
+        // than a switch every 32 rows.
+        for (mat, out) in [(gate, &mut *g), (up, &mut *u)] {
+            for (i, out) in out[..n * m].chunks_exact_mut(m).enumerate() {
+                let at = PanelAt {
+                    panel: at.panel + i,
+                    ..at
+                };
+                // SAFETY: the trait's contract, forwarded, panel by panel.
+                unsafe { self.panel(mat, PanelRows::of(at, rows, ip), h, rows, scratch, out) };
+            }
+        }
+    }
+
     unsafe fn down_panel(
         &self,
         at: PanelAt,
