@@ -456,18 +456,19 @@ impl PartForward<'_> {
         let h = c.layer.config.hidden;
         let (xs, prep) = (self.x_stride, self.prep_x);
         let ht = c.args.hidden_type;
-        self.team.parallel_for(c.args.qlen, &|t| {
-            // SAFETY: row t of the input and of this part's x buffers (tokens × H, tokens ×
-            // x_stride, tokens scales) belongs to this task.
-            unsafe {
-                let x = std::slice::from_raw_parts_mut(s.x.get().add(t * h), h);
-                row_to_f32(c.hidden_in.get().add(t * h * ht.size()), ht, x);
-                if prep {
-                    let out = std::slice::from_raw_parts_mut(s.x_prep.get().add(t * xs), xs);
-                    *s.x_scale.get().add(t) = experts.prepare_x(self.part, x, out);
+        self.team
+            .parallel_for_sized(c.args.qlen, c.args.qlen * h, &|t| {
+                // SAFETY: row t of the input and of this part's x buffers (tokens × H, tokens ×
+                // x_stride, tokens scales) belongs to this task.
+                unsafe {
+                    let x = std::slice::from_raw_parts_mut(s.x.get().add(t * h), h);
+                    row_to_f32(c.hidden_in.get().add(t * h * ht.size()), ht, x);
+                    if prep {
+                        let out = std::slice::from_raw_parts_mut(s.x_prep.get().add(t * xs), xs);
+                        *s.x_scale.get().add(t) = experts.prepare_x(self.part, x, out);
+                    }
                 }
-            }
-        });
+            });
     }
 
     /// 2. gate and up for each (expert, 32-row panel of this part's slice), then SwiGLU into
@@ -684,7 +685,8 @@ impl PartForward<'_> {
         let (s, ip) = (self.s, self.ip);
         let experts = &*self.c.layer.experts;
         let stride = self.act_stride;
-        self.team.parallel_for(self.c.routing.rows(), &|row| {
+        let rows = self.c.routing.rows();
+        self.team.parallel_for_sized(rows, rows * ip, &|row| {
             // SAFETY: row `row` of act, act_prep and act_scale belongs to this task.
             unsafe {
                 let src = std::slice::from_raw_parts(s.act.get().add(row * ip), ip);
@@ -852,29 +854,31 @@ impl PartForward<'_> {
             unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
         });
         let group = DOWN_GROUP_PANELS.min(out_panels);
-        self.team.parallel_for(out_panels.div_ceil(group), &|g| {
-            let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
-            // SAFETY: this task owns columns `cols` of every partial row.
-            unsafe { self.zero_columns(cols.clone()) };
-            for row in 0..routing.rows() {
-                let t = routing.row_token[row] as usize;
-                // SAFETY: columns `cols` of token t's partial row belong to this task; rows of
-                // down_rows were completed by the phase above.
-                unsafe {
-                    let dst = std::slice::from_raw_parts_mut(
-                        s.partial.get().add(t * h + cols.start),
-                        cols.len(),
-                    );
-                    let src = std::slice::from_raw_parts(
-                        s.down_rows.get().add(row * h + cols.start),
-                        cols.len(),
-                    );
-                    for (d, v) in dst.iter_mut().zip(src) {
-                        *d += v;
+        let values = routing.rows() * h;
+        self.team
+            .parallel_for_sized(out_panels.div_ceil(group), values, &|g| {
+                let cols = g * group * PANEL..((g + 1) * group).min(out_panels) * PANEL;
+                // SAFETY: this task owns columns `cols` of every partial row.
+                unsafe { self.zero_columns(cols.clone()) };
+                for row in 0..routing.rows() {
+                    let t = routing.row_token[row] as usize;
+                    // SAFETY: columns `cols` of token t's partial row belong to this task; rows of
+                    // down_rows were completed by the phase above.
+                    unsafe {
+                        let dst = std::slice::from_raw_parts_mut(
+                            s.partial.get().add(t * h + cols.start),
+                            cols.len(),
+                        );
+                        let src = std::slice::from_raw_parts(
+                            s.down_rows.get().add(row * h + cols.start),
+                            cols.len(),
+                        );
+                        for (d, v) in dst.iter_mut().zip(src) {
+                            *d += v;
+                        }
                     }
                 }
-            }
-        });
+            });
     }
 
     /// Many rows (prefill): tasks own column blocks of the output, so the weighted sum over
@@ -975,7 +979,8 @@ impl PartForward<'_> {
     /// The chunk's contract; the partial output is complete.
     unsafe fn finish(&self) {
         let parts = [self.s];
-        self.team.parallel_for(self.c.args.qlen, &|t| {
+        let (qlen, h) = (self.c.args.qlen, self.c.layer.config.hidden);
+        self.team.parallel_for_sized(qlen, qlen * h, &|t| {
             // SAFETY: token t's rows of partial, residual and out belong to this task.
             unsafe { self.c.finish_row(&parts, t) };
         });

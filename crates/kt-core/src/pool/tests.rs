@@ -49,6 +49,31 @@ fn parallel_for_runs_every_task_once() {
 }
 
 #[test]
+fn sized_jobs_run_every_task_once_and_small_ones_on_the_leader() {
+    let pool = unpinned(3, 1);
+    for values in [0, INLINE_VALUES, INLINE_VALUES + 1] {
+        for n in [0usize, 1, 7, 200] {
+            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+            let others = AtomicU64::new(0);
+            pool.run_parts(&|_, team| {
+                let leader = std::thread::current().id();
+                team.parallel_for_sized(n, values, &|i| {
+                    hits[i].fetch_add(1, Ordering::SeqCst);
+                    if std::thread::current().id() != leader {
+                        others.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+            })
+            .unwrap();
+            assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1), "n={n}");
+            if values <= INLINE_VALUES {
+                assert_eq!(others.load(Ordering::SeqCst), 0, "n={n}: the leader alone");
+            }
+        }
+    }
+}
+
+#[test]
 fn many_back_to_back_jobs_do_not_lose_wakeups() {
     let pool = unpinned(3, 2);
     let total = AtomicU64::new(0);
