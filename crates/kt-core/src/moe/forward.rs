@@ -507,14 +507,15 @@ impl PartForward<'_> {
         panel_runs(routing.experts.len(), panels, self.team.threads(), 1, max)
     }
 
-    /// Expert `ei`'s rows against gate/up panel `p`, in blocks of the format's size; SwiGLU
-    /// into the rows' panel-`p` columns of `act`. The blocks run one after the other, so the
-    /// panel's weights are in cache for all but the first; `reuse` names this phase's x rows
-    /// ([`RowBlock::reuse`]), so the kernels may keep what they made of a block's rows for the
-    /// expert's next panels.
+    /// Expert `ei`'s rows against gate/up panels `panels`, SwiGLU into those panels' columns
+    /// of the rows' `act`: as one run where the rows fit one block of the format
+    /// ([`ExpertFormat::gate_up_run`](crate::formats::ExpertFormat::gate_up_run)), else panel
+    /// by panel in blocks that find the panel in cache after the first. `reuse` names this
+    /// phase's x rows ([`RowBlock::reuse`]), so the kernels may keep what they made of a
+    /// block's rows for the expert's next panels.
     ///
     /// # Safety
-    /// The chunk's contract; no other task writes panel `p` of expert `ei`'s act rows.
+    /// The chunk's contract; no other task writes these panels of expert `ei`'s act rows.
     unsafe fn gate_up_task(&self, ei: usize, panels: Range<usize>, reuse: u64) {
         let (layer, routing) = (self.c.layer, self.c.routing);
         let rows = routing.offsets[ei]..routing.offsets[ei + 1];
