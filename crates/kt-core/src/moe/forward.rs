@@ -25,34 +25,31 @@ const TUNE_MAX_TOKENS: usize = 4;
 /// programs' weight prefetch (the tiles then carry the work).
 const AMX_TUNE_MIN_MEAN_ROWS: usize = 8;
 
-/// Output panels per column block of the row-wise scheme's sum over experts, and the fewest
-/// down panels one of its tasks takes.
+/// Output panels per column block of the row-wise scheme's sum over experts.
 const DOWN_GROUP_PANELS: usize = 4;
 
-/// Most gate/up panels one decode task takes (see `PartForward::gate_up_runs`).
-const MAX_RUN_PANELS: usize = 16;
-
-/// Tasks per thread that the decode phases aim for when they cut experts into runs of panels:
-/// enough to even out the threads, few enough that each task reads long runs.
-const RUN_TASKS_PER_THREAD: usize = 4;
-
-/// `panels` panels of each of `experts` experts cut into runs for `threads` threads: runs as
-/// long as still leave [`RUN_TASKS_PER_THREAD`] tasks per thread, at least `min` and at most
-/// `max` panels (`max` wins; both within `1..=panels`), and as even as the panels allow.
-/// Returns (panels per run, runs per expert); run `r` is panels `r·run..min((r+1)·run, panels)`.
-fn panel_runs(
+/// Share `i` of `threads` even shares of a phase's (expert, panel) tasks, `panels` per expert
+/// of `experts`, cut at experts: the (expert, panels) pieces in order. Decode phases hand
+/// each thread one share: every thread streams one long stretch of the experts' matrices, and
+/// they finish together (AMXINT4, one token, two threads, AMD Zen 5: 0.256-0.259 ms with
+/// tasks of a run of one expert's panels handed out from a counter, 0.238-0.243 with shares).
+fn even_share(
+    i: usize,
+    threads: usize,
     experts: usize,
     panels: usize,
-    threads: usize,
-    min: usize,
-    max: usize,
-) -> (usize, usize) {
-    let panels = panels.max(1);
-    let max = max.clamp(1, panels);
-    let tasks = RUN_TASKS_PER_THREAD * threads.max(1);
-    let want = (experts * panels / tasks).max(min).min(max);
-    let runs = panels.div_ceil(want.max(1));
-    (panels.div_ceil(runs), runs)
+) -> impl Iterator<Item = (usize, Range<usize>)> {
+    let (n, threads, panels) = (experts * panels, threads.max(1), panels.max(1));
+    let share = i * n / threads..(i + 1) * n / threads;
+    let mut t = share.start;
+    std::iter::from_fn(move || {
+        (t < share.end).then(|| {
+            let (ei, p) = (t / panels, t % panels);
+            let end = (share.end - ei * panels).min(panels);
+            t = ei * panels + end;
+            (ei, p..end)
+        })
+    })
 }
 
 /// Inputs and outputs of one forward call, as raw memory (the Python binding's form).
@@ -479,32 +476,28 @@ impl PartForward<'_> {
     unsafe fn gate_up_swiglu(&self) {
         let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
         let reuse = crate::formats::next_reuse_key();
-        let (run, per_expert) = self.gate_up_runs(panels);
-        self.team.parallel_for(experts * per_expert, &|task| {
-            let (ei, r) = (task / per_expert, task % per_expert);
-            let own = r * run..((r + 1) * run).min(panels);
-            // SAFETY: the chunk's contract; task (expert, panels) writes only its panels'
-            // columns of the expert's act rows.
-            unsafe { self.gate_up_task(ei, own, reuse) }
-        });
-    }
-
-    /// Panels per gate/up task, and tasks per expert. Where every expert's rows fit one
-    /// block (decode, small batches), a task takes a run of panels ([`panel_runs`]): a core
-    /// then reads the run's gate panels and its up panels in two long runs, where single
-    /// panels switched matrix every 32 KiB (AMXINT4, one token, two threads, AMD Zen 5: the
-    /// bare kernel read the same gate/up bytes in 167 µs a panel at a time, 146 in runs of 8).
-    /// Larger experts keep one panel per task: their blocks share the panel in cache.
-    fn gate_up_runs(&self, panels: usize) -> (usize, usize) {
         let routing = self.c.routing;
         let max_rows = routing.offsets.windows(2).map(|w| w[1] - w[0]).max();
         let max_rows = max_rows.unwrap_or(0).max(1);
-        let experts = &*self.c.layer.experts;
-        if max_rows > experts.block_rows(self.part, max_rows, Stage::GateUp) {
-            return (1, panels);
+        let layer_experts = &*self.c.layer.experts;
+        if max_rows <= layer_experts.block_rows(self.part, max_rows, Stage::GateUp) {
+            // Every expert's rows fit one block (decode, small batches): one even share of
+            // the (expert, panel) tasks per thread ([`even_share`]), read in runs.
+            let threads = self.team.threads();
+            self.team.parallel_for(threads, &|i| {
+                for (ei, own) in even_share(i, threads, experts, panels) {
+                    // SAFETY: the chunk's contract; the shares are disjoint, and a task
+                    // writes only its panels' columns of the expert's act rows.
+                    unsafe { self.gate_up_task(ei, own, reuse) }
+                }
+            });
+        } else {
+            self.team.parallel_for(experts * panels, &|task| {
+                // SAFETY: the chunk's contract; task (expert, panel) writes only its panel's
+                // columns of the expert's act rows.
+                unsafe { self.gate_up_task(task / panels, task % panels..task % panels + 1, reuse) }
+            });
         }
-        let max = MAX_RUN_PANELS.min(MAX_ROWS / max_rows);
-        panel_runs(routing.experts.len(), panels, self.team.threads(), 1, max)
     }
 
     /// Expert `ei`'s rows against gate/up panels `panels`, SwiGLU into those panels' columns
@@ -523,29 +516,35 @@ impl PartForward<'_> {
             .experts
             .block_rows(self.part, rows.len(), Stage::GateUp);
         let mut scratch = PanelScratch::take();
-        let (n, nr) = (panels.len(), rows.len());
-        if n > 1 && nr <= block && n * nr <= MAX_ROWS {
-            // One block of rows against the whole run (see `gate_up_runs`).
+        let nr = rows.len();
+        if nr <= block {
             let PanelScratch { acc, g, u, a } = &mut *scratch;
             let mut gathered = Gathered::new();
             // SAFETY: the expert's rows, at most one block; the chunk's contract.
             unsafe { self.gather_x_rows(&mut gathered, rows.clone()) };
-            let at = PanelAt {
-                part: self.part,
-                slot: routing.experts[ei] as usize,
-                panel: panels.start,
-            };
             let rb = gathered.block(nr, nr, reuse, None, false);
-            let m = nr * PANEL;
-            // SAFETY: as in `gate_up_panel_task`; g and u hold MAX_ROWS·32 ≥ n·m values.
-            unsafe { layer.experts.gate_up_run(at, n, &rb, acc, g, u) };
+            let m = nr.max(1) * PANEL;
             let cfg = &layer.config;
             let (limit, alpha) = (cfg.swiglu_limit, cfg.swiglu_alpha);
-            let (g, u, a) = (&g[..n * m], &u[..n * m], &mut a[..n * m]);
-            layer.kernels.swiglu(g, u, a, limit, alpha);
-            for (p, vals) in panels.zip(a.chunks_exact(m)) {
-                // SAFETY: this task owns panel p of these rows (the caller's contract).
-                unsafe { self.store_act(rows.clone(), p, nr, vals) };
+            // Runs as long as the scratch holds (MAX_ROWS·32 values per buffer).
+            let run = MAX_ROWS / nr.max(1);
+            for first in panels.clone().step_by(run) {
+                let own = first..(first + run).min(panels.end);
+                let n = own.len();
+                let at = PanelAt {
+                    part: self.part,
+                    slot: routing.experts[ei] as usize,
+                    panel: first,
+                };
+                // SAFETY: as in `gate_up_panel_task` for each panel of the run; g and u hold
+                // MAX_ROWS·32 ≥ n·m values.
+                unsafe { layer.experts.gate_up_run(at, n, &rb, acc, g, u) };
+                let (g, u, a) = (&g[..n * m], &u[..n * m], &mut a[..n * m]);
+                layer.kernels.swiglu(g, u, a, limit, alpha);
+                for (p, vals) in own.zip(a.chunks_exact(m)) {
+                    // SAFETY: this task owns panel p of these rows (the caller's contract).
+                    unsafe { self.store_act(rows.clone(), p, nr, vals) };
+                }
             }
         } else {
             for p in panels {
@@ -816,8 +815,10 @@ impl PartForward<'_> {
         }
     }
 
-    /// Few rows (decode): tasks are (expert, run of panels), so each streams one contiguous
-    /// piece of an expert's down matrix; weighted rows go to `down_rows`, then a
+    /// Few rows (decode): each thread takes an even share of the (expert, panel) tasks
+    /// ([`even_share`]), so it streams one long stretch of the experts' down matrices (runs of
+    /// a whole expert's 64 panels took AMXINT4's down phase from 101 to 85 µs against runs of
+    /// 4: one token, two threads, AMD Zen 5); weighted rows go to `down_rows`, then a
     /// column-parallel pass sums them per token.
     ///
     /// # Safety
@@ -827,32 +828,26 @@ impl PartForward<'_> {
         let routing = c.routing;
         let h = c.layer.config.hidden;
         let out_panels = h / PANEL;
-        // Each task streams a run of one expert's down matrix: runs of 64 panels (a whole
-        // expert) took AMXINT4's down phase from 101 to 85 µs against runs of 4 (one token,
-        // two threads, AMD Zen 5).
-        let threads = self.team.threads();
-        let experts = routing.experts.len();
-        let (run, per_expert) =
-            panel_runs(experts, out_panels, threads, DOWN_GROUP_PANELS, out_panels);
+        let (threads, experts) = (self.team.threads(), routing.experts.len());
         let reuse = crate::formats::next_reuse_key();
-        self.team.parallel_for(experts * per_expert, &|task| {
-            let (ei, r) = (task / per_expert, task % per_expert);
-            let panels = r * run..((r + 1) * run).min(out_panels);
-            let mut sink = |row: usize, p: usize, vals: &[f32]| {
-                let w = routing.row_weight[row];
-                // SAFETY: (row, panel p) of down_rows is written by this task only.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        s.down_rows.get().add(row * h + p * PANEL),
-                        PANEL,
-                    )
+        self.team.parallel_for(threads, &|i| {
+            for (ei, panels) in even_share(i, threads, experts, out_panels) {
+                let mut sink = |row: usize, p: usize, vals: &[f32]| {
+                    let w = routing.row_weight[row];
+                    // SAFETY: (row, panel p) of down_rows is written by this task only.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            s.down_rows.get().add(row * h + p * PANEL),
+                            PANEL,
+                        )
+                    };
+                    for (d, v) in dst.iter_mut().zip(vals) {
+                        *d = w * v;
+                    }
                 };
-                for (d, v) in dst.iter_mut().zip(vals) {
-                    *d = w * v;
-                }
-            };
-            // SAFETY: forwarded.
-            unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
+                // SAFETY: forwarded.
+                unsafe { self.down_panels(ei, panels, &|_, _| {}, &mut sink, reuse) };
+            }
         });
         let group = DOWN_GROUP_PANELS.min(out_panels);
         let values = routing.rows() * h;
@@ -1073,30 +1068,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn panel_runs_cover_every_panel_once_within_their_bounds() {
-        for experts in [1, 2, 8, 33] {
-            for panels in [1, 2, 3, 24, 64, 100] {
-                for threads in [1, 2, 3, 16, 64] {
-                    for (min, max) in [(1, 16), (4, 64), (4, 2), (1, 1), (8, 200)] {
-                        let (run, runs) = panel_runs(experts, panels, threads, min, max);
-                        let covered: Vec<usize> = (0..runs)
-                            .flat_map(|r| r * run..((r + 1) * run).min(panels))
-                            .collect();
-                        assert_eq!(covered, (0..panels).collect::<Vec<_>>());
-                        assert!(run >= 1 && run <= max.clamp(1, panels), "{run} > {max}");
-                        // Every run holds a panel, and the runs differ by at most one
-                        // run's worth of rounding.
-                        assert!((runs - 1) * run < panels);
-                    }
-                }
+    fn even_shares_cover_every_task_once_cut_at_experts() {
+        let share = |i, t, e, p| even_share(i, t, e, p).collect::<Vec<_>>();
+        // Two threads, eight experts of 24 panels: four experts each.
+        assert_eq!(
+            share(1, 2, 8, 24),
+            (4..8).map(|e| (e, 0..24)).collect::<Vec<_>>()
+        );
+        // Three threads over two experts of 24: 16 tasks each, the middle share cut.
+        assert_eq!(share(0, 3, 2, 24), vec![(0, 0..16)]);
+        assert_eq!(share(1, 3, 2, 24), vec![(0, 16..24), (1, 0..8)]);
+        assert_eq!(share(2, 3, 2, 24), vec![(1, 8..24)]);
+        // More threads than tasks: empty shares.
+        assert_eq!(share(0, 4, 1, 2), vec![]);
+        for (experts, panels) in [(1, 1), (3, 5), (8, 24), (33, 64)] {
+            for threads in [1, 2, 3, 16, 100] {
+                let flat: Vec<usize> = (0..threads)
+                    .flat_map(|i| share(i, threads, experts, panels))
+                    .flat_map(|(e, ps)| ps.map(move |p| e * panels + p))
+                    .collect();
+                assert_eq!(flat, (0..experts * panels).collect::<Vec<_>>());
             }
         }
-        // Two threads, eight experts of 24 gate/up panels: runs of 12 (16 tasks).
-        assert_eq!(panel_runs(8, 24, 2, 1, 16), (12, 2));
-        // Many threads: single panels.
-        assert_eq!(panel_runs(8, 24, 64, 1, 16), (1, 24));
-        // The down scheme's floor holds where the panels allow it.
-        assert_eq!(panel_runs(8, 64, 64, 4, 64), (4, 16));
-        assert_eq!(panel_runs(8, 64, 2, 4, 64), (64, 1));
     }
 }

@@ -660,9 +660,9 @@ fn results_do_not_depend_on_earlier_forwards() {
 
 #[test]
 fn decode_runs_of_panels_equal_one_panel_per_task() {
-    // One thread cuts each expert's 16 gate/up panels into one run (a task reads the run's
-    // gate panels, then its up panels); sixteen threads give every panel a task of its own.
-    // The same kernels on the same rows: bit-identical for every method packed from a source.
+    // One thread reads each expert's 16 gate/up panels as one run (gate first, then up);
+    // sixteen threads share them out in pieces of one to four panels, cut across experts. The
+    // same kernels on the same rows: bit-identical for every method packed from a source.
     let mut rng = Rng::new(47);
     let (e, k, h, i) = (8, 4, 128, 512);
     let wts = Weights::random(&mut rng, e, h, i);
