@@ -312,6 +312,7 @@ impl MoeLayer {
             layer: self,
             routing,
             args,
+            max_rows,
             prepare_x: self.experts.prepares_x(max_rows),
             prepare_act: self.experts.prepares_act(max_rows),
             hidden_in: SyncPtr::new(args.hidden as *mut u8),
@@ -381,6 +382,8 @@ struct Chunk<'a> {
     layer: &'a MoeLayer,
     routing: &'a Routing,
     args: &'a ForwardArgs,
+    /// Rows of the chunk's busiest expert.
+    max_rows: usize,
     /// Whether the format prepares x / the SwiGLU rows in this chunk.
     prepare_x: bool,
     prepare_act: bool,
@@ -476,9 +479,7 @@ impl PartForward<'_> {
     unsafe fn gate_up_swiglu(&self) {
         let (experts, panels) = (self.c.routing.experts.len(), self.ip / PANEL);
         let reuse = crate::formats::next_reuse_key();
-        let routing = self.c.routing;
-        let max_rows = routing.offsets.windows(2).map(|w| w[1] - w[0]).max();
-        let max_rows = max_rows.unwrap_or(0).max(1);
+        let max_rows = self.c.max_rows.max(1);
         let layer_experts = &*self.c.layer.experts;
         if max_rows <= layer_experts.block_rows(self.part, max_rows, Stage::GateUp) {
             // Every expert's rows fit one block (decode, small batches): one even share of
