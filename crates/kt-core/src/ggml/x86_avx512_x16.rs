@@ -71,12 +71,13 @@ unsafe fn q8_0_rows<const R: usize>(
     unsafe {
         let flip = _mm512_set1_epi8(-128);
         let mut acc = [_mm512_setzero_ps(); R];
-        // A prefill's calls (4+ rows) keep the loop over a block's quads rolled: unrolled,
-        // the compiler hoisted the rows' activation broadcasts into vectors it spilled. AMD
-        // Zen 4, `ggml_cycles` (k 2048, 32 weight rows, one call per pair), us per call:
-        // 5 rows 4.01 -> 2.07, 6 rows 5.15 -> 2.39, 7 rows 5.10 -> 2.60. Few rows run faster
-        // unrolled.
-        let quads = if R >= 4 { std::hint::black_box(8) } else { 8 };
+        // The loop over a block's quads is unrolled: the activation broadcasts fold into the
+        // `vpdpbusd`s as memory operands. (A Zen 4 build once hoisted them into spilled
+        // vectors and ran 2x slower unrolled; AMD Zen 5, `ggml_cycles`, k 2048, 32 weight
+        // rows, us per call, rolled -> unrolled: 4 rows 1.20 -> 1.09, 6 rows 1.66 -> 1.48,
+        // 8 rows 2.04 -> 1.89.) The loads bound it: this core issues two vector loads per
+        // cycle, and each `vpdpbusd` takes one for its broadcast.
+        let quads = 8;
         for blk in 0..blocks {
             let g0 = groups.as_ptr().add(blk * Q8_0_X8_BYTES);
             let g1 = g0.add(gb);
