@@ -720,10 +720,21 @@ impl PartForward<'_> {
         let rows = routing.offsets[ei]..routing.offsets[ei + 1];
         let block = experts.block_rows(self.part, rows.len(), Stage::Down);
         let mut scratch = PanelScratch::take();
-        let PanelScratch { acc, g: o, .. } = &mut *scratch;
+        let PanelScratch {
+            acc, g: o, u: o2, ..
+        } = &mut *scratch;
         let mut at = Gathered::new();
         let blocks = rows.len().div_ceil(block);
+        let mut paired = None;
         for p in panels.clone() {
+            // The second panel of a pair the format ran at p − 1.
+            if paired == Some(p) {
+                before_block(rows.clone(), p);
+                for i in 0..rows.len() {
+                    sink(rows.start + i, p, &o2[i * PANEL..(i + 1) * PANEL]);
+                }
+                continue;
+            }
             // As in gate/up: the later blocks bring in the panel this task takes next.
             let next_at = if p + 1 < panels.end {
                 Some(PanelAt {
@@ -765,17 +776,20 @@ impl PartForward<'_> {
                     slot,
                     panel: p,
                 };
-                // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU rows
-                // of ip values, prepared rows of act_stride bytes when prep_act; `o` holds
-                // MAX_ROWS·32.
-                unsafe {
-                    experts.down_panel(
-                        panel,
-                        &at.block(rows.len(), nr, reuse, next, blocks > 1),
-                        acc,
-                        o,
-                    )
+                let row_block = at.block(rows.len(), nr, reuse, next, blocks > 1);
+                // One block of rows and a next panel in the range: the format may run both.
+                let pair = blocks == 1 && p + 1 < panels.end && {
+                    // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU
+                    // rows of ip values, prepared rows of act_stride bytes when prep_act; `o`
+                    // and `o2` hold MAX_ROWS·32; panel p + 1 exists (p + 1 < panels.end).
+                    unsafe { experts.down_panel_pair(panel, &row_block, acc, o, o2) }
                 };
+                if pair {
+                    paired = Some(p + 1);
+                } else {
+                    // SAFETY: as above.
+                    unsafe { experts.down_panel(panel, &row_block, acc, o) };
+                }
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }

@@ -89,6 +89,24 @@ pub type FusedFn = unsafe fn(
     out: *mut f32,
 );
 
+/// [`FusedFn`] on two panels at once: `codes[p]`, `scales[p]` and `out[p]` as the single
+/// kernel's for panel `p`, with the same bits per panel. Two panels run twice the independent
+/// FMA chains, which is what limits one row.
+///
+/// # Safety
+/// [`FusedFn`]'s contract for each panel; `a` holds 1..= [`Fused::pair`]'s rows.
+pub type FusedPairFn = unsafe fn(
+    a: &[*const f32],
+    scaled: bool,
+    k: usize,
+    codes: [*const u8; 2],
+    scales: [*const f32; 2],
+    out: [*mut f32; 2],
+);
+
+/// Rows per call of the AVX-512 two-panel kernel.
+pub const FUSED_PAIR_ROWS: usize = 2;
+
 /// A fused kernel and the rows it takes per call.
 #[derive(Debug, Clone, Copy)]
 pub struct Fused {
@@ -96,6 +114,8 @@ pub struct Fused {
     pub run: FusedFn,
     /// Rows per call.
     pub rows: usize,
+    /// The two-panel kernel and the rows it takes, where the level has one.
+    pub pair: Option<(FusedPairFn, usize)>,
     /// Whether it reads subnormal codes as zero ([`fused_code_value`]).
     pub flushes_subnormals: bool,
 }
@@ -117,9 +137,15 @@ pub fn fused_variant(level: Level, flush: bool) -> Option<Fused> {
             (false, false) => (x86::fused_avx2::<false>, crate::kernels::MAX_ROWS),
             (false, true) => (x86::fused_avx2::<true>, crate::kernels::MAX_ROWS),
         };
+        let pair: Option<FusedPairFn> = match (level >= Level::Avx512Base, flush) {
+            (true, false) => Some(x86::fused_pair_avx512::<false>),
+            (true, true) => Some(x86::fused_pair_avx512::<true>),
+            (false, _) => None,
+        };
         return Some(Fused {
             run,
             rows,
+            pair: pair.map(|f| (f, FUSED_PAIR_ROWS)),
             flushes_subnormals: flush,
         });
     }
@@ -579,13 +605,13 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // register blocks read best as indexed loops
-    unsafe fn fused512<const R: usize, const FLUSH: bool>(
+    unsafe fn fused512<const R: usize, const P: usize, const FLUSH: bool>(
         a: &[*const f32],
         scaled: bool,
         k: usize,
-        codes: *const u8,
-        scales: *const f32,
-        out: *mut f32,
+        codes: [*const u8; P],
+        scales: [*const f32; P],
+        out: [*mut f32; P],
     ) {
         // Decoding in two integer ops per 32 codes: a byte moved to the top of a 16-bit lane
         // and shifted right arithmetically by 4, masked to `s000 0eee emmm 0000`, is a bf16
@@ -593,12 +619,15 @@ pub(crate) mod x86 {
         // activations are taken times 2⁶⁴ so the products stay far from fp32's denormals, and
         // each block's sums are scaled by scale · 2⁵⁶: powers of two, so nothing is rounded
         // differently from the unscaled arithmetic.
-        // SAFETY: the FusedFn contract: pair q's 64 codes, inputs 2q and 2q+1 of every row and
-        // block b's scale are inside the caller's buffers; outputs 32 per row.
+        // P panels at once (the pair kernels) run P times as many independent FMA chains: one
+        // panel's two chains per row, two FMAs per line each, bound one row to 32 GB/s of codes
+        // from cache on AMD Zen 5 (`byte_cycles`), below one core's DRAM share.
+        // SAFETY: the FusedFn contract, per panel: pair q's 64 codes, inputs 2q and 2q+1 of
+        // every row and block b's scale are inside the caller's buffers; outputs 32 per row.
         unsafe {
             let zero = _mm512_setzero_si512();
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-            let mut total = [[_mm512_setzero_ps(); 2]; R];
+            let mut total = [[[_mm512_setzero_ps(); 2]; R]; P];
             // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads (AVX2
             // one row from cache, AMD Zen 3: 4.0 -> 3.3 ns per 64-byte line, `byte_cycles`).
             let mut x = [[0f32; super::BLOCK]; R];
@@ -606,39 +635,47 @@ pub(crate) mod x86 {
             let up = if scaled { 1.0 } else { UP };
             for b in 0..k / super::BLOCK {
                 crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, up, &mut x);
-                let mut sum = [[_mm512_setzero_ps(); 2]; R];
+                let mut sum = [[[_mm512_setzero_ps(); 2]; R]; P];
                 for q in b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2 {
-                    let line = codes.add(q * 64);
-                    crate::kernels::prefetch::ahead(line, pf);
-                    let v = _mm512_loadu_si512(line as *const __m512i);
-                    let halves = [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)];
                     let i = 2 * q - b * super::BLOCK;
                     let x0: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(x[r][i]));
                     let x1: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(x[r][i + 1]));
-                    for h in 0..2 {
-                        // 16 outputs × (input 2q, 2q+1) as bf16 pairs in 32-bit lanes.
-                        let pairs = top_codes512::<FLUSH>(halves[h]);
-                        let w0 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-                        let w1 = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-                        for r in 0..R {
-                            sum[r][h] = _mm512_fmadd_ps(w0, x0[r], sum[r][h]);
-                            sum[r][h] = _mm512_fmadd_ps(w1, x1[r], sum[r][h]);
+                    for pn in 0..P {
+                        let line = codes[pn].add(q * 64);
+                        crate::kernels::prefetch::ahead(line, pf);
+                        let v = _mm512_loadu_si512(line as *const __m512i);
+                        let halves = [_mm512_unpacklo_epi8(zero, v), _mm512_unpackhi_epi8(zero, v)];
+                        for h in 0..2 {
+                            // 16 outputs × (input 2q, 2q+1) as bf16 pairs in 32-bit lanes.
+                            let pairs = top_codes512::<FLUSH>(halves[h]);
+                            let w0 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                            let w1 = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+                            for r in 0..R {
+                                let acc = &mut sum[pn][r][h];
+                                *acc = _mm512_fmadd_ps(w0, x0[r], *acc);
+                                *acc = _mm512_fmadd_ps(w1, x1[r], *acc);
+                            }
                         }
                     }
                 }
-                let s = _mm512_set1_ps(*scales.add(b) * DOWN);
-                for r in 0..R {
-                    for h in 0..2 {
-                        total[r][h] = _mm512_fmadd_ps(sum[r][h], s, total[r][h]);
+                for pn in 0..P {
+                    let s = _mm512_set1_ps(*scales[pn].add(b) * DOWN);
+                    for r in 0..R {
+                        for h in 0..2 {
+                            let t = &mut total[pn][r][h];
+                            *t = _mm512_fmadd_ps(sum[pn][r][h], s, *t);
+                        }
                     }
                 }
             }
             let mut lanes = [0f32; 32];
-            for r in 0..R {
-                _mm512_storeu_ps(lanes.as_mut_ptr(), total[r][0]);
-                _mm512_storeu_ps(lanes.as_mut_ptr().add(16), total[r][1]);
-                for (i, v) in lanes.iter().enumerate() {
-                    *out.add(r * 32 + fused_lane_row(i)) = *v;
+            for pn in 0..P {
+                for r in 0..R {
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), total[pn][r][0]);
+                    _mm512_storeu_ps(lanes.as_mut_ptr().add(16), total[pn][r][1]);
+                    for (i, v) in lanes.iter().enumerate() {
+                        *out[pn].add(r * 32 + fused_lane_row(i)) = *v;
+                    }
                 }
             }
         }
@@ -654,7 +691,38 @@ pub(crate) mod x86 {
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused512::<R, FLUSH>(a, scaled, k, c, s, o) }
+        unsafe { fused512::<R, 1, FLUSH>(a, scaled, k, [c], [s], [o]) }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn fused_pair_rows512<const R: usize, const FLUSH: bool>(
+        a: &[*const f32],
+        scaled: bool,
+        k: usize,
+        c: [*const u8; 2],
+        s: [*const f32; 2],
+        o: [*mut f32; 2],
+    ) {
+        // SAFETY: forwarded; the features are enabled here.
+        unsafe { fused512::<R, 2, FLUSH>(a, scaled, k, c, s, o) }
+    }
+
+    /// AVX-512 fused decode kernel on two panels at once, 1 or 2 rows.
+    ///
+    /// # Safety
+    /// The [`super::FusedPairFn`] contract; AVX-512F/BW available.
+    pub unsafe fn fused_pair_avx512<const FLUSH: bool>(
+        a: &[*const f32],
+        scaled: bool,
+        k: usize,
+        c: [*const u8; 2],
+        s: [*const f32; 2],
+        o: [*mut f32; 2],
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            crate::kernels::dispatch_rows!(fused_pair_rows512<FLUSH>, "fp8 fused panel pair", a, (a, scaled, k, c, s, o); 1 2)
+        }
     }
 
     /// AVX-512 fused decode kernel, 1 to 4 rows.
@@ -1168,6 +1236,44 @@ mod tests {
                             w.to_bits(),
                             "k={k} rows={rows} scaled={scaled} [{i}] {g} vs {w}"
                         );
+                    }
+                }
+                // The two-panel kernel: each panel's bits as the scalar model's, the second
+                // panel with other codes and scales.
+                let Some((pair, max_rows)) = fused.pair.filter(|&(_, max)| rows <= max) else {
+                    continue;
+                };
+                assert!(max_rows <= fused.rows);
+                let other: Vec<u8> = codes.iter().rev().copied().collect();
+                let other_scales: Vec<f32> = scales.iter().map(|s| -0.5 * s).collect();
+                let mut want2 = vec![0f32; rows * 32];
+                // SAFETY: as above.
+                unsafe {
+                    let (c, s) = (other.as_ptr(), other_scales.as_ptr());
+                    model(&ptrs, k, c, s, want2.as_mut_ptr())
+                };
+                for (scaled, a) in [(false, &ptrs), (true, &up_ptrs)] {
+                    let mut got = [vec![f32::NAN; rows * 32], vec![f32::NAN; rows * 32]];
+                    let [g0, g1] = &mut got;
+                    // SAFETY: as above, per panel.
+                    unsafe {
+                        pair(
+                            a,
+                            scaled,
+                            k,
+                            [codes.as_ptr(), other.as_ptr()],
+                            [scales.as_ptr(), other_scales.as_ptr()],
+                            [g0.as_mut_ptr(), g1.as_mut_ptr()],
+                        )
+                    };
+                    for (p, want) in [&want, &want2].into_iter().enumerate() {
+                        for (i, (g, w)) in got[p].iter().zip(want).enumerate() {
+                            assert_eq!(
+                                g.to_bits(),
+                                w.to_bits(),
+                                "pair k={k} rows={rows} scaled={scaled} panel {p} [{i}]"
+                            );
+                        }
                     }
                 }
             }

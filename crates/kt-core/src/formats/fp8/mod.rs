@@ -437,14 +437,69 @@ impl Fp8Experts {
             Scaling::PerChannel => {
                 // SAFETY: forwarded.
                 unsafe { self.panel(rows, k, codes, &ONES[..k / BLOCK], out) };
-                let row_scales = &scales[..PANEL];
-                for row in out[..rows.len() * PANEL].chunks_exact_mut(PANEL) {
-                    for (o, s) in row.iter_mut().zip(row_scales) {
-                        *o *= s;
-                    }
-                }
+                apply_row_scales(rows.len(), &scales[..PANEL], out);
             }
         }
+    }
+
+    /// [`Fp8Experts::scaled_panel`] for two panels of `k` inputs at once through the fused
+    /// pair kernel ([`kernels::FusedPairFn`]), where it applies: few rows, no bf16 path, results
+    /// finite. Returns false, with `outs` garbage, where it does not (the caller then runs each
+    /// panel on its own).
+    ///
+    /// # Safety
+    /// As [`Fp8Experts::scaled_panel`] for each panel.
+    unsafe fn scaled_panel_pair(
+        &self,
+        rows: &RowBlock,
+        k: usize,
+        codes: [&[u8]; 2],
+        scales: [&[f32]; 2],
+        outs: [&mut [f32]; 2],
+    ) -> bool {
+        let n = rows.len();
+        let Some((pair, max_rows)) = self.fused.and_then(|f| f.pair) else {
+            return false;
+        };
+        if n == 0 || n > max_rows || bf16::path_for(&self.kernels, rows.expert_rows, k).is_some() {
+            return false;
+        }
+        let block_scales = |s: &[f32]| match self.scaling {
+            Scaling::Block => s.as_ptr(),
+            Scaling::PerChannel => ONES.as_ptr(),
+        };
+        let scale_count = match self.scaling {
+            Scaling::Block => k / BLOCK,
+            Scaling::PerChannel => PANEL,
+        };
+        for p in 0..2 {
+            assert!(codes[p].len() == PANEL * k && scales[p].len() >= scale_count);
+            assert!(outs[p].len() >= n * PANEL);
+        }
+        assert!(rows.f32_rows.len() == n && k / BLOCK <= ONES.len());
+        let [g, u] = outs;
+        // SAFETY: n rows of k floats, 32·k codes and k/128 scales per panel (checked above),
+        // 32 outputs per row per panel; the kernel's ISA was checked when it was chosen.
+        unsafe {
+            pair(
+                rows.f32_rows,
+                false,
+                k,
+                [codes[0].as_ptr(), codes[1].as_ptr()],
+                [block_scales(scales[0]), block_scales(scales[1])],
+                [g.as_mut_ptr(), u.as_mut_ptr()],
+            )
+        };
+        // As in `panel`: a non-finite result goes to the unscaled general path.
+        if !crate::quant::all_finite(&g[..n * PANEL]) || !crate::quant::all_finite(&u[..n * PANEL])
+        {
+            return false;
+        }
+        if self.scaling == Scaling::PerChannel {
+            apply_row_scales(n, &scales[0][..PANEL], g);
+            apply_row_scales(n, &scales[1][..PANEL], u);
+        }
+        true
     }
 
     /// `out` (32 per row) = one panel's codes (`32·k` bytes in panel order) with their `k/128`
@@ -559,6 +614,15 @@ impl Fp8Experts {
     }
 }
 
+/// Multiply each of the `n` rows of `out` (32 per row) by the panel's 32 row scales.
+fn apply_row_scales(n: usize, row_scales: &[f32], out: &mut [f32]) {
+    for row in out[..n * PANEL].chunks_exact_mut(PANEL) {
+        for (o, s) in row.iter_mut().zip(row_scales) {
+            *o *= s;
+        }
+    }
+}
+
 impl ExpertFormat for Fp8Experts {
     fn method(&self) -> Method {
         match self.scaling {
@@ -593,6 +657,20 @@ impl ExpertFormat for Fp8Experts {
         let PanelAt { part, slot, panel } = at;
         let h = self.hidden;
         let p = &self.parts[part];
+        let panel_of = |proj: Proj| {
+            let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
+            (
+                &p.gate_up.as_slice()[at..at + PANEL * h],
+                &p.gate_up_scales.as_slice()[scale_at..],
+            )
+        };
+        let ((gate, gate_scales), (up, up_scales)) = (panel_of(Proj::Gate), panel_of(Proj::Up));
+        // A decode's few rows stream the gate and up panels together (twice the FMA chains).
+        // SAFETY: the trait's contract, forwarded for rows of H values.
+        if unsafe { self.scaled_panel_pair(rows, h, [gate, up], [gate_scales, up_scales], [g, u]) }
+        {
+            return;
+        }
         for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
             let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
             let codes = &p.gate_up.as_slice()[at..at + PANEL * h];
@@ -623,6 +701,37 @@ impl ExpertFormat for Fp8Experts {
         let codes = &p.down.as_slice()[at..at + PANEL * ip];
         // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
         unsafe { self.scaled_panel(rows, ip, codes, &p.down_scales.as_slice()[scale_at..], o) };
+    }
+
+    unsafe fn down_panel_pair(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        _scratch: &mut PanelAcc,
+        o: &mut [f32],
+        o_next: &mut [f32],
+    ) -> bool {
+        let PanelAt { part, slot, panel } = at;
+        let ip = self.ranges[part].len();
+        let p = &self.parts[part];
+        let panel_of = |panel: usize| {
+            let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
+            (
+                &p.down.as_slice()[at..at + PANEL * ip],
+                &p.down_scales.as_slice()[scale_at..],
+            )
+        };
+        let ((first, first_scales), (next, next_scales)) = (panel_of(panel), panel_of(panel + 1));
+        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
+        unsafe {
+            self.scaled_panel_pair(
+                rows,
+                ip,
+                [first, next],
+                [first_scales, next_scales],
+                [o, o_next],
+            )
+        }
     }
 
     fn packs_from_source(&self) -> bool {
