@@ -104,7 +104,7 @@ pub type FusedPairFn = unsafe fn(
     out: [*mut f32; 2],
 );
 
-/// Rows per call of the AVX-512 two-panel kernel.
+/// Rows per call of the AVX-512 two-panel kernel (the AVX2 one takes one).
 pub const FUSED_PAIR_ROWS: usize = 2;
 
 /// A fused kernel and the rows it takes per call.
@@ -137,15 +137,16 @@ pub fn fused_variant(level: Level, flush: bool) -> Option<Fused> {
             (false, false) => (x86::fused_avx2::<false>, crate::kernels::MAX_ROWS),
             (false, true) => (x86::fused_avx2::<true>, crate::kernels::MAX_ROWS),
         };
-        let pair: Option<FusedPairFn> = match (level >= Level::Avx512Base, flush) {
-            (true, false) => Some(x86::fused_pair_avx512::<false>),
-            (true, true) => Some(x86::fused_pair_avx512::<true>),
-            (false, _) => None,
+        let pair: (FusedPairFn, usize) = match (level >= Level::Avx512Base, flush) {
+            (true, false) => (x86::fused_pair_avx512::<false>, FUSED_PAIR_ROWS),
+            (true, true) => (x86::fused_pair_avx512::<true>, FUSED_PAIR_ROWS),
+            (false, false) => (x86::fused_pair_avx2::<false>, 1),
+            (false, true) => (x86::fused_pair_avx2::<true>, 1),
         };
         return Some(Fused {
             run,
             rows,
-            pair: pair.map(|f| (f, FUSED_PAIR_ROWS)),
+            pair: Some(pair),
             flushes_subnormals: flush,
         });
     }
@@ -748,15 +749,15 @@ pub(crate) mod x86 {
     /// touched once per block, are kept in memory.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn fused256<const R: usize, const FLUSH: bool>(
+    unsafe fn fused256<const R: usize, const P: usize, const FLUSH: bool>(
         a: &[*const f32],
         scaled: bool,
         k: usize,
-        codes: *const u8,
-        scales: *const f32,
-        out: *mut f32,
+        codes: [*const u8; P],
+        scales: [*const f32; P],
+        out: [*mut f32; P],
     ) {
-        // SAFETY: as in `fused512`.
+        // SAFETY: as in `fused512` (P panels likewise).
         unsafe {
             let zero = _mm256_setzero_si256();
             let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
@@ -765,7 +766,9 @@ pub(crate) mod x86 {
             // in memory the compiler cannot keep them in the registers the line loop needs
             // (AMD Zen 3 from cache, two rows: totals in a local array 6.4 ns per line, here
             // 5.6-5.8, the block scale in the activations before 5.5-5.7).
-            std::ptr::write_bytes(out, 0, R * 32);
+            for o in out {
+                std::ptr::write_bytes(o, 0, R * 32);
+            }
             // The block's activations times 2⁶⁴, so each line's broadcasts are plain loads.
             let mut x = [[0f32; super::BLOCK]; R];
             let pf = fp8_distance();
@@ -773,7 +776,8 @@ pub(crate) mod x86 {
             for b in 0..k / super::BLOCK {
                 crate::kernels::scaled_inputs(a, b * super::BLOCK, super::BLOCK, up, &mut x);
                 let lines = b * super::BLOCK / 2..(b + 1) * super::BLOCK / 2;
-                let s = _mm256_set1_ps(*scales.add(b) * DOWN);
+                let s: [__m256; P] =
+                    std::array::from_fn(|pn| _mm256_set1_ps(*scales[pn].add(b) * DOWN));
                 // With `FLUSH`, two rows take the block half by half (its 4 KB of codes stay
                 // in L1 for the second): 4 sums live rather than 8, which spilled with the
                 // extra register (AMD Zen 4 from cache, two rows: 7.6 -> 4.4 ns per line;
@@ -784,50 +788,55 @@ pub(crate) mod x86 {
                     &[(0, 2)]
                 };
                 for &(h0, h1) in passes {
-                    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+                    let mut acc = [[[_mm256_setzero_ps(); 4]; R]; P];
                     for q in lines.clone() {
-                        let line = codes.add(q * 64);
-                        if h0 == 0 {
-                            crate::kernels::prefetch::ahead(line, pf);
-                        }
                         let i = 2 * q - b * super::BLOCK;
                         let x0: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i]));
                         let x1: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(x[r][i + 1]));
-                        for h in h0..h1 {
-                            let v = _mm256_loadu_si256(line.add(32 * h) as *const __m256i);
-                            let halves =
-                                [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)];
-                            for (u, half) in halves.into_iter().enumerate() {
-                                let pairs = top_codes256::<FLUSH>(half);
-                                let w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-                                let w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-                                for r in 0..R {
-                                    acc[r][2 * h + u] =
-                                        _mm256_fmadd_ps(w0, x0[r], acc[r][2 * h + u]);
-                                    acc[r][2 * h + u] =
-                                        _mm256_fmadd_ps(w1, x1[r], acc[r][2 * h + u]);
+                        for pn in 0..P {
+                            let line = codes[pn].add(q * 64);
+                            if h0 == 0 {
+                                crate::kernels::prefetch::ahead(line, pf);
+                            }
+                            for h in h0..h1 {
+                                let v = _mm256_loadu_si256(line.add(32 * h) as *const __m256i);
+                                let halves =
+                                    [_mm256_unpacklo_epi8(zero, v), _mm256_unpackhi_epi8(zero, v)];
+                                for (u, half) in halves.into_iter().enumerate() {
+                                    let pairs = top_codes256::<FLUSH>(half);
+                                    let w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                                    let w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+                                    for r in 0..R {
+                                        let c = &mut acc[pn][r][2 * h + u];
+                                        *c = _mm256_fmadd_ps(w0, x0[r], *c);
+                                        *c = _mm256_fmadd_ps(w1, x1[r], *c);
+                                    }
                                 }
                             }
                         }
                     }
-                    for r in 0..R {
-                        for slot in 2 * h0..2 * h1 {
-                            let t = out.add(32 * r + 8 * slot);
-                            _mm256_storeu_ps(
-                                t,
-                                _mm256_fmadd_ps(acc[r][slot], s, _mm256_loadu_ps(t)),
-                            );
+                    for pn in 0..P {
+                        for r in 0..R {
+                            for slot in 2 * h0..2 * h1 {
+                                let t = out[pn].add(32 * r + 8 * slot);
+                                _mm256_storeu_ps(
+                                    t,
+                                    _mm256_fmadd_ps(acc[pn][r][slot], s[pn], _mm256_loadu_ps(t)),
+                                );
+                            }
                         }
                     }
                 }
             }
-            for r in 0..R {
-                let mut lanes = [0f32; 32];
-                std::ptr::copy_nonoverlapping(out.add(32 * r), lanes.as_mut_ptr(), 32);
-                for (at, x) in lanes.iter().enumerate() {
-                    // Slot 2h + u, lane i: 128-bit lane i/4, byte pair 4u + i%4 of it.
-                    let (h, u, i) = (at / 16, (at / 8) % 2, at % 8);
-                    *out.add(r * 32 + 16 * h + 8 * (i / 4) + 4 * u + i % 4) = *x;
+            for o in out {
+                for r in 0..R {
+                    let mut lanes = [0f32; 32];
+                    std::ptr::copy_nonoverlapping(o.add(32 * r), lanes.as_mut_ptr(), 32);
+                    for (at, x) in lanes.iter().enumerate() {
+                        // Slot 2h + u, lane i: 128-bit lane i/4, byte pair 4u + i%4 of it.
+                        let (h, u, i) = (at / 16, (at / 8) % 2, at % 8);
+                        *o.add(r * 32 + 16 * h + 8 * (i / 4) + 4 * u + i % 4) = *x;
+                    }
                 }
             }
         }
@@ -843,7 +852,26 @@ pub(crate) mod x86 {
         o: *mut f32,
     ) {
         // SAFETY: forwarded; the features are enabled here.
-        unsafe { fused256::<R, FLUSH>(a, scaled, k, c, s, o) }
+        unsafe { fused256::<R, 1, FLUSH>(a, scaled, k, [c], [s], [o]) }
+    }
+
+    /// AVX2 fused decode kernel on two panels at once, one row (eight chains of 8 lanes: more
+    /// rows would spill).
+    ///
+    /// # Safety
+    /// The [`super::FusedPairFn`] contract with one row; AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fused_pair_avx2<const FLUSH: bool>(
+        a: &[*const f32],
+        scaled: bool,
+        k: usize,
+        c: [*const u8; 2],
+        s: [*const f32; 2],
+        o: [*mut f32; 2],
+    ) {
+        assert!(a.len() == 1, "fp8 avx2 fused panel pair takes one row");
+        // SAFETY: forwarded; the features are enabled here.
+        unsafe { fused256::<1, 2, FLUSH>(a, scaled, k, c, s, o) }
     }
 
     /// AVX2 fused decode kernel, 1 to [`crate::kernels::MAX_ROWS`] rows: one or two rows
