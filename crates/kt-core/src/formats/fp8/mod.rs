@@ -671,19 +671,9 @@ impl ExpertFormat for Fp8Experts {
         {
             return;
         }
-        for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
-            let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
-            let codes = &p.gate_up.as_slice()[at..at + PANEL * h];
+        for (codes, scales, out) in [(gate, gate_scales, g), (up, up_scales, u)] {
             // SAFETY: the trait's contract, forwarded for rows of H values.
-            unsafe {
-                self.scaled_panel(
-                    rows,
-                    h,
-                    codes,
-                    &p.gate_up_scales.as_slice()[scale_at..],
-                    out,
-                )
-            };
+            unsafe { self.scaled_panel(rows, h, codes, scales, out) };
         }
     }
 
