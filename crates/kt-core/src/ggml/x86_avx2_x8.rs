@@ -64,6 +64,7 @@ pub(super) fn x8_fn(ty: super::GgmlType, mul: X8Mul) -> Option<super::RawX8Fn> {
         (super::GgmlType::Q4_K, X8Mul::Avx2) => Some(q4_k),
         (super::GgmlType::Q4_K, X8Mul::AvxVnni) => Some(q4_k_avxvnni),
         (super::GgmlType::Q4_K, X8Mul::Avx512Vnni) => Some(q4_k_avx512vnni),
+        (super::GgmlType::Q6_K, X8Mul::Avx512Vnni) => Some(q6_k_avx512),
         (super::GgmlType::Q6_K, _) => Some(q6_k),
         (super::GgmlType::Q8_0, X8Mul::Avx2) => Some(q8_0),
         (super::GgmlType::Q8_0, X8Mul::AvxVnni) => Some(q8_0_avxvnni),
@@ -600,6 +601,116 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
             }
         }
         store_rows(&acc, out, stride);
+    }
+}
+
+/// [`q6_k`] with one activation row on 512-bit vectors (more rows: [`q6_k`]).
+///
+/// # Safety
+/// As [`q6_k`], and the CPU has AVX-512 F/BW/VL/DQ.
+pub(super) unsafe fn q6_k_avx512(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        if acts.len() == 1 {
+            q6_k_row512(k, group, acts, out, stride)
+        } else {
+            q6_k(k, group, acts, sums32, out, stride)
+        }
+    }
+}
+
+/// One row against a Q6_K x8 group, a sub-block (two steps) per 512-bit vector: the 64 bytes
+/// of its two steps' nibbles are one load, and their top bits one 32-byte vector shifted by
+/// 0 and 4 for the two halves. A decode's one row bound [`q6_k_rows`] by its instructions per
+/// step (AMD Zen 5, `ggml_cycles`, 128 weight rows from cache: 48 GB/s, below a core's DRAM
+/// share). The integer sums are [`q6_k_rows`]'s, regrouped (exact), and the per-super-block
+/// steps the same, so the bits are too.
+///
+/// # Safety
+/// As [`q6_k_avx512`] with one row.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")]
+unsafe fn q6_k_row512(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], stride: usize) {
+    let blocks = k / 256;
+    assert!(group.len() >= blocks * Q6_K_X8_BYTES);
+    let [a] = starts::<1>(acts, blocks * Q8_K_BYTES, out, stride, GROUP);
+    let pf = crate::kernels::prefetch::for_panel_rows_of(GGUF, 1);
+    // SAFETY: every load is at an offset inside the checked group and activation blocks.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let two = _mm512_set1_epi8(0x03);
+        let twelve = _mm512_set1_epi8(0x0C);
+        // Dwords 0, 1 of a step pair's 16 activation bytes to the low half, 2, 3 to the high.
+        let first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        let second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+        let mut acc = _mm256_setzero_ps();
+        for sb in 0..blocks {
+            let g = group.as_ptr().add(sb * Q6_K_X8_BYTES);
+            prefetch_headers(g, pf);
+            let mut sumi = _mm512_setzero_si512();
+            for t in 0..16 {
+                let top_at = g.add(q6_k_x8_top(t));
+                crate::kernels::prefetch::ahead(top_at, pf);
+                crate::kernels::prefetch::ahead(top_at.add(64), pf);
+                let top = _mm256_loadu_si256(top_at as *const __m256i);
+                // Step 2t's four top bits per byte in the low half, step 2t + 1's (the upper
+                // nibble) in the high half.
+                let bits = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(top),
+                    _mm256_srli_epi16::<4>(top),
+                );
+                let bits = _mm512_and_si512(bits, low4);
+                let x = _mm512_loadu_si512(g.add(q6_k_x8_nibbles(2 * t)) as *const __m512i);
+                let lo = _mm512_or_si512(
+                    _mm512_and_si512(x, low4),
+                    _mm512_slli_epi16::<4>(_mm512_and_si512(bits, two)),
+                );
+                let hi = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4),
+                    _mm512_slli_epi16::<2>(_mm512_and_si512(bits, twelve)),
+                );
+                let quads = _mm512_castsi128_si512(_mm_loadu_si128(
+                    a.add(sb * Q8_K_BYTES + 4 + 16 * t) as *const __m128i,
+                ));
+                let a0 = _mm512_permutexvar_epi32(first, quads);
+                let a1 = _mm512_permutexvar_epi32(second, quads);
+                let s16 =
+                    _mm512_add_epi16(_mm512_maddubs_epi16(lo, a0), _mm512_maddubs_epi16(hi, a1));
+                let scales = _mm512_broadcast_i64x4(i8_pairs(g.add(16 + 8 * t)));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(s16, scales));
+            }
+            let sumi = _mm256_add_epi32(
+                _mm512_castsi512_si256(sumi),
+                _mm512_extracti64x4_epi64::<1>(sumi),
+            );
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
+            // As in `q6_k_rows`: minus 32 · Σ_j scale_j · bsums[j].
+            let ab = a.add(sb * Q8_K_BYTES);
+            let mut offset = _mm256_setzero_si256();
+            for q in 0..8 {
+                let s_lo =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
+                let s_hi =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
+                let pair = _mm256_or_si256(
+                    _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
+                    _mm256_slli_epi32::<16>(s_hi),
+                );
+                let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, b));
+            }
+            let s = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
+            let da = _mm256_set1_ps((ab as *const f32).read_unaligned());
+            let term = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s));
+            acc = _mm256_add_ps(acc, term);
+        }
+        store_rows(&[acc], out, stride);
     }
 }
 
