@@ -725,6 +725,7 @@ impl PartForward<'_> {
         } = &mut *scratch;
         let mut at = Gathered::new();
         let blocks = rows.len().div_ceil(block);
+        let pairs = blocks == 1 && experts.pairs_down_panels();
         let mut paired = None;
         for p in panels.clone() {
             // The second panel of a pair the format ran at p − 1.
@@ -778,7 +779,7 @@ impl PartForward<'_> {
                 };
                 let row_block = at.block(rows.len(), nr, reuse, next, blocks > 1);
                 // One block of rows and a next panel in the range: the format may run both.
-                let pair = blocks == 1 && p + 1 < panels.end && {
+                let pair = pairs && p + 1 < panels.end && {
                     // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU
                     // rows of ip values, prepared rows of act_stride bytes when prep_act; `o`
                     // and `o2` hold MAX_ROWS·32; panel p + 1 exists (p + 1 < panels.end).

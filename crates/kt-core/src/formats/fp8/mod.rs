@@ -693,6 +693,10 @@ impl ExpertFormat for Fp8Experts {
         unsafe { self.scaled_panel(rows, ip, codes, &p.down_scales.as_slice()[scale_at..], o) };
     }
 
+    fn pairs_down_panels(&self) -> bool {
+        self.fused.is_some_and(|f| f.pair.is_some())
+    }
+
     unsafe fn down_panel_pair(
         &self,
         at: PanelAt,
