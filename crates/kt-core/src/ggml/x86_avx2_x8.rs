@@ -604,6 +604,49 @@ unsafe fn q8_0_rows<const R: usize, D: SignedDot>(
     }
 }
 
+/// A Q6_K x8 super-block's scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs, made once
+/// for every token row. (A loop rather than `std::array::from_fn`, which stayed out of line.)
+///
+/// # Safety
+/// `g` is a Q6_K x8 super-block; AVX2 in the caller.
+#[inline(always)]
+unsafe fn q6_k_scale_pairs(g: *const u8) -> [__m256i; 8] {
+    // SAFETY: the contract above: the 128 scale bytes from offset 16.
+    unsafe {
+        let mut pairs = [_mm256_setzero_si256(); 8];
+        for (q, pair) in pairs.iter_mut().enumerate() {
+            let s_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
+            let s_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
+            *pair = _mm256_or_si256(
+                _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
+                _mm256_slli_epi32::<16>(s_hi),
+            );
+        }
+        pairs
+    }
+}
+
+/// One token row's term of a Q6_K x8 super-block: `d · da · (sumi − 32 · Σ_j scale_j ·
+/// bsums[j])`, the 6-bit offset the twin removes, for the row's Q8_K block at `ab`.
+///
+/// # Safety
+/// `ab` is a Q8_K block; AVX2 in the caller.
+#[inline(always)]
+unsafe fn q6_k_term(d: __m256, pairs: &[__m256i; 8], ab: *const u8, sumi: __m256i) -> __m256 {
+    // SAFETY: the contract above: the block's scale and its bsums from offset 260.
+    unsafe {
+        let mut offset = _mm256_setzero_si256();
+        for (q, pair) in pairs.iter().enumerate() {
+            // The bsums of sub-blocks 2q, 2q + 1 in every lane.
+            let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
+            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(*pair, b));
+        }
+        let s = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
+        let da = _mm256_set1_ps((ab as *const f32).read_unaligned());
+        _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s))
+    }
+}
+
 /// [`q6_k`] with one activation row on 512-bit vectors (more rows: [`q6_k`]).
 ///
 /// # Safety
@@ -690,24 +733,8 @@ unsafe fn q6_k_row512(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], s
                 _mm512_extracti64x4_epi64::<1>(sumi),
             );
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
-            // As in `q6_k_rows`: minus 32 · Σ_j scale_j · bsums[j].
-            let ab = a.add(sb * Q8_K_BYTES);
-            let mut offset = _mm256_setzero_si256();
-            for q in 0..8 {
-                let s_lo =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
-                let s_hi =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
-                let pair = _mm256_or_si256(
-                    _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
-                    _mm256_slli_epi32::<16>(s_hi),
-                );
-                let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
-                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, b));
-            }
-            let s = _mm256_sub_epi32(sumi, _mm256_slli_epi32::<5>(offset));
-            let da = _mm256_set1_ps((ab as *const f32).read_unaligned());
-            let term = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s));
+            let pairs = q6_k_scale_pairs(g);
+            let term = q6_k_term(d, &pairs, a.add(sb * Q8_K_BYTES), sumi);
             acc = _mm256_add_ps(acc, term);
         }
         store_rows(&[acc], out, stride);
@@ -783,31 +810,9 @@ unsafe fn q6_k_rows<const R: usize>(
                 }
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i));
-            // Scales of sub-blocks 2q, 2q + 1 per row as 16-bit pairs (for every token).
-            // (A loop rather than `std::array::from_fn`, which stayed out of line.)
-            let mut pairs = [_mm256_setzero_si256(); 8];
-            for (q, pair) in pairs.iter_mut().enumerate() {
-                let s_lo =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(16 + 16 * q) as *const __m128i));
-                let s_hi =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(g.add(24 + 16 * q) as *const __m128i));
-                *pair = _mm256_or_si256(
-                    _mm256_and_si256(s_lo, _mm256_set1_epi32(0xFFFF)),
-                    _mm256_slli_epi32::<16>(s_hi),
-                );
-            }
+            let pairs = q6_k_scale_pairs(g);
             for r in 0..R {
-                let ab = a[r].add(sb * Q8_K_BYTES);
-                let mut offset = _mm256_setzero_si256();
-                for (q, pair) in pairs.iter().enumerate() {
-                    // The bsums of sub-blocks 2q, 2q + 1 in every lane.
-                    let b = _mm256_set1_epi32((ab.add(260 + 4 * q) as *const i32).read_unaligned());
-                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(*pair, b));
-                }
-                // Minus 32 · Σ_j scale_j · bsums[j], the 6-bit offset the twin removes.
-                let s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32::<5>(offset));
-                let da = _mm256_set1_ps((ab as *const f32).read_unaligned());
-                let term = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s));
+                let term = q6_k_term(d, &pairs, a[r].add(sb * Q8_K_BYTES), sumi[r]);
                 acc[r] = _mm256_add_ps(acc[r], term);
             }
         }
