@@ -1,5 +1,6 @@
 //! Diagnostic: decode latency of one layer per weight format, alternating two layers so the
-//! weights come from DRAM. `cargo run --release -p kt-benches --example decode`
+//! weights come from DRAM. `cargo run --release -p kt-benches --example decode [-- METHOD]`
+//! (`int8`, `bf16`, `int4` or any method name, e.g. RAWINT4; GB/s for the first three).
 use kt_core::kernels::KernelSet;
 use kt_core::method::Method;
 use kt_core::moe::Workspace;
@@ -17,7 +18,8 @@ fn main() {
         Some("int8") => vec![Method::AmxInt8],
         Some("bf16") => vec![Method::Bf16],
         Some("int4") => vec![Method::AmxInt4],
-        _ => vec![Method::Bf16, Method::AmxInt8, Method::AmxInt4],
+        Some(name) => vec![Method::parse(name).expect("a method name")],
+        None => vec![Method::Bf16, Method::AmxInt8, Method::AmxInt4],
     };
     for format in formats {
         let layers: Vec<_> = (0..2)
@@ -34,14 +36,22 @@ fn main() {
                 )
             })
             .collect();
+        // ROWWISE=0: the prefill's down scheme (four column blocks per thread) instead of
+        // the decode's.
+        let mut layers = layers;
+        if kt_benches::env_or("ROWWISE", 1) == 0 {
+            layers.iter_mut().for_each(|l| l.set_rowwise_down_limit(0));
+        }
         let mut ws = Workspace::new();
-        let x = rng.normals(h, 1.0);
-        let mut out = vec![0f32; h];
+        // TOKENS=4: a four-token decode step.
+        let tokens: usize = kt_benches::env_or("TOKENS", 1);
+        let x = rng.normals(tokens * h, 1.0);
+        let mut out = vec![0f32; tokens * h];
         let mut best = f64::MAX;
         let mut times = Vec::new();
         let iters = kt_benches::env_or("ITERS", 200);
         for it in 0..iters {
-            let (ids, w) = kt_benches::routing(&mut rng, 1, e, k);
+            let (ids, w) = kt_benches::routing(&mut rng, tokens, e, k);
             let t = Instant::now();
             layers[it % 2]
                 .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
@@ -55,7 +65,8 @@ fn main() {
             Method::Bf16 => 8 * 3 * h * i * 2,
             Method::AmxInt8 => 8 * 3 * h * i,
             Method::AmxInt4 => 8 * 3 * h * i / 2,
-            other => unreachable!("{other} layers load from files (kt bench --method {other})"),
+            // Other methods: latency only (their scale bytes differ per format).
+            _ => 0,
         };
         println!(
             "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",

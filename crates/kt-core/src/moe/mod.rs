@@ -30,7 +30,7 @@ pub use workspace::Workspace;
 /// `chunked_prefill_size` is, while keeping enough rows per expert for the blocked GEMM.
 pub const CHUNK_TOKENS: usize = 1024;
 
-/// Forwards with at most this many (row × hidden) down outputs use the row-wise down scheme.
+/// Forwards with at most this many (row × hidden) down outputs use the decode's down scheme.
 const ROWWISE_DOWN_MAX: usize = 1 << 20;
 
 /// One MoE layer with its experts in one format.
@@ -91,9 +91,10 @@ impl MoeLayer {
         self.experts.kernel_name()
     }
 
-    /// Forwards with at most `elems` (rows × hidden) down outputs use the row-wise down scheme
-    /// (decode-sized); larger ones the column-block scheme. Both give the same result; this
-    /// is a tuning knob (and lets tests cover both).
+    /// Forwards with at most `elems` (rows × hidden) down outputs use the decode's down scheme
+    /// (one block of output columns per thread, or row-wise shares where the layer is narrow
+    /// for its threads); larger ones the prefill's column blocks. All give the same result;
+    /// this is a tuning knob (and lets tests cover each).
     pub fn set_rowwise_down_limit(&mut self, elems: usize) {
         self.rowwise_down_max = elems.min(ROWWISE_DOWN_MAX);
     }

@@ -142,6 +142,38 @@ fn config(e: usize, k: usize, h: usize, i: usize, max_tokens: usize) -> MoeConfi
     }
 }
 
+/// A decode on a layer wide enough that each thread takes one block of output columns over
+/// every expert (`DECODE_SHARE_PANELS`): the float64 reference, one thread and two, one part
+/// and two.
+#[test]
+fn wide_decode_column_shares_match_float64_reference() {
+    let mut rng = Rng::new(23);
+    let (e, k, h, i) = (8, 3, 1024, 64);
+    let wts = Weights::random(&mut rng, e, h, i);
+    let map: Vec<usize> = (0..e).collect();
+    for (parts, threads) in [(1, 1), (1, 2), (2, 2)] {
+        let pool = pool(parts, threads);
+        let kern = KernelSet::best().unwrap();
+        let mut layer = MoeLayer::new(config(e, k, h, i, 8), parts, kern).unwrap();
+        layer.load(&pool, &wts.source(), None).unwrap();
+        let mut ws = Workspace::new();
+        for qlen in [1, 3] {
+            let x = rng.normals(qlen * h, 1.0);
+            let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
+            let mut out = vec![0f32; qlen * h];
+            layer
+                .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
+                .unwrap();
+            let want = wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0);
+            let err = rel_l2(&out, &want);
+            assert!(
+                err < 1e-5,
+                "parts={parts} threads={threads} qlen={qlen}: rel err {err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn matches_float64_reference_on_every_level_and_part_count() {
     let mut rng = Rng::new(11);
