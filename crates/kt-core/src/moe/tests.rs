@@ -150,7 +150,6 @@ fn wide_decode_column_shares_match_float64_reference() {
     let mut rng = Rng::new(23);
     let (e, k, h, i) = (8, 3, 1024, 64);
     let wts = Weights::random(&mut rng, e, h, i);
-    let map: Vec<usize> = (0..e).collect();
     for (parts, threads) in [(1, 1), (1, 2), (2, 2)] {
         let pool = pool(parts, threads);
         let kern = KernelSet::best().unwrap();
@@ -158,14 +157,7 @@ fn wide_decode_column_shares_match_float64_reference() {
         layer.load(&pool, &wts.source(), None).unwrap();
         let mut ws = Workspace::new();
         for qlen in [1, 3] {
-            let x = rng.normals(qlen * h, 1.0);
-            let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
-            let mut out = vec![0f32; qlen * h];
-            layer
-                .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
-                .unwrap();
-            let want = wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0);
-            let err = rel_l2(&out, &want);
+            let err = forward_error(&layer, &pool, &mut ws, &wts, &mut rng, qlen);
             assert!(
                 err < 1e-5,
                 "parts={parts} threads={threads} qlen={qlen}: rel err {err}"
@@ -174,12 +166,32 @@ fn wide_decode_column_shares_match_float64_reference() {
     }
 }
 
+/// The relative L2 error of one forward of `qlen` random tokens (random routing) through
+/// `layer` (loaded from `wts`, slots in expert order) against the float64 reference.
+fn forward_error(
+    layer: &MoeLayer,
+    pool: &Pool,
+    ws: &mut Workspace,
+    wts: &Weights,
+    rng: &mut Rng,
+    qlen: usize,
+) -> f64 {
+    let c = layer.config();
+    let (e, k, h) = (c.num_experts, c.top_k, c.hidden);
+    let map: Vec<usize> = (0..e).collect();
+    let x = rng.normals(qlen * h, 1.0);
+    let (ids, w) = routing_inputs(rng, qlen, e, k);
+    let mut out = vec![0f32; qlen * h];
+    layer.forward_f32(pool, ws, &x, &ids, &w, &mut out).unwrap();
+    let want = wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0);
+    rel_l2(&out, &want)
+}
+
 #[test]
 fn matches_float64_reference_on_every_level_and_part_count() {
     let mut rng = Rng::new(11);
     let (e, k, h, i) = (8, 3, 96, 160);
     let wts = Weights::random(&mut rng, e, h, i);
-    let map: Vec<usize> = (0..e).collect();
     for parts in [1, 2, 3] {
         let pool = pool(parts, 2.max(parts));
         for level in runnable_levels() {
@@ -196,14 +208,7 @@ fn matches_float64_reference_on_every_level_and_part_count() {
                 (40, false),
             ] {
                 layer.set_rowwise_down_limit(if rowwise { usize::MAX } else { 0 });
-                let x = rng.normals(qlen * h, 1.0);
-                let (ids, w) = routing_inputs(&mut rng, qlen, e, k);
-                let mut out = vec![0f32; qlen * h];
-                layer
-                    .forward_f32(&pool, &mut ws, &x, &ids, &w, &mut out)
-                    .unwrap();
-                let want = wts.reference(&x, &ids, &w, k, None, &map, 0.0, 0.0);
-                let err = rel_l2(&out, &want);
+                let err = forward_error(&layer, &pool, &mut ws, &wts, &mut rng, qlen);
                 assert!(
                     err < 1e-5,
                     "parts={parts} level={level:?} qlen={qlen}: rel err {err}"
