@@ -61,17 +61,21 @@ fn main() {
             times.push(dt);
         }
         times.sort_by(f64::total_cmp);
+        // Weight bytes of one token's 8 experts, for the methods without scale bytes; other
+        // methods and several tokens (their distinct experts vary): latency only.
         let bytes = match format {
-            Method::Bf16 => 8 * 3 * h * i * 2,
-            Method::AmxInt8 => 8 * 3 * h * i,
-            Method::AmxInt4 => 8 * 3 * h * i / 2,
-            // Other methods: latency only (their scale bytes differ per format).
-            _ => 0,
-        };
+            Method::Bf16 => Some(8 * 3 * h * i * 2),
+            Method::AmxInt8 => Some(8 * 3 * h * i),
+            Method::AmxInt4 => Some(8 * 3 * h * i / 2),
+            _ => None,
+        }
+        .filter(|_| tokens == 1);
+        let rate = bytes.map_or(String::new(), |b| {
+            format!(" ({:.1} GB/s)", b as f64 / times[iters / 2] / 1e9)
+        });
         println!(
-            "{format:?}: median {:.3} ms ({:.1} GB/s), best {:.3} ms",
+            "{format:?}: median {:.3} ms{rate}, best {:.3} ms",
             times[iters / 2] * 1e3,
-            bytes as f64 / times[iters / 2] / 1e9,
             best * 1e3
         );
     }
