@@ -669,6 +669,30 @@ pub(super) unsafe fn q6_k_avx512(
     }
 }
 
+/// A Q6_K step's 6-bit values on 512-bit vectors: `x` holds the nibbles (low nibbles the
+/// first four inputs of each word, high nibbles the next four) and `bits` the step's top bits
+/// (two per input: bits 0-1 for the low nibbles, 2-3 for the high); returns the two words'
+/// values `(lo, hi)` as unsigned bytes.
+///
+/// # Safety
+/// AVX-512 F/BW in the caller.
+#[inline(always)]
+pub(super) unsafe fn q6_k_values512(x: __m512i, bits: __m512i) -> (__m512i, __m512i) {
+    // SAFETY: the contract above.
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let lo = _mm512_or_si512(
+            _mm512_and_si512(x, low4),
+            _mm512_slli_epi16::<4>(_mm512_and_si512(bits, _mm512_set1_epi8(0x03))),
+        );
+        let hi = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4),
+            _mm512_slli_epi16::<2>(_mm512_and_si512(bits, _mm512_set1_epi8(0x0C))),
+        );
+        (lo, hi)
+    }
+}
+
 /// One row against a Q6_K x8 group, a sub-block (two steps) per 512-bit vector: the 64 bytes
 /// of its two steps' nibbles are one load, and their top bits one 32-byte vector shifted by
 /// 0 and 4 for the two halves. A decode's one row bound [`q6_k_rows`] by its instructions per
@@ -687,8 +711,6 @@ unsafe fn q6_k_row512(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], s
     // SAFETY: every load is at an offset inside the checked group and activation blocks.
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
-        let two = _mm512_set1_epi8(0x03);
-        let twelve = _mm512_set1_epi8(0x0C);
         // Dwords 0, 1 of a step pair's 16 activation bytes to the low half, 2, 3 to the high.
         let first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
         let second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -710,14 +732,7 @@ unsafe fn q6_k_row512(k: usize, group: &[u8], acts: &[&[u8]], out: &mut [f32], s
                 );
                 let bits = _mm512_and_si512(bits, low4);
                 let x = _mm512_loadu_si512(g.add(q6_k_x8_nibbles(2 * t)) as *const __m512i);
-                let lo = _mm512_or_si512(
-                    _mm512_and_si512(x, low4),
-                    _mm512_slli_epi16::<4>(_mm512_and_si512(bits, two)),
-                );
-                let hi = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4),
-                    _mm512_slli_epi16::<2>(_mm512_and_si512(bits, twelve)),
-                );
+                let (lo, hi) = q6_k_values512(x, bits);
                 let quads = _mm512_castsi128_si512(_mm_loadu_si128(
                     a.add(sb * Q8_K_BYTES + 4 + 16 * t) as *const __m128i,
                 ));

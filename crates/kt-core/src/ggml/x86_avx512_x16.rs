@@ -6,7 +6,7 @@
 //! so the results equal the scalar twin bit for bit.
 use super::blocks::{Q8_0_BYTES, Q8_K_BYTES};
 use super::x8::{q6_k_x8_nibbles, q6_k_x8_top, GROUP, Q4_K_X8_BYTES, Q6_K_X8_BYTES, Q8_0_X8_BYTES};
-use super::x86_avx2_x8::{starts, x8_entry, PairShare};
+use super::x86_avx2_x8::{q6_k_values512, starts, x8_entry, PairShare};
 use std::arch::x86_64::*;
 
 /// Rows per call: two x8 groups.
@@ -331,9 +331,6 @@ unsafe fn q6_k_rows<const R: usize>(
     // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
     // caller's CPU has the features enabled here.
     unsafe {
-        let low4 = _mm512_set1_epi8(0x0F);
-        let bits01 = _mm512_set1_epi8(0x03);
-        let bits23 = _mm512_set1_epi8(0x0C);
         let mut acc = [_mm512_setzero_ps(); R];
         for sb in 0..blocks {
             let g0 = groups.as_ptr().add(sb * Q6_K_X8_BYTES);
@@ -360,14 +357,7 @@ unsafe fn q6_k_rows<const R: usize>(
                     } else {
                         _mm512_srli_epi16::<4>(top)
                     };
-                    let lo = _mm512_or_si512(
-                        _mm512_and_si512(x, low4),
-                        _mm512_slli_epi16::<4>(_mm512_and_si512(bits, bits01)),
-                    );
-                    let hi = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(x), low4),
-                        _mm512_slli_epi16::<2>(_mm512_and_si512(bits, bits23)),
-                    );
+                    let (lo, hi) = q6_k_values512(x, bits);
                     for r in 0..R {
                         let q = a[r].add(sb * Q8_K_BYTES + 4 + 8 * step);
                         let a0 = _mm512_set1_epi32((q as *const i32).read_unaligned());
