@@ -362,6 +362,38 @@ pub trait ExpertFormat: Send + Sync + Any {
         o: &mut [f32],
     );
 
+    /// Whether [`ExpertFormat::down_run`] is faster than panel by panel (the forward then
+    /// hands a decode's down panels over in runs).
+    fn runs_down_panels(&self) -> bool {
+        false
+    }
+
+    /// [`ExpertFormat::down_panel`] for `n` panels from `at.panel` on, one block of rows (`m`
+    /// = 32 values per row): panel `at.panel + i` goes to `o[i·m..]` (the default goes panel
+    /// by panel).
+    ///
+    /// # Safety
+    /// As [`ExpertFormat::down_panel`] for each of the `n` panels, which all exist; `o` holds
+    /// `n·m` values.
+    unsafe fn down_run(
+        &self,
+        at: PanelAt,
+        n: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let m = rows.len() * crate::pack::PANEL;
+        for i in 0..n {
+            let at = PanelAt {
+                panel: at.panel + i,
+                ..at
+            };
+            // SAFETY: the caller's contract, panel by panel.
+            unsafe { self.down_panel(at, rows, scratch, &mut o[i * m..(i + 1) * m]) };
+        }
+    }
+
     /// Whether [`ExpertFormat::down_panel_pair`] may run two panels at once (asked once per
     /// expert: the call alone, answered no panel by panel, cost AMXINT4's one-token decode 6%
     /// on AMD Zen 5).

@@ -697,23 +697,32 @@ impl PartForward<'_> {
     /// # Safety
     /// The chunk's contract.
     unsafe fn prepare_act(&self) {
-        let (s, ip) = (self.s, self.ip);
-        let experts = &*self.c.layer.experts;
-        let stride = self.act_stride;
         let rows = self.c.routing.rows();
-        self.team.parallel_for_sized(rows, rows * ip, &|row| {
+        self.team.parallel_for_sized(rows, rows * self.ip, &|row| {
             // SAFETY: row `row` of act, act_prep and act_scale belongs to this task.
-            unsafe {
-                let src = std::slice::from_raw_parts(s.act.get().add(row * ip), ip);
-                let dst =
-                    std::slice::from_raw_parts_mut(s.act_prep.get().add(row * stride), stride);
-                *s.act_scale.get().add(row) = experts.prepare_act(self.part, src, dst);
-            }
+            unsafe { self.prepare_act_row(row) }
         });
     }
 
-    /// Expert `ei`'s rows against a range of down panels; each (row, panel, 32 values) goes
-    /// to `sink`, after `before_block` saw the block's rows.
+    /// SwiGLU row `row` prepared by the format, with its scale.
+    ///
+    /// # Safety
+    /// The chunk's contract; the row's act values are complete, and no other thread reads
+    /// or writes its prepared bytes and scale meanwhile.
+    unsafe fn prepare_act_row(&self, row: usize) {
+        let (s, ip, stride) = (self.s, self.ip, self.act_stride);
+        let experts = &*self.c.layer.experts;
+        // SAFETY: row `row` of act, act_prep and act_scale exist (the caller's contract).
+        unsafe {
+            let src = std::slice::from_raw_parts(s.act.get().add(row * ip), ip);
+            let dst = std::slice::from_raw_parts_mut(s.act_prep.get().add(row * stride), stride);
+            *s.act_scale.get().add(row) = experts.prepare_act(self.part, src, dst);
+        }
+    }
+
+    /// Expert `ei`'s rows against a range of down panels; each row's values go to `sink` as
+    /// (row, first panel, 32 values per panel of consecutive panels), after `before_block`
+    /// saw the block's rows for each of those panels.
     ///
     /// # Safety
     /// The chunk's contract; the act rows are complete (phases 2 and 3 ran).
@@ -725,9 +734,8 @@ impl PartForward<'_> {
         sink: &mut dyn FnMut(usize, usize, &[f32]),
         reuse: u64,
     ) {
-        let (c, s, ip) = (self.c, self.s, self.ip);
+        let c = self.c;
         let (experts, routing) = (&*c.layer.experts, c.routing);
-        let stride = self.act_stride;
         // Per-row scales exist only where whole rows were prepared.
         let scaled = self.prep_act && !self.act_per_panel;
         let slot = routing.experts[ei] as usize;
@@ -740,6 +748,41 @@ impl PartForward<'_> {
         let mut at = Gathered::new();
         let blocks = rows.len().div_ceil(block);
         let pairs = blocks == 1 && experts.pairs_down_panels();
+        if blocks == 1 && !pairs && experts.runs_down_panels() {
+            // One block of rows (a decode): runs of panels in one format call each, the rows
+            // gathered once.
+            let nr = rows.len();
+            for (i, r) in rows.clone().enumerate() {
+                // SAFETY: as below.
+                unsafe { self.gather_act_row(&mut at, i, r, scaled) };
+            }
+            let row_block = at.block(nr, nr, reuse, None, false);
+            let m = nr.max(1) * PANEL;
+            for first in panels.clone().step_by(MAX_ROWS / nr.max(1)) {
+                let own = first..(first + MAX_ROWS / nr.max(1)).min(panels.end);
+                own.clone().for_each(|p| before_block(rows.clone(), p));
+                let panel = PanelAt {
+                    part: self.part,
+                    slot,
+                    panel: first,
+                };
+                // SAFETY: as below, for each panel of the run; `o` holds MAX_ROWS·32 ≥
+                // own.len()·m values.
+                unsafe { experts.down_run(panel, own.len(), &row_block, acc, o) };
+                if nr == 1 {
+                    // One row: the run's values lie in column order already.
+                    sink(rows.start, first, &o[..own.len() * PANEL]);
+                } else {
+                    for (j, p) in own.enumerate() {
+                        for i in 0..nr {
+                            sink(rows.start + i, p, &o[j * m + i * PANEL..][..PANEL]);
+                        }
+                    }
+                }
+            }
+            PanelScratch::give_back(scratch);
+            return;
+        }
         let mut paired = None;
         for p in panels.clone() {
             // The second panel of a pair the format ran at p − 1.
@@ -775,16 +818,8 @@ impl PartForward<'_> {
                 });
                 before_block(r0..r0 + nr, p);
                 for (i, r) in (r0..r0 + nr).enumerate() {
-                    // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
-                    unsafe {
-                        at.f32_rows[i] = s.act.get().add(r * ip);
-                        at.prepared[i] = s.act_prep.get().wrapping_add(r * stride);
-                        at.scales[i] = if scaled {
-                            *s.act_scale.get().add(r)
-                        } else {
-                            1.0
-                        };
-                    }
+                    // SAFETY: act row r exists (rows ≤ capacity).
+                    unsafe { self.gather_act_row(&mut at, i, r, scaled) };
                 }
                 let panel = PanelAt {
                     part: self.part,
@@ -812,6 +847,25 @@ impl PartForward<'_> {
             }
         }
         PanelScratch::give_back(scratch);
+    }
+
+    /// Entry `i` of `at`: SwiGLU row `r`, its prepared row (dangling where none is made) and
+    /// its scale (1 unless whole rows were prepared with scales: `scaled`).
+    ///
+    /// # Safety
+    /// Row `r` is a routed row of this chunk.
+    unsafe fn gather_act_row(&self, at: &mut Gathered, i: usize, r: usize, scaled: bool) {
+        let s = self.s;
+        // SAFETY: act row r exists (rows ≤ capacity); act_prep wraps when unused.
+        unsafe {
+            at.f32_rows[i] = s.act.get().add(r * self.ip);
+            at.prepared[i] = s.act_prep.get().wrapping_add(r * self.act_stride);
+            at.scales[i] = if scaled {
+                *s.act_scale.get().add(r)
+            } else {
+                1.0
+            };
+        }
     }
 
     /// 4. down, times the router weight, summed over experts into the part's partial output.
@@ -868,11 +922,11 @@ impl PartForward<'_> {
             for (ei, panels) in even_share(i, threads, experts, out_panels) {
                 let mut sink = |row: usize, p: usize, vals: &[f32]| {
                     let w = routing.row_weight[row];
-                    // SAFETY: (row, panel p) of down_rows is written by this task only.
+                    // SAFETY: (row, panels p..) of down_rows are written by this task only.
                     let dst = unsafe {
                         std::slice::from_raw_parts_mut(
                             s.down_rows.get().add(row * h + p * PANEL),
-                            PANEL,
+                            vals.len(),
                         )
                     };
                     for (d, v) in dst.iter_mut().zip(vals) {
@@ -944,9 +998,12 @@ impl PartForward<'_> {
             let mut sink = |row: usize, p: usize, vals: &[f32]| {
                 let t = routing.row_token[row] as usize;
                 let w = routing.row_weight[row];
-                // SAFETY: columns of panel p in token t's partial row: this task's.
+                // SAFETY: columns of panels p.. in token t's partial row: this task's.
                 let dst = unsafe {
-                    std::slice::from_raw_parts_mut(s.partial.get().add(t * h + p * PANEL), PANEL)
+                    std::slice::from_raw_parts_mut(
+                        s.partial.get().add(t * h + p * PANEL),
+                        vals.len(),
+                    )
                 };
                 for (d, v) in dst.iter_mut().zip(vals) {
                     *d += w * v;

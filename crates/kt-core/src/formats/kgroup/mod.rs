@@ -888,6 +888,77 @@ impl KGroupExperts {
         }
     }
 
+    /// Gate or up (`proj`) panel `at`'s codes, scales and per-tensor scale, as the kernels
+    /// read them.
+    fn gate_up_codes(&self, at: PanelAt, proj: Proj) -> PanelCodes<'_> {
+        let PanelAt { part, slot, panel } = at;
+        let (h, lb, ss) = (self.hidden, self.line_bytes(), self.spec.scale_type.size());
+        let group = self.groups[0];
+        let (codes, scales, globals) = self.buffers(part, Proj::Gate);
+        let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
+        PanelCodes {
+            k: h,
+            group,
+            codes: &codes[at..at + (h / 2) * lb],
+            scales: &scales[scale_at..scale_at + (h / group) * PANEL * ss],
+            global: globals[Self::global_index(slot, proj)],
+            int_at: self.staging().x_stride(),
+        }
+    }
+
+    /// The few-row integer kernel where [`Self::panel`] would run it on `rows` for panels of
+    /// `k` inputs, in one block: the runs ([`ExpertFormat::gate_up_run`],
+    /// [`ExpertFormat::down_run`]) then call it panel after panel without the choice.
+    fn few_row_kernel(&self, rows: &RowBlock, k: usize) -> Option<int_dot::IntFusedFn> {
+        let (kernel, max_rows) = self.int?;
+        let n = rows.len();
+        let few = n <= self.few_rows.min(max_rows);
+        (few && bf16::path_for(&self.kernels, rows.expert_rows, k).is_none()).then_some(kernel)
+    }
+
+    /// `out` (32 per row) = panel `p` against `rows` through the few-row integer kernel (one
+    /// block of rows).
+    ///
+    /// # Safety
+    /// As [`Self::panel`], for rows [`Self::few_row_kernel`] gave `kernel` for.
+    unsafe fn few_rows(
+        &self,
+        kernel: int_dot::IntFusedFn,
+        rows: &RowBlock,
+        p: PanelCodes,
+        out: &mut [f32],
+    ) {
+        let n = rows.len();
+        assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
+        assert!(p.codes.len() == (p.k / 2) * self.line_bytes());
+        assert!(p.scales.len() == (p.k / p.group) * PANEL * self.spec.scale_type.size());
+        let out = &mut out[..n * PANEL];
+        out.fill(0.0);
+        let mut int_rows = [std::ptr::null::<u8>(); MAX_ROWS];
+        for (d, &row) in int_rows.iter_mut().zip(rows.prepared) {
+            *d = row.wrapping_add(p.int_at);
+        }
+        let (c, s, w) = (p.codes.as_ptr(), p.scales.as_ptr(), &self.weight_bytes);
+        let (k, group) = (p.k, p.group);
+        // SAFETY: the forward prepared every row (the integer kernel exists, so prepares_x and
+        // prepares_act say yes), int regions of k inputs at `int_at`; the panel's codes and
+        // scales (checked above), 32 outputs per row; the level allows the kernel.
+        unsafe {
+            kernel(
+                &int_rows[..n],
+                k,
+                (0, k),
+                group.min(32),
+                group,
+                c,
+                s,
+                w,
+                out.as_mut_ptr(),
+            )
+        };
+        times_global(out, p.global);
+    }
+
     /// Down panel `at`'s codes, scales and per-tensor scale, as the kernels read them.
     fn down_codes(&self, at: PanelAt) -> PanelCodes<'_> {
         let PanelAt { part, slot, panel } = at;
@@ -1407,24 +1478,72 @@ impl ExpertFormat for KGroupExperts {
         g: &mut [f32],
         u: &mut [f32],
     ) {
-        let PanelAt { part, slot, panel } = at;
-        let (h, lb, ss) = (self.hidden, self.line_bytes(), self.spec.scale_type.size());
-        let group = self.groups[0];
-        let (codes, scales, globals) = self.buffers(part, Proj::Gate);
         for (proj, out) in [(Proj::Gate, g), (Proj::Up, u)] {
-            let (at, scale_at) = self.offsets(part, slot, proj, panel * PANEL);
-            let s = &scales[scale_at..scale_at + (h / group) * PANEL * ss];
-            let global = globals[Self::global_index(slot, proj)];
-            let p = PanelCodes {
-                k: h,
-                group,
-                codes: &codes[at..at + (h / 2) * lb],
-                scales: s,
-                global,
-                int_at: self.staging().x_stride(),
-            };
             // SAFETY: the trait's contract, forwarded for rows of H values.
-            unsafe { self.panel(rows, p, out) };
+            unsafe { self.panel(rows, self.gate_up_codes(at, proj), out) };
+        }
+    }
+
+    unsafe fn gate_up_run(
+        &self,
+        at: PanelAt,
+        n: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        g: &mut [f32],
+        u: &mut [f32],
+    ) {
+        let m = rows.len() * PANEL;
+        let Some(kernel) = self.few_row_kernel(rows, self.hidden) else {
+            for i in 0..n {
+                let at = PanelAt {
+                    panel: at.panel + i,
+                    ..at
+                };
+                let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
+                // SAFETY: the caller's contract, panel by panel.
+                unsafe { self.gate_up_panel(at, rows, scratch, g, u) };
+            }
+            return;
+        };
+        for i in 0..n {
+            let panel = at.panel + i;
+            for (proj, out) in [(Proj::Gate, &mut *g), (Proj::Up, &mut *u)] {
+                let codes = self.gate_up_codes(PanelAt { panel, ..at }, proj);
+                // SAFETY: the trait's contract for rows of H values, which the kernel takes.
+                unsafe { self.few_rows(kernel, rows, codes, &mut out[i * m..(i + 1) * m]) };
+            }
+        }
+    }
+
+    fn runs_down_panels(&self) -> bool {
+        self.int.is_some()
+    }
+
+    unsafe fn down_run(
+        &self,
+        at: PanelAt,
+        n: usize,
+        rows: &RowBlock,
+        scratch: &mut PanelAcc,
+        o: &mut [f32],
+    ) {
+        let m = rows.len() * PANEL;
+        let k = self.ranges[at.part].len();
+        let kernel = self.few_row_kernel(rows, k);
+        for i in 0..n {
+            let at = PanelAt {
+                panel: at.panel + i,
+                ..at
+            };
+            let o = &mut o[i * m..(i + 1) * m];
+            // SAFETY: the trait's contract, panel by panel, for rows of ip values.
+            unsafe {
+                match kernel {
+                    Some(kernel) => self.few_rows(kernel, rows, self.down_codes(at), o),
+                    None => self.down_panel(at, rows, scratch, o),
+                }
+            }
         }
     }
 
