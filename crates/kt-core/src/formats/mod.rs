@@ -362,15 +362,10 @@ pub trait ExpertFormat: Send + Sync + Any {
         o: &mut [f32],
     );
 
-    /// Whether [`ExpertFormat::down_run`] is faster than panel by panel (the forward then
-    /// hands a decode's down panels over in runs).
-    fn runs_down_panels(&self) -> bool {
-        false
-    }
-
     /// [`ExpertFormat::down_panel`] for `n` panels from `at.panel` on, one block of rows (`m`
-    /// = 32 values per row): panel `at.panel + i` goes to `o[i·m..]` (the default goes panel
-    /// by panel).
+    /// = 32 values per row): panel `at.panel + i` goes to `o[i·m..]`. A decode's down phase
+    /// hands its panels over in such runs (the rows gathered once, a run's values summed at
+    /// once); the default goes panel by panel, a format may skip its per-panel choices.
     ///
     /// # Safety
     /// As [`ExpertFormat::down_panel`] for each of the `n` panels, which all exist; `o` holds

@@ -1516,10 +1516,6 @@ impl ExpertFormat for KGroupExperts {
         }
     }
 
-    fn runs_down_panels(&self) -> bool {
-        self.int.is_some()
-    }
-
     unsafe fn down_run(
         &self,
         at: PanelAt,
