@@ -1008,6 +1008,11 @@ impl KGroupExperts {
         assert!(codes.len() == (k / 2) * lb && scales.len() == (k / group) * PANEL * ss);
         assert!(n <= MAX_ROWS && rows.prepared.len() == n && out.len() >= n * PANEL);
         let out = &mut out[..n * PANEL];
+        if let Some(kernel) = self.few_row_kernel(rows, k) {
+            // SAFETY: the caller's contract; the kernel is the one chosen for these rows.
+            unsafe { self.few_rows(kernel, rows, p, out) };
+            return;
+        }
         let path = bf16::path_for(&self.kernels, rows.expert_rows, k);
         // The integer kernels: the few-row one (15-bit activations) for decode, the many-row
         // one (8-bit for RAWINT4, else 15-bit) for larger blocks unless AMX tiles take the
@@ -1365,6 +1370,7 @@ impl KGroupExperts {
 }
 
 /// One panel's codes as [`KGroupExperts::panel`] reads them.
+#[derive(Clone, Copy)]
 struct PanelCodes<'a> {
     /// Inputs.
     k: usize,
