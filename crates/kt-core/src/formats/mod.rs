@@ -236,6 +236,32 @@ pub(crate) fn locate(ranges: &[Range<usize>], row: usize) -> (usize, usize) {
     (part, row - ranges[part].start)
 }
 
+/// [`ExpertFormat::gate_up_run`] panel by panel through [`ExpertFormat::gate_up_panel`]: the
+/// default, and what a format's own run falls back to for rows it has no faster path for.
+///
+/// # Safety
+/// As [`ExpertFormat::gate_up_run`].
+pub(crate) unsafe fn gate_up_panel_by_panel<F: ExpertFormat + ?Sized>(
+    format: &F,
+    at: PanelAt,
+    n: usize,
+    rows: &RowBlock,
+    scratch: &mut PanelAcc,
+    g: &mut [f32],
+    u: &mut [f32],
+) {
+    let m = rows.len() * crate::pack::PANEL;
+    for i in 0..n {
+        let at = PanelAt {
+            panel: at.panel + i,
+            ..at
+        };
+        let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
+        // SAFETY: the caller's contract, panel by panel.
+        unsafe { format.gate_up_panel(at, rows, scratch, g, u) };
+    }
+}
+
 /// One method's experts of one layer: storage in every NUMA part and the kernels that read it.
 ///
 /// Concurrency: the forward calls the `&self` methods from many threads at once, each with its
@@ -326,16 +352,8 @@ pub trait ExpertFormat: Send + Sync + Any {
         g: &mut [f32],
         u: &mut [f32],
     ) {
-        let m = rows.len() * crate::pack::PANEL;
-        for i in 0..n {
-            let at = PanelAt {
-                panel: at.panel + i,
-                ..at
-            };
-            let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
-            // SAFETY: the caller's contract, panel by panel.
-            unsafe { self.gate_up_panel(at, rows, scratch, g, u) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { gate_up_panel_by_panel(self, at, n, rows, scratch, g, u) }
     }
 
     /// Where down panel `at`'s weight bytes lie, where the format keeps them in one run (the

@@ -1501,15 +1501,8 @@ impl ExpertFormat for KGroupExperts {
     ) {
         let m = rows.len() * PANEL;
         let Some(kernel) = self.few_row_kernel(rows, self.hidden) else {
-            for i in 0..n {
-                let at = PanelAt {
-                    panel: at.panel + i,
-                    ..at
-                };
-                let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
-                // SAFETY: the caller's contract, panel by panel.
-                unsafe { self.gate_up_panel(at, rows, scratch, g, u) };
-            }
+            // SAFETY: the caller's contract.
+            unsafe { super::gate_up_panel_by_panel(self, at, n, rows, scratch, g, u) };
             return;
         };
         for i in 0..n {
