@@ -407,32 +407,6 @@ pub trait ExpertFormat: Send + Sync + Any {
         }
     }
 
-    /// Whether [`ExpertFormat::down_panel_pair`] may run two panels at once (asked once per
-    /// expert: the call alone, answered no panel by panel, cost AMXINT4's one-token decode 6%
-    /// on AMD Zen 5).
-    fn pairs_down_panels(&self) -> bool {
-        false
-    }
-
-    /// [`ExpertFormat::down_panel`] for panels `at.panel` (into `o`) and `at.panel + 1` (into
-    /// `o_next`) at once, where the format has a faster two-panel path for `rows` (a decode's
-    /// few rows: twice the independent FMA chains). Returns false where it has none, and the
-    /// caller runs the panels one by one (the outputs may then hold garbage).
-    ///
-    /// # Safety
-    /// As [`ExpertFormat::down_panel`] for both panels, which exist.
-    unsafe fn down_panel_pair(
-        &self,
-        at: PanelAt,
-        rows: &RowBlock,
-        scratch: &mut PanelAcc,
-        o: &mut [f32],
-        o_next: &mut [f32],
-    ) -> bool {
-        let _ = (at, rows, scratch, o, o_next);
-        false
-    }
-
     /// Whether experts come from an [`crate::expert::ExpertSource`] ([`ExpertFormat::pack`]).
     fn packs_from_source(&self) -> bool;
 

@@ -764,19 +764,16 @@ impl PartForward<'_> {
         let rows = routing.offsets[ei]..routing.offsets[ei + 1];
         let block = experts.block_rows(self.part, rows.len(), Stage::Down);
         let mut scratch = PanelScratch::take();
-        let PanelScratch {
-            acc, g: o, u: o2, ..
-        } = &mut *scratch;
+        let PanelScratch { acc, g: o, .. } = &mut *scratch;
         let mut at = Gathered::new();
         let blocks = rows.len().div_ceil(block);
-        let pairs = blocks == 1 && experts.pairs_down_panels();
-        if blocks == 1 && !pairs {
+        if blocks == 1 {
             // One block of rows (a decode): runs of panels in one format call each, the rows
             // gathered once (AMD Zen 5, one-token S1 decode, AMXINT8: 0.435-0.438 ms panel by
             // panel, 0.418-0.419 in runs; the per-panel steps cost 13-17 µs a call).
             let nr = rows.len();
             for (i, r) in rows.clone().enumerate() {
-                // SAFETY: as below.
+                // SAFETY: act row r exists (rows ≤ capacity).
                 unsafe { self.gather_act_row(&mut at, i, r, scaled) };
             }
             let row_block = at.block(nr, nr, reuse, None, false);
@@ -789,8 +786,10 @@ impl PartForward<'_> {
                     slot,
                     panel: first,
                 };
-                // SAFETY: as below, for each panel of the run; `o` holds MAX_ROWS·32 ≥
-                // own.len()·m values.
+                // SAFETY: the rows gathered above (one block: at most the format's block),
+                // complete SwiGLU rows of ip values, prepared rows of act_stride bytes when
+                // prep_act; each panel of the run exists; `o` holds MAX_ROWS·32 ≥ own.len()·m
+                // values.
                 unsafe { experts.down_run(panel, own.len(), &row_block, acc, o) };
                 if nr == 1 {
                     // One row: the run's values lie in column order already.
@@ -806,16 +805,7 @@ impl PartForward<'_> {
             PanelScratch::give_back(scratch);
             return;
         }
-        let mut paired = None;
         for p in panels.clone() {
-            // The second panel of a pair the format ran at p − 1.
-            if paired == Some(p) {
-                before_block(rows.clone(), p);
-                for i in 0..rows.len() {
-                    sink(rows.start + i, p, &o2[i * PANEL..(i + 1) * PANEL]);
-                }
-                continue;
-            }
             // As in gate/up: the later blocks bring in the panel this task takes next.
             let next_at = if p + 1 < panels.end {
                 Some(PanelAt {
@@ -850,19 +840,10 @@ impl PartForward<'_> {
                     panel: p,
                 };
                 let row_block = at.block(rows.len(), nr, reuse, next, blocks > 1);
-                // One block of rows and a next panel in the range: the format may run both.
-                let pair = pairs && p + 1 < panels.end && {
-                    // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU
-                    // rows of ip values, prepared rows of act_stride bytes when prep_act; `o`
-                    // and `o2` hold MAX_ROWS·32; panel p + 1 exists (p + 1 < panels.end).
-                    unsafe { experts.down_panel_pair(panel, &row_block, acc, o, o2) }
-                };
-                if pair {
-                    paired = Some(p + 1);
-                } else {
-                    // SAFETY: as above.
-                    unsafe { experts.down_panel(panel, &row_block, acc, o) };
-                }
+                // SAFETY: rows gathered above: nr ≤ the format's block, complete SwiGLU rows
+                // of ip values, prepared rows of act_stride bytes when prep_act; `o` holds
+                // MAX_ROWS·32.
+                unsafe { experts.down_panel(panel, &row_block, acc, o) };
                 for i in 0..nr {
                     sink(r0 + i, p, &o[i * PANEL..(i + 1) * PANEL]);
                 }

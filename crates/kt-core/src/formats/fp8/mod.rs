@@ -502,6 +502,42 @@ impl Fp8Experts {
         true
     }
 
+    /// Down panels `at.panel` (into `o`) and `at.panel + 1` (into `o_next`) through the pair
+    /// kernel ([`Fp8Experts::scaled_panel_pair`]); false, the outputs garbage, where it does
+    /// not apply.
+    ///
+    /// # Safety
+    /// [`ExpertFormat::down_panel`]'s contract for both panels, which exist.
+    unsafe fn down_panel_pair(
+        &self,
+        at: PanelAt,
+        rows: &RowBlock,
+        o: &mut [f32],
+        o_next: &mut [f32],
+    ) -> bool {
+        let PanelAt { part, slot, panel } = at;
+        let ip = self.ranges[part].len();
+        let p = &self.parts[part];
+        let panel_of = |panel: usize| {
+            let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
+            (
+                &p.down.as_slice()[at..at + PANEL * ip],
+                &p.down_scales.as_slice()[scale_at..],
+            )
+        };
+        let ((first, first_scales), (next, next_scales)) = (panel_of(panel), panel_of(panel + 1));
+        // SAFETY: the contract above, forwarded for rows of ip SwiGLU values.
+        unsafe {
+            self.scaled_panel_pair(
+                rows,
+                ip,
+                [first, next],
+                [first_scales, next_scales],
+                [o, o_next],
+            )
+        }
+    }
+
     /// `out` (32 per row) = one panel's codes (`32·k` bytes in panel order) with their `k/128`
     /// block scales against `rows`: per 128-input block, decode to a bf16 panel once, run the
     /// bf16 panel kernel the expert's row count picks over every row, add `scale · result`.
@@ -693,38 +729,34 @@ impl ExpertFormat for Fp8Experts {
         unsafe { self.scaled_panel(rows, ip, codes, &p.down_scales.as_slice()[scale_at..], o) };
     }
 
-    fn pairs_down_panels(&self) -> bool {
-        self.fused.is_some_and(|f| f.pair.is_some())
-    }
-
-    unsafe fn down_panel_pair(
+    unsafe fn down_run(
         &self,
         at: PanelAt,
+        n: usize,
         rows: &RowBlock,
-        _scratch: &mut PanelAcc,
+        scratch: &mut PanelAcc,
         o: &mut [f32],
-        o_next: &mut [f32],
-    ) -> bool {
-        let PanelAt { part, slot, panel } = at;
-        let ip = self.ranges[part].len();
-        let p = &self.parts[part];
-        let panel_of = |panel: usize| {
-            let (at, scale_at) = self.offsets(part, slot, Proj::Down, panel * PANEL);
-            (
-                &p.down.as_slice()[at..at + PANEL * ip],
-                &p.down_scales.as_slice()[scale_at..],
-            )
-        };
-        let ((first, first_scales), (next, next_scales)) = (panel_of(panel), panel_of(panel + 1));
-        // SAFETY: the trait's contract, forwarded for rows of ip SwiGLU values.
-        unsafe {
-            self.scaled_panel_pair(
-                rows,
-                ip,
-                [first, next],
-                [first_scales, next_scales],
-                [o, o_next],
-            )
+    ) {
+        // Two panels at a time through the pair kernel where it applies (a decode's few rows:
+        // twice the independent FMA chains), else one.
+        let m = rows.len() * PANEL;
+        let mut i = 0;
+        while i < n {
+            let at = PanelAt {
+                panel: at.panel + i,
+                ..at
+            };
+            if i + 1 < n {
+                let (first, next) = o[i * m..(i + 2) * m].split_at_mut(m);
+                // SAFETY: the trait's contract for panels i and i + 1 of the run.
+                if unsafe { self.down_panel_pair(at, rows, first, next) } {
+                    i += 2;
+                    continue;
+                }
+            }
+            // SAFETY: the trait's contract for panel i of the run.
+            unsafe { self.down_panel(at, rows, scratch, &mut o[i * m..(i + 1) * m]) };
+            i += 1;
         }
     }
 
