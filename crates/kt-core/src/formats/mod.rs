@@ -181,6 +181,16 @@ pub struct PanelAt {
     pub panel: usize,
 }
 
+impl PanelAt {
+    /// The panel `i` places after this one, of the same part and expert (a run's `i`-th).
+    pub fn after(self, i: usize) -> PanelAt {
+        PanelAt {
+            panel: self.panel + i,
+            ..self
+        }
+    }
+}
+
 /// Per-thread buffers a panel call may use (integer accumulators of every row of a block).
 pub struct PanelAcc {
     /// `MAX_ROWS × 32` integer results.
@@ -252,10 +262,7 @@ pub(crate) unsafe fn gate_up_panel_by_panel<F: ExpertFormat + ?Sized>(
 ) {
     let m = rows.len() * crate::pack::PANEL;
     for i in 0..n {
-        let at = PanelAt {
-            panel: at.panel + i,
-            ..at
-        };
+        let at = at.after(i);
         let (g, u) = (&mut g[i * m..(i + 1) * m], &mut u[i * m..(i + 1) * m]);
         // SAFETY: the caller's contract, panel by panel.
         unsafe { format.gate_up_panel(at, rows, scratch, g, u) };
@@ -398,10 +405,7 @@ pub trait ExpertFormat: Send + Sync + Any {
     ) {
         let m = rows.len() * crate::pack::PANEL;
         for i in 0..n {
-            let at = PanelAt {
-                panel: at.panel + i,
-                ..at
-            };
+            let at = at.after(i);
             // SAFETY: the caller's contract, panel by panel.
             unsafe { self.down_panel(at, rows, scratch, &mut o[i * m..(i + 1) * m]) };
         }

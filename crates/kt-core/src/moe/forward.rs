@@ -777,9 +777,9 @@ impl PartForward<'_> {
                 unsafe { self.gather_act_row(&mut at, i, r, scaled) };
             }
             let row_block = at.block(nr, nr, reuse, None, false);
-            let m = nr.max(1) * PANEL;
-            for first in panels.clone().step_by(MAX_ROWS / nr.max(1)) {
-                let own = first..(first + MAX_ROWS / nr.max(1)).min(panels.end);
+            let (m, run) = (nr.max(1) * PANEL, MAX_ROWS / nr.max(1));
+            for first in panels.clone().step_by(run) {
+                let own = first..(first + run).min(panels.end);
                 own.clone().for_each(|p| before_block(rows.clone(), p));
                 let panel = PanelAt {
                     part: self.part,

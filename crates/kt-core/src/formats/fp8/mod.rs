@@ -742,10 +742,7 @@ impl ExpertFormat for Fp8Experts {
         let m = rows.len() * PANEL;
         let mut i = 0;
         while i < n {
-            let at = PanelAt {
-                panel: at.panel + i,
-                ..at
-            };
+            let at = at.after(i);
             if i + 1 < n {
                 let (first, next) = o[i * m..(i + 2) * m].split_at_mut(m);
                 // SAFETY: the trait's contract for panels i and i + 1 of the run.

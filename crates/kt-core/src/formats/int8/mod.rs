@@ -480,10 +480,7 @@ impl ExpertFormat for IntExperts {
         // than a switch every 32 rows.
         for (mat, out) in [(gate, &mut *g), (up, &mut *u)] {
             for (i, out) in out[..n * m].chunks_exact_mut(m).enumerate() {
-                let at = PanelAt {
-                    panel: at.panel + i,
-                    ..at
-                };
+                let at = at.after(i);
                 // SAFETY: the trait's contract, forwarded, panel by panel.
                 unsafe { self.panel(mat, PanelRows::of(at, rows, ip), h, rows, scratch, out) };
             }

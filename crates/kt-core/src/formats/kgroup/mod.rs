@@ -1506,9 +1506,8 @@ impl ExpertFormat for KGroupExperts {
             return;
         };
         for i in 0..n {
-            let panel = at.panel + i;
             for (proj, out) in [(Proj::Gate, &mut *g), (Proj::Up, &mut *u)] {
-                let codes = self.gate_up_codes(PanelAt { panel, ..at }, proj);
+                let codes = self.gate_up_codes(at.after(i), proj);
                 // SAFETY: the trait's contract for rows of H values, which the kernel takes.
                 unsafe { self.few_rows(kernel, rows, codes, &mut out[i * m..(i + 1) * m]) };
             }
@@ -1527,10 +1526,7 @@ impl ExpertFormat for KGroupExperts {
         let k = self.ranges[at.part].len();
         let kernel = self.few_row_kernel(rows, k);
         for i in 0..n {
-            let at = PanelAt {
-                panel: at.panel + i,
-                ..at
-            };
+            let at = at.after(i);
             let o = &mut o[i * m..(i + 1) * m];
             // SAFETY: the trait's contract, panel by panel, for rows of ip values.
             unsafe {
