@@ -43,6 +43,8 @@ fn main() {
     let sums = [0i32; 32];
     let alt = kt_benches::env_or("ALT", 0) == 1;
     let experts: usize = kt_benches::env_or("EXPERTS", 0);
+    // MUL=1: the experts in address order (7919: scattered).
+    let mul: usize = kt_benches::env_or("MUL", 7919);
     let run = || {
         let t = Instant::now();
         let threads = pool.total_threads();
@@ -55,7 +57,7 @@ fn main() {
                 let g = if experts > 0 {
                     let per_expert = 2 * experts;
                     let count = per / per_expert;
-                    let e = (j / per_expert * 7919) % count.max(1);
+                    let e = (j / per_expert * mul) % count.max(1);
                     let within = j % per_expert;
                     t * per + e * per_expert + within / 2 + (within % 2) * experts
                 } else if alt {

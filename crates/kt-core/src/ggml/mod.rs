@@ -629,6 +629,13 @@ pub const X8_ROWS: usize = 8;
 /// slower on AMD Zen 4 (memory-bound, the streams interleaved).
 pub const X16_MIN_ROWS: usize = 4;
 
+/// Activation rows from which [`DotKernel::dot_x8_presummed`] takes the 32-row kernel (Q8_0
+/// on AVX-512 VNNI), where the sixteen-row kernels would need two calls too. With fewer rows
+/// the 32-row kernel ran an S1 layer's mid sizes slower (AMD Zen 5, two threads, LLAMAFILE
+/// Q8_0, `scripts/ab_bench.sh`, three alternated rounds, from 4 rows: 32 tokens 7.25 -> 7.47
+/// ms, 128 tokens 13.08 -> 13.51; 512 tokens 46.5 -> 39.3).
+pub const X32_MIN_ROWS: usize = X8_ROWS + 1;
+
 /// Activation rows from which `ty` takes its sixteen-row kernel: [`X16_MIN_ROWS`], but from two
 /// rows for Q6_K, whose x8 kernel (`vpmaddubsw`, no VNNI) is compute-bound with few rows. AMD
 /// Zen 4: `ggml_cycles`, one core, 8192 weight rows from DRAM, k 2048, us: 2 rows 718 -> 410,
@@ -669,6 +676,9 @@ pub struct DotKernel {
     x8: Option<RawX8Fn>,
     /// Two consecutive x8 groups at once (512-bit vectors), where the CPU and type have one.
     x16: Option<RawX8Fn>,
+    /// Four consecutive x8 groups (a 32-row panel) at once, for at most
+    /// [`x86_avx512_x16::X32_ROWS`] rows a call, where the CPU and type have one.
+    x32: Option<RawX8Fn>,
 }
 
 impl std::fmt::Debug for DotKernel {
@@ -687,6 +697,7 @@ impl DotKernel {
             rows: None,
             x8: None,
             x16: None,
+            x32: None,
         })
     }
 
@@ -715,6 +726,7 @@ impl DotKernel {
                     kernel.rows = x86_avx2_rows::rows_fn(ty);
                     kernel.x8 = x86_avx2_x8::x8_fn(ty, x86_avx2_x8::X8Mul::best(level));
                     kernel.x16 = x86_avx512_x16::x16_fn(ty);
+                    kernel.x32 = x86_avx512_x16::x32_fn(ty);
                     return Ok(kernel);
                 }
             }
@@ -991,15 +1003,19 @@ impl DotKernel {
         let pairs = self
             .x16
             .filter(|_| activations.len() >= x16_min_rows(self.weight_type));
+        let quads = self.x32.filter(|_| activations.len() >= X32_MIN_ROWS);
         let mut g = 0;
         while g < n {
-            // Pairs of groups where a sixteen-row kernel exists, the odd group last on its own.
-            let (span, kernel) = match pairs {
-                Some(pair) if g + 1 < n => (2, pair),
-                _ => (1, f),
+            // Four groups at once where a 32-row kernel exists, else pairs where a sixteen-row
+            // kernel exists, an odd group last on its own.
+            let (span, kernel, per_call) = match (quads, pairs) {
+                #[cfg(target_arch = "x86_64")]
+                (Some(quad), _) if g + 3 < n => (4, quad, x86_avx512_x16::X32_ROWS),
+                (_, Some(pair)) if g + 1 < n => (2, pair, X8_ROWS),
+                _ => (1, f, X8_ROWS),
             };
             let group = &groups[g * gb..(g + span) * gb];
-            let calls = activations.len().div_ceil(X8_ROWS);
+            let calls = activations.len().div_ceil(per_call);
             for c in 0..calls {
                 let (first, end) = even_share(activations.len(), calls, c);
                 let acts = &activations[first..end];

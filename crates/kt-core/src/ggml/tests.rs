@@ -547,12 +547,14 @@ fn x8_layouts_give_the_single_row_results() {
         let format = ty.activation_format().unwrap();
         let k = 3 * 256;
         let rb = ty.row_bytes(k).unwrap();
-        // Three groups of eight rows (a pair and an odd one for the sixteen-row kernels):
-        // random blocks and quantized values.
-        let w = weight_rows(ty, k, 24, &mut rng);
+        // Seven groups of eight rows (for the 32-row kernel four, then a pair and an odd one;
+        // for the sixteen-row kernels three pairs and the odd one): random blocks and
+        // quantized values.
+        let (n_groups, n_rows) = (7, 56);
+        let w = weight_rows(ty, k, n_rows, &mut rng);
         let gb = x8::group_bytes(ty, k);
-        let mut groups = vec![0u8; 3 * gb];
-        for g in 0..3 {
+        let mut groups = vec![0u8; n_groups * gb];
+        for g in 0..n_groups {
             x8::repack(
                 ty,
                 &w[g * 8 * rb..(g + 1) * 8 * rb],
@@ -562,13 +564,14 @@ fn x8_layouts_give_the_single_row_results() {
         }
         // Every row count of one call, a full call plus a partial one, and several calls.
         for count in (1..=X8_ROWS + 1).chain([2 * X8_ROWS + 3]) {
+            // (19 rows: four calls of the 32-row kernel, three of the sixteen-row ones.)
             let acts = activation_rows(format, k, count, &mut rng);
             let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
-            let stride = 28;
+            let stride = n_rows + 4;
             let want = |i: usize, r: usize| twin.dot(k, &w[r * rb..(r + 1) * rb], &acts[i]);
             // The scalar twin of the layout.
             let mut out = vec![f32::NAN; count * stride];
-            for g in 0..3 {
+            for g in 0..n_groups {
                 x8::dot_scalar(
                     ty,
                     k,
@@ -579,7 +582,7 @@ fn x8_layouts_give_the_single_row_results() {
                 );
             }
             for i in 0..count {
-                for r in 0..24 {
+                for r in 0..n_rows {
                     assert_eq!(
                         out[i * stride + r].to_bits(),
                         want(i, r).to_bits(),
@@ -598,8 +601,18 @@ fn x8_layouts_give_the_single_row_results() {
                 let pairs = matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
                     && level == Level::Avx512Vnni;
                 assert_eq!(kernel.x16.is_some(), pairs, "{ty} at {level:?}");
+                // The 32-row kernel: Q8_0's, on the same CPUs.
+                let quads = ty == GgmlType::Q8_0 && level == Level::Avx512Vnni;
+                assert_eq!(kernel.x32.is_some(), quads, "{ty} at {level:?}");
                 if kernel.has_x8() {
-                    let name = format!("{}{}", kernel.name(), if pairs { " x16" } else { "" });
+                    let wide = if quads {
+                        " x32"
+                    } else if pairs {
+                        " x16"
+                    } else {
+                        ""
+                    };
+                    let name = format!("{}{wide}", kernel.name());
                     kernels.push((name, kernel));
                 }
             }
@@ -613,7 +626,7 @@ fn x8_layouts_give_the_single_row_results() {
                 let mut out = vec![f32::NAN; count * stride];
                 kernel.dot_x8(k, &groups, &refs, &mut out, stride);
                 for i in 0..count {
-                    for r in 0..24 {
+                    for r in 0..n_rows {
                         assert_eq!(
                             out[i * stride + r].to_bits(),
                             want(i, r).to_bits(),
