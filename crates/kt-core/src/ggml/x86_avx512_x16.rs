@@ -23,31 +23,41 @@ pub(super) fn x16_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     }
 }
 
-x8_entry!(
-    /// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
-    /// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's
-    /// block sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block
-    /// scales ([`super::x8::q8_0_block_scale_bits`]).
-    ///
-    /// # Safety
-    /// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `group` holds two x8 groups
-    /// of `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values,
-    /// `1 ≤ acts.len() ≤ X8_ROWS`, `out` holds `(acts.len() − 1) · stride + 16`.
-    q8_0 => q8_0_rows, "x16 kernel"
-);
-
-/// Q8_0 on two x8 groups for exactly `R` activation rows.
-///
-/// Per block and quad of inputs, the two groups' 32-byte weight words form one vector (made
-/// unsigned once, by flipping the sign bits), and each token row's four activation bytes are
-/// broadcast into a `vpdpbusd`. The sums start at `−128 · Σx` of the block, which removes the
-/// flip's `128 · Σx` exactly.
+/// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
+/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's block
+/// sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block scales
+/// ([`super::x8::q8_0_block_scale_bits`]).
 ///
 /// # Safety
-/// As [`q8_0`] with `acts.len() == R`.
+/// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `group` holds two x8 groups of
+/// `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values, `1 ≤ acts.len() ≤ X8_ROWS`,
+/// `out` holds `(acts.len() − 1) · stride + 16`.
+pub(super) unsafe fn q8_0(
+    k: usize,
+    group: &[u8],
+    acts: &[&[u8]],
+    sums32: &[&[[i32; 4]]],
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        crate::kernels::dispatch_rows!(q8_0_rows<1>, "x16 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+    }
+}
+
+/// Q8_0 on `2·W` consecutive x8 groups (`16·W` weight rows) for exactly `R` activation rows.
+///
+/// Per block and quad of inputs, each pair of groups' 32-byte weight words form one vector
+/// (made unsigned once, by flipping the sign bits), and each token row's four activation
+/// bytes are broadcast into the pairs' `vpdpbusd`s. The sums start at `−128 · Σx` of the
+/// block, which removes the flip's `128 · Σx` exactly.
+///
+/// # Safety
+/// As [`q8_0`] (W = 1) or [`q8_0_x32`] (W = 2) with `acts.len() == R`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn q8_0_rows<const R: usize>(
+unsafe fn q8_0_rows<const R: usize, const W: usize>(
     k: usize,
     groups: &[u8],
     acts: &[&[u8]],
@@ -57,60 +67,83 @@ unsafe fn q8_0_rows<const R: usize>(
 ) {
     let blocks = k / 32;
     let gb = blocks * Q8_0_X8_BYTES;
-    assert!(groups.len() >= 2 * gb, "two x8 groups needed");
+    assert!(groups.len() >= 2 * W * gb, "{} x8 groups needed", 2 * W);
     // Each row's entries: the block sums, then the blocks' scales as f32 bits.
     let entries = blocks.div_ceil(4);
     assert!(
         sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= 2 * entries),
         "block sums and scales missing"
     );
-    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, ROWS);
-    let next = next_pair(gb);
+    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, W * ROWS);
+    // The same place of the next 2·W groups: the next pair of a panel, or the next panel (a
+    // forward walks an expert's panels in memory order); see [`next_pair`].
+    let next =
+        move |p: *const u8| crate::kernels::prefetch::line_into_l1(p.wrapping_add(2 * W * gb));
     let mut share = PairShare::take();
     // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
     // caller's CPU has the features enabled here.
     unsafe {
         let flip = _mm512_set1_epi8(-128);
-        let mut acc = [_mm512_setzero_ps(); R];
+        let mut acc = [[_mm512_setzero_ps(); R]; W];
         // The loop over a block's quads is unrolled: the activation broadcasts fold into the
-        // `vpdpbusd`s as memory operands. (A Zen 4 build once hoisted them into spilled
-        // vectors and ran 2x slower unrolled; AMD Zen 5, `ggml_cycles`, k 2048, 32 weight
-        // rows, us per call, rolled -> unrolled: 4 rows 1.20 -> 1.09, 6 rows 1.66 -> 1.48,
-        // 8 rows 2.04 -> 1.89.) The loads bound it: this core issues two vector loads per
-        // cycle, and each `vpdpbusd` takes one for its broadcast.
+        // `vpdpbusd`s as memory operands (W = 1; for W = 2 each is loaded once for two).
+        // (A Zen 4 build once hoisted them into spilled vectors and ran 2x slower unrolled;
+        // AMD Zen 5, `ggml_cycles`, k 2048, 32 weight rows, us per call, rolled -> unrolled:
+        // 4 rows 1.20 -> 1.09, 6 rows 1.66 -> 1.48, 8 rows 2.04 -> 1.89.) With W = 1 the loads
+        // bound it: this core issues two vector loads per cycle, and each `vpdpbusd` takes one
+        // for its broadcast.
         let quads = 8;
         for blk in 0..blocks {
-            let g0 = groups.as_ptr().add(blk * Q8_0_X8_BYTES);
-            let g1 = g0.add(gb);
+            // This block of each group (W ≤ 2).
+            let mut g = [std::ptr::null::<u8>(); 4];
+            for (i, g) in g.iter_mut().enumerate().take(2 * W) {
+                *g = groups.as_ptr().add(i * gb + blk * Q8_0_X8_BYTES);
+            }
             let ours = share.step();
-            let mut isum = [_mm512_setzero_si512(); R];
+            let mut isum = [[_mm512_setzero_si512(); R]; W];
             for r in 0..R {
                 let block_sum = sums32[r].get_unchecked(blk / 4)[blk % 4];
-                isum[r] = _mm512_set1_epi32(-(block_sum << 7));
+                let start = _mm512_set1_epi32(-(block_sum << 7));
+                for h in 0..W {
+                    isum[h][r] = start;
+                }
             }
             for p in 0..quads {
-                let (at0, at1) = (g0.add(16 + 32 * p), g1.add(16 + 32 * p));
-                if ours && p % 2 == 0 {
-                    next(at0);
-                    next(at1);
+                let mut u = [_mm512_setzero_si512(); W];
+                for h in 0..W {
+                    let (at0, at1) = (g[2 * h].add(16 + 32 * p), g[2 * h + 1].add(16 + 32 * p));
+                    if ours && p % 2 == 0 {
+                        next(at0);
+                        next(at1);
+                    }
+                    u[h] = _mm512_xor_si512(join256(at0, at1), flip);
                 }
-                let u = _mm512_xor_si512(join256(at0, at1), flip);
                 for r in 0..R {
                     let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
                     let x = _mm512_set1_epi32((q as *const i32).read_unaligned());
-                    isum[r] = _mm512_dpbusd_epi32(isum[r], u, x);
+                    for h in 0..W {
+                        isum[h][r] = _mm512_dpbusd_epi32(isum[h][r], u[h], x);
+                    }
                 }
             }
-            let dw = _mm512_cvtph_ps(join128(g0, g1));
+            let mut dw = [_mm512_setzero_ps(); W];
+            for h in 0..W {
+                dw[h] = _mm512_cvtph_ps(join128(g[2 * h], g[2 * h + 1]));
+            }
             for r in 0..R {
                 let da = sums32[r].get_unchecked(entries + blk / 4)[blk % 4];
                 let da = _mm512_set1_ps(f32::from_bits(da as u32));
-                let term = _mm512_mul_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(isum[r]));
-                acc[r] = _mm512_add_ps(acc[r], term);
+                for h in 0..W {
+                    let term =
+                        _mm512_mul_ps(_mm512_mul_ps(dw[h], da), _mm512_cvtepi32_ps(isum[h][r]));
+                    acc[h][r] = _mm512_add_ps(acc[h][r], term);
+                }
             }
         }
-        for (r, v) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(r * stride), *v);
+        for r in 0..R {
+            for h in 0..W {
+                _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + 16 * h), acc[h][r]);
+            }
         }
     }
 }
@@ -122,9 +155,6 @@ pub(super) fn x32_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
         _ => None,
     }
 }
-
-/// Rows per call of the 32-row Q8_0 kernel ([`q8_0_x32`]): four x8 groups.
-pub const ROWS32: usize = 4 * GROUP;
 
 /// Most activation rows per call of [`q8_0_x32`]: two accumulators of each kind per row
 /// (integer block sums and f32 totals, one per sixteen weight rows) keep 24 of the 32 vector
@@ -153,84 +183,7 @@ pub(super) unsafe fn q8_0_x32(
 ) {
     // SAFETY: forwarded.
     unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows32, "x32 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6)
-    }
-}
-
-/// Q8_0 on four x8 groups for exactly `R` activation rows (see [`q8_0_x32`]).
-///
-/// # Safety
-/// As [`q8_0_x32`] with `acts.len() == R`.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-#[allow(clippy::needless_range_loop)]
-unsafe fn q8_0_rows32<const R: usize>(
-    k: usize,
-    groups: &[u8],
-    acts: &[&[u8]],
-    sums32: &[&[[i32; 4]]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    let blocks = k / 32;
-    let gb = blocks * Q8_0_X8_BYTES;
-    assert!(groups.len() >= 4 * gb, "four x8 groups needed");
-    let entries = blocks.div_ceil(4);
-    assert!(
-        sums32.len() >= R && sums32[..R].iter().all(|s| s.len() >= 2 * entries),
-        "block sums and scales missing"
-    );
-    let a = starts::<R>(acts, blocks * Q8_0_BYTES, out, stride, ROWS32);
-    // The next panel (four groups on): a forward walks an expert's panels in memory order.
-    let next = move |p: *const u8| crate::kernels::prefetch::line_into_l1(p.wrapping_add(4 * gb));
-    let mut share = PairShare::take();
-    // SAFETY: every load is at an offset inside the checked groups and activation blocks; the
-    // caller's CPU has the features enabled here.
-    unsafe {
-        let flip = _mm512_set1_epi8(-128);
-        let mut acc = [[_mm512_setzero_ps(); R]; 2];
-        for blk in 0..blocks {
-            let g = [0, 1, 2, 3].map(|i| groups.as_ptr().add(i * gb + blk * Q8_0_X8_BYTES));
-            let ours = share.step();
-            let mut isum = [[_mm512_setzero_si512(); R]; 2];
-            for r in 0..R {
-                let block_sum = sums32[r].get_unchecked(blk / 4)[blk % 4];
-                let start = _mm512_set1_epi32(-(block_sum << 7));
-                isum[0][r] = start;
-                isum[1][r] = start;
-            }
-            for p in 0..8 {
-                let at = g.map(|q| q.add(16 + 32 * p));
-                if ours && p % 2 == 0 {
-                    at.iter().for_each(|&q| next(q));
-                }
-                let u0 = _mm512_xor_si512(join256(at[0], at[1]), flip);
-                let u1 = _mm512_xor_si512(join256(at[2], at[3]), flip);
-                for r in 0..R {
-                    let q = a[r].add(blk * Q8_0_BYTES + 2 + 4 * p);
-                    let x = _mm512_set1_epi32((q as *const i32).read_unaligned());
-                    isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], u0, x);
-                    isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], u1, x);
-                }
-            }
-            let dw = [
-                _mm512_cvtph_ps(join128(g[0], g[1])),
-                _mm512_cvtph_ps(join128(g[2], g[3])),
-            ];
-            for r in 0..R {
-                let da = sums32[r].get_unchecked(entries + blk / 4)[blk % 4];
-                let da = _mm512_set1_ps(f32::from_bits(da as u32));
-                for h in 0..2 {
-                    let term =
-                        _mm512_mul_ps(_mm512_mul_ps(dw[h], da), _mm512_cvtepi32_ps(isum[h][r]));
-                    acc[h][r] = _mm512_add_ps(acc[h][r], term);
-                }
-            }
-        }
-        for r in 0..R {
-            for h in 0..2 {
-                _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + 16 * h), acc[h][r]);
-            }
-        }
+        crate::kernels::dispatch_rows!(q8_0_rows<2>, "x32 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6)
     }
 }
 
