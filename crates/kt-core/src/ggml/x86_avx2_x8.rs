@@ -134,6 +134,10 @@ macro_rules! x8_entry {
         x8_entry!($(#[$doc])* $name => $rows, "x8 kernel");
     };
     ($(#[$doc:meta])* $name:ident => $rows:ident, $label:literal) => {
+        x8_entry!($(#[$doc])* $name => $rows, $label; 1 2 3 4 5 6 7 8);
+    };
+    // For the row counts listed; `rows<G>` for a kernel generic over one more constant.
+    ($(#[$doc:meta])* $name:ident => $rows:ident $(<$g:tt>)?, $label:literal; $($r:literal)+) => {
         $(#[$doc])*
         pub(super) unsafe fn $name(
             k: usize,
@@ -145,7 +149,7 @@ macro_rules! x8_entry {
         ) {
             // SAFETY: forwarded.
             unsafe {
-                crate::kernels::dispatch_rows!($rows, $label, acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
+                crate::kernels::dispatch_rows!($rows $(<$g>)?, $label, acts, (k, group, acts, sums32, out, stride); $($r)+)
             }
         }
     };

@@ -23,28 +23,18 @@ pub(super) fn x16_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
     }
 }
 
-/// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
-/// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's block
-/// sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block scales
-/// ([`super::x8::q8_0_block_scale_bits`]).
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `group` holds two x8 groups of
-/// `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values, `1 ≤ acts.len() ≤ X8_ROWS`,
-/// `out` holds `(acts.len() − 1) · stride + 16`.
-pub(super) unsafe fn q8_0(
-    k: usize,
-    group: &[u8],
-    acts: &[&[u8]],
-    sums32: &[&[[i32; 4]]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows<1>, "x16 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6 7 8)
-    }
-}
+x8_entry!(
+    /// Q8_0 on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_0 rows:
+    /// `out[i · stride + r]` for rows r of both groups (0..16); `sums32[i]` holds row i's block
+    /// sums ([`super::x8::q8_0_block_sums`], four blocks per entry), then its block scales
+    /// ([`super::x8::q8_0_block_scale_bits`]).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/DQ, VNNI, AVX2, FMA and F16C available; `group` holds two x8 groups of
+    /// `k/32` blocks each, each `acts[i]` a Q8_0 row of `k` values, `1 ≤ acts.len() ≤ X8_ROWS`,
+    /// `out` holds `(acts.len() − 1) · stride + 16`.
+    q8_0 => q8_0_rows<1>, "x16 kernel"; 1 2 3 4 5 6 7 8
+);
 
 /// Q8_0 on `2·W` consecutive x8 groups (`16·W` weight rows) for exactly `R` activation rows.
 ///
@@ -161,31 +151,21 @@ pub(super) fn x32_fn(ty: super::GgmlType) -> Option<super::RawX8Fn> {
 /// registers for six rows.
 pub const X32_ROWS: usize = 6;
 
-/// Q8_0 on four consecutive x8 groups (a whole 32-row panel) against up to [`X32_ROWS`] Q8_0
-/// rows: `out[i · stride + r]` for rows r of the four groups (0..32). Each activation
-/// broadcast serves two `vpdpbusd`s (the sixteen-row kernel pays one broadcast load per
-/// `vpdpbusd`, and a core's two loads per cycle bound it); per (row, token) the integer block
-/// sums and the f32 operations are the x8 kernels', so the results equal the scalar twin bit
-/// for bit. `sums32` as for [`q8_0`]. AMD Zen 5, one core from cache (`ggml_cycles`, k 2048,
-/// 32 weight rows), time over the int8 multiply-add peak's, sixteen-row kernel -> this one:
-/// 5 rows 2.08 -> 1.55, 6 rows 1.98 -> 1.54, 8 rows 1.90 -> 1.58, 12 rows 1.85 -> 1.52.
-///
-/// # Safety
-/// As [`q8_0`], with `group` holding four x8 groups, `1 ≤ acts.len() ≤ X32_ROWS` and `out`
-/// holding `(acts.len() − 1) · stride + 32`.
-pub(super) unsafe fn q8_0_x32(
-    k: usize,
-    group: &[u8],
-    acts: &[&[u8]],
-    sums32: &[&[[i32; 4]]],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        crate::kernels::dispatch_rows!(q8_0_rows<2>, "x32 kernel", acts, (k, group, acts, sums32, out, stride); 1 2 3 4 5 6)
-    }
-}
+x8_entry!(
+    /// Q8_0 on four consecutive x8 groups (a whole 32-row panel) against up to [`X32_ROWS`] Q8_0
+    /// rows: `out[i · stride + r]` for rows r of the four groups (0..32). Each activation
+    /// broadcast serves two `vpdpbusd`s (the sixteen-row kernel pays one broadcast load per
+    /// `vpdpbusd`, and a core's two loads per cycle bound it); per (row, token) the integer block
+    /// sums and the f32 operations are the x8 kernels', so the results equal the scalar twin bit
+    /// for bit. `sums32` as for [`q8_0`]. AMD Zen 5, one core from cache (`ggml_cycles`, k 2048,
+    /// 32 weight rows), time over the int8 multiply-add peak's, sixteen-row kernel -> this one:
+    /// 5 rows 2.08 -> 1.55, 6 rows 1.98 -> 1.54, 8 rows 1.90 -> 1.58, 12 rows 1.85 -> 1.52.
+    ///
+    /// # Safety
+    /// As [`q8_0`], with `group` holding four x8 groups, `1 ≤ acts.len() ≤ X32_ROWS` and `out`
+    /// holding `(acts.len() − 1) · stride + 32`.
+    q8_0_x32 => q8_0_rows<2>, "x32 kernel"; 1 2 3 4 5 6
+);
 
 x8_entry!(
     /// Q4_K on two consecutive x8 groups against up to [`super::X8_ROWS`] Q8_K rows:
