@@ -93,8 +93,8 @@ impl MoeLayer {
 
     /// Forwards with at most `elems` (rows × hidden) down outputs use the decode's down scheme
     /// (one block of output columns per thread, or row-wise shares where the layer is narrow
-    /// for its threads); larger ones the prefill's column blocks. All give the same result;
-    /// this is a tuning knob (and lets tests cover each).
+    /// for its threads); larger ones one block of columns per thread whatever the width. All
+    /// give the same result; this is a tuning knob (and lets tests cover each).
     pub fn set_rowwise_down_limit(&mut self, elems: usize) {
         self.rowwise_down_max = elems.min(ROWWISE_DOWN_MAX);
     }
