@@ -30,7 +30,8 @@ const AMX_TUNE_MIN_MEAN_ROWS: usize = 8;
 const DOWN_GROUP_PANELS: usize = 4;
 
 /// A decode's down phase gives each thread one block of output columns (panels) over every
-/// expert, as a prefill's does, when each block has at least this many panels; below that (many threads on a narrow layer) the row-wise scheme keeps each thread's
+/// expert, as a prefill's always does, when each block has at least this many panels; below
+/// that (many threads on a narrow layer) the row-wise scheme keeps each thread's
 /// stretches of weights long. With the columns each thread sums its own outputs over the
 /// experts: no weighted rows to write and sum in a second pass, whose lines went from one
 /// core to the other and back at every call. AMD Zen 5, two threads, one token, S1 layer
