@@ -36,8 +36,8 @@ fn main() {
                 )
             })
             .collect();
-        // ROWWISE=0: the prefill's down scheme (four column blocks per thread) instead of
-        // the decode's.
+        // ROWWISE=0: the prefill's down scheme (one column block per thread, whatever the
+        // width) instead of the decode's.
         let mut layers = layers;
         if kt_benches::env_or("ROWWISE", 1) == 0 {
             layers.iter_mut().for_each(|l| l.set_rowwise_down_limit(0));
