@@ -165,22 +165,41 @@ const ROUNDER: f32 = 12_582_912.0;
 const SLOTS: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// Cut `x` (`k` values, a multiple of `chunk`) into an activation row (module docs), with
-/// AVX2 where the CPU has it (the same bytes as [`prepare_row_scalar`]): a decode prepares
-/// its input row and every SwiGLU row, thousands of values per call.
+/// AVX-512 or AVX2 where the CPU has it (the same bytes as [`prepare_row_scalar`]): a decode
+/// prepares its input row and every SwiGLU row, thousands of values per call.
 pub fn prepare_row(x: &[f32], chunk: usize, w: &WeightBytes, out: &mut [u8]) {
+    prepare_row_parts(x, chunk, w, true, out)
+}
+
+/// Whether the integer kernels at `level` read an activation row's `x16` inputs: only the
+/// AVX2 i16 many-row kernel does ([`int_fine_gemm_for`] without VNNI).
+pub fn reads_wide(level: Level) -> bool {
+    takes_i16_kernel(level)
+}
+
+/// [`prepare_row`], writing the `x16` inputs only when `wide` ([`reads_wide`]; they are half
+/// the row's bytes, and the other kernels leave them alone).
+pub fn prepare_row_parts(x: &[f32], chunk: usize, w: &WeightBytes, wide: bool, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::allows(Level::Avx2) {
-        // SAFETY: AVX2 and FMA allowed (checked above); lengths checked above.
-        unsafe { x86::prepare_row_avx2(x, chunk, w, out) };
-        return;
+    {
+        if chunk.is_multiple_of(16) && crate::isa::allows(Level::Avx512Base) {
+            // SAFETY: AVX-512 allowed (checked above); lengths and chunk checked above.
+            unsafe { x86::prepare_row_avx512(x, chunk, w, wide, out) };
+            return;
+        }
+        if crate::isa::allows(Level::Avx2) {
+            // SAFETY: AVX2 and FMA allowed (checked above); lengths checked above.
+            unsafe { x86::prepare_row_avx2(x, chunk, w, wide, out) };
+            return;
+        }
     }
-    prepare_row_scalar(x, chunk, w, out);
+    prepare_row_scalar(x, chunk, w, wide, out);
 }
 
-/// The scalar twin of [`prepare_row`] (same contract).
-pub fn prepare_row_scalar(x: &[f32], chunk: usize, w: &WeightBytes, out: &mut [u8]) {
+/// The scalar twin of [`prepare_row_parts`] (same contract).
+pub fn prepare_row_scalar(x: &[f32], chunk: usize, w: &WeightBytes, wide: bool, out: &mut [u8]) {
     let k = x.len();
     assert!(k.is_multiple_of(chunk) && chunk.is_multiple_of(8) && out.len() >= row_bytes(k, chunk));
     let (x8, rest) = out.split_at_mut(k);
@@ -202,8 +221,10 @@ pub fn prepare_row_scalar(x: &[f32], chunk: usize, w: &WeightBytes, out: &mut [u
                 let (qi, ri) = (q[t] as i32, r[t] as i32);
                 x8[base + SLOTS[t]] = qi as i8 as u8;
                 r8[base + SLOTS[t]] = ri as i8 as u8;
-                let at = 2 * (base + WIDE_SLOTS[t]);
-                x16[at..at + 2].copy_from_slice(&((254 * qi + ri) as i16).to_le_bytes());
+                if wide {
+                    let at = 2 * (base + WIDE_SLOTS[t]);
+                    x16[at..at + 2].copy_from_slice(&((254 * qi + ri) as i16).to_le_bytes());
+                }
                 xs += qi;
                 rs += ri;
             }
@@ -503,7 +524,7 @@ fn pick(
 
 family_pickers!(
     /// The many-row (prefill) integer kernel `level` allows and the rows it takes: AVX-512 VNNI
-    /// (6 rows) or the AVX2 level (12 rows; AVX-VNNI, 4 rows, where the CPU has it). A 32-row
+    /// (5 rows) or the AVX2 level (12 rows; AVX-VNNI, 4 rows, where the CPU has it). A 32-row
     /// panel's codes are read once per call for all rows.
     int_gemm_for,
     /// [`int_gemm_for`] with the AVX2-level multiply given (tests run both where they can).
@@ -701,6 +722,7 @@ pub(crate) mod x86 {
         x: &[f32],
         chunk: usize,
         w: &WeightBytes,
+        wide: bool,
         out: &mut [u8],
     ) {
         let k = x.len();
@@ -755,6 +777,9 @@ pub(crate) mod x86 {
                     _mm_storel_epi64(x8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(qi));
                     _mm_storel_epi64(r8.as_mut_ptr().add(base + b) as *mut __m128i, bytes8(ri));
                 }
+                if !wide {
+                    continue;
+                }
                 // 254·q + r fits i16 (|q|, |r| ≤ 127): no saturation in the pack.
                 let wide = _mm256_permutevar8x32_epi32(
                     _mm256_add_epi32(_mm256_mullo_epi32(qi, times254i), ri),
@@ -770,6 +795,82 @@ pub(crate) mod x86 {
                 };
             }
             put_chunk_record(sums, c, ChunkRecord::new(sum_i32(xs), sum_i32(rs), s, w));
+        }
+    }
+
+    /// [`super::prepare_row_scalar`] sixteen inputs at a time, for chunks of a multiple of 16:
+    /// the same fp32 operations in the same order, so the same bytes; the byte and word
+    /// orders within each 8 inputs come from one lane permute and a truncating narrow.
+    ///
+    /// # Safety
+    /// AVX-512F/BW; `chunk` a multiple of 16 and the lengths [`super::prepare_row`] checks.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(crate) unsafe fn prepare_row_avx512(
+        x: &[f32],
+        chunk: usize,
+        w: &WeightBytes,
+        wide: bool,
+        out: &mut [u8],
+    ) {
+        let k = x.len();
+        debug_assert!(chunk.is_multiple_of(16));
+        let (x8, rest) = out.split_at_mut(k);
+        let (r8, rest) = rest.split_at_mut(k);
+        let (sums, x16) = rest.split_at_mut(RECORD_BYTES * (k / chunk));
+        let rounder = _mm512_set1_ps(ROUNDER);
+        let times254 = _mm512_set1_ps(254.0);
+        // Lane p takes input SLOTS⁻¹[p] (evens first) and WIDE_SLOTS[p] within each 8.
+        let evens_first = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+        let wide_order = _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
+        for c in 0..k / chunk {
+            let base = c * chunk;
+            let load = |i: usize| {
+                // SAFETY: inputs base + i..base + i + 16 of x, i < chunk a multiple of 16
+                // (chunk divides k).
+                unsafe { _mm512_loadu_ps(x.as_ptr().add(base + i)) }
+            };
+            let mut m = _mm512_setzero_ps();
+            for b in (0..chunk).step_by(16) {
+                // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold does.
+                m = _mm512_max_ps(_mm512_abs_ps(load(b)), m);
+            }
+            // No lane of m is NaN: the reduction's order does not matter.
+            let (s, inv) = chunk_scale(_mm512_reduce_max_ps(m));
+            let inv = _mm512_set1_ps(inv);
+            let (mut xs, mut rs) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for b in (0..chunk).step_by(16) {
+                let y = _mm512_mul_ps(load(b), inv);
+                let q = _mm512_sub_ps(_mm512_add_ps(y, rounder), rounder);
+                let r = _mm512_mul_ps(_mm512_sub_ps(y, q), times254);
+                let r = _mm512_sub_ps(_mm512_add_ps(r, rounder), rounder);
+                // NaN lanes become 0, as `NaN as i32` does.
+                let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y);
+                let qi = _mm512_maskz_cvtps_epi32(ordered, q);
+                let ri = _mm512_maskz_cvtps_epi32(ordered, r);
+                xs = _mm512_add_epi32(xs, qi);
+                rs = _mm512_add_epi32(rs, ri);
+                let bytes =
+                    |v: __m512i| _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(evens_first, v));
+                // SAFETY: bytes base+b..base+b+16 of x8 and r8 (k bytes each).
+                unsafe {
+                    _mm_storeu_si128(x8.as_mut_ptr().add(base + b) as *mut __m128i, bytes(qi));
+                    _mm_storeu_si128(r8.as_mut_ptr().add(base + b) as *mut __m128i, bytes(ri));
+                }
+                if wide {
+                    // 254·q + r fits i16 (|q|, |r| ≤ 127): the narrowing keeps it.
+                    let v = _mm512_add_epi32(_mm512_mullo_epi32(qi, _mm512_set1_epi32(254)), ri);
+                    let words = _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(wide_order, v));
+                    // SAFETY: values base+b..base+b+16 of x16 (2k bytes).
+                    unsafe {
+                        _mm256_storeu_si256(
+                            x16.as_mut_ptr().add(2 * (base + b)) as *mut __m256i,
+                            words,
+                        )
+                    };
+                }
+            }
+            let (xs, rs) = (_mm512_reduce_add_epi32(xs), _mm512_reduce_add_epi32(rs));
+            put_chunk_record(sums, c, ChunkRecord::new(xs, rs, s, w));
         }
     }
 
@@ -1255,12 +1356,15 @@ pub(crate) mod x86 {
     }
 
     /// Rows per call of [`int_gemm_avx512vnni`]: 4 accumulators a row, the block's four weight
-    /// vectors, two activation words and the constants fill the 32 registers. Against 12
+    /// vectors, two activation words and the constants nearly fill the 32 registers. Against 12
     /// rows one half at a time (fewer rows per read of the codes, but twice the activation
     /// words per multiply-add), AMD Zen 5,
     /// RAWINT4 `prefill` alternated, 2 threads: 512 tokens 41.8-41.9 -> 34.8-35.0 ms, 128
-    /// tokens 12.4-12.8 -> 10.0-10.3.
-    pub(crate) const GEMM_ROWS_512: usize = 6;
+    /// tokens 12.4-12.8 -> 10.0-10.3. Five rather than six: at six the epilogue's vectors
+    /// no longer fit and the rate per row fell (from cache, `KERNEL=gemm kgroup_cycles`: 0.64
+    /// ns per row and block at 5 rows, 0.75 at 6), and 512 tokens went 33.2-33.3 -> 32.0-32.2
+    /// ms (blocks of 4-5 rows instead of 5-6).
+    pub(crate) const GEMM_ROWS_512: usize = 5;
     /// Rows per call of [`int_gemm_avxvnni`] (not measured on an AVX-VNNI CPU, so left at 4).
     pub(crate) const GEMM_ROWS_AVXVNNI: usize = 4;
     /// Rows per call of [`int_gemm_avx2`]: 12 i16 accumulators, the two weight vectors, the
@@ -1577,7 +1681,7 @@ pub(crate) mod x86 {
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
-        int_gemm_avx512vnni, gemm512, false, "the kgroup avx512 gemm kernel", 1 2 3 4 5 6
+        int_gemm_avx512vnni, gemm512, false, "the kgroup avx512 gemm kernel", 1 2 3 4 5
     );
     gemm_entry!(
         /// AVX2 many-row kernel, 1 to [`GEMM_ROWS_AVX2`] rows.
@@ -2274,16 +2378,46 @@ mod tests {
                 let kind = [CodeKind::Int4, CodeKind::E2M1][trial % 2];
                 let w = WeightBytes::of(kind, ScaleType::Bf16);
                 let mut want = vec![0u8; row_bytes(k, chunk)];
-                prepare_row_scalar(&x, chunk, &w, &mut want);
+                prepare_row_scalar(&x, chunk, &w, true, &mut want);
                 let mut got = vec![0xAAu8; row_bytes(k, chunk)];
                 prepare_row(&x, chunk, &w, &mut got);
                 assert_eq!(got, want, "chunk {chunk}, trial {trial}");
+                // Without the x16 inputs: the rest the same, the x16 bytes untouched.
+                let wide = wide_at(k, chunk);
+                let mut narrow_want = want.clone();
+                narrow_want[wide..].fill(0x33);
+                let mut narrow = vec![0x33u8; row_bytes(k, chunk)];
+                prepare_row_scalar(&x, chunk, &w, false, &mut narrow);
+                assert_eq!(
+                    narrow, narrow_want,
+                    "scalar narrow, chunk {chunk}, trial {trial}"
+                );
+                narrow.fill(0x33);
+                prepare_row_parts(&x, chunk, &w, false, &mut narrow);
+                assert_eq!(narrow, narrow_want, "narrow, chunk {chunk}, trial {trial}");
                 #[cfg(target_arch = "x86_64")]
-                if crate::isa::allows(Level::Avx2) {
-                    got.fill(0x55);
-                    // SAFETY: AVX2 allowed; lengths as prepare_row checks.
-                    unsafe { x86::prepare_row_avx2(&x, chunk, &w, &mut got) };
-                    assert_eq!(got, want, "avx2, chunk {chunk}, trial {trial}");
+                for wide in [true, false] {
+                    let mut want = if wide {
+                        want.clone()
+                    } else {
+                        narrow_want.clone()
+                    };
+                    if !wide {
+                        want[super::wide_at(k, chunk)..].fill(0x55);
+                    }
+                    if crate::isa::allows(Level::Avx2) {
+                        got.fill(0x55);
+                        // SAFETY: AVX2 allowed; lengths as prepare_row checks.
+                        unsafe { x86::prepare_row_avx2(&x, chunk, &w, wide, &mut got) };
+                        assert_eq!(got, want, "avx2 {wide}, chunk {chunk}, trial {trial}");
+                    }
+                    if chunk % 16 == 0 && crate::isa::allows(Level::Avx512Base) {
+                        got.fill(0x55);
+                        // SAFETY: AVX-512 allowed; chunk a multiple of 16; lengths as
+                        // prepare_row checks.
+                        unsafe { x86::prepare_row_avx512(&x, chunk, &w, wide, &mut got) };
+                        assert_eq!(got, want, "avx512 {wide}, chunk {chunk}, trial {trial}");
+                    }
                 }
             }
         }

@@ -325,6 +325,10 @@ pub struct KGroupExperts {
     /// has a bf16 dot path ([`BF16_PANELS_FROM_ROWS`] for the 15-bit kinds, else never).
     bf16_panels_from: usize,
     weight_bytes: int_dot::WeightBytes,
+    /// Whether any kernel reads the staged bf16 rows (else preparing skips them).
+    reads_staged: bool,
+    /// Whether prepared rows get their `x16` inputs ([`int_dot::reads_wide`]).
+    wide_rows: bool,
     /// Inputs per scale of gate/up (over `H`) and of down (over `I`).
     groups: [usize; 2],
     hidden: usize,
@@ -432,7 +436,12 @@ impl KGroupExperts {
             ),
             _ => (None, None),
         };
+        // Staged bf16 rows feed AMX tiles and the bf16 panels; RAWINT4's integer kernels
+        // take every block of rows elsewhere.
+        let reads_staged =
+            kernels.amx().is_some() || int_gemm.is_none() || bf16_panels_from(&spec).is_some();
         Ok(KGroupExperts {
+            reads_staged,
             code_kernels: kernels::kernels_for(spec.kind, kernels.level()),
             int: if spec.kind.bits() == 4 {
                 int_dot::int_fused_for(kernels.level())
@@ -448,6 +457,7 @@ impl KGroupExperts {
             },
             bf16_panels_from: bf16_panels_from(&spec).unwrap_or(usize::MAX),
             weight_bytes: int_dot::WeightBytes::of(spec.kind, spec.scale_type),
+            wide_rows: int_dot::reads_wide(kernels.level()),
             spec,
             kernels,
             groups: [group_gu, group_down],
@@ -870,11 +880,12 @@ impl KGroupExperts {
     /// region ([`int_dot::prepare_row`]) when the integer kernel exists.
     fn prepare_row(&self, values: &[f32], bf16_bytes: usize, group: usize, out: &mut [u8]) -> f32 {
         let (staged, int) = out.split_at_mut(bf16_bytes);
-        if bf16_bytes > 0 {
+        if bf16_bytes > 0 && self.reads_staged {
             self.staging().stage(values, staged);
         }
         if self.int.is_some() {
-            int_dot::prepare_row(values, group.min(32), &self.weight_bytes, int);
+            let (chunk, w) = (group.min(32), &self.weight_bytes);
+            int_dot::prepare_row_parts(values, chunk, w, self.wide_rows, int);
         }
         1.0
     }
