@@ -185,6 +185,15 @@ fn kgroup_kernels(c: &mut Criterion) {
             });
         }
     }
+    // The activation rows the integer kernels read (every decode's x and SwiGLU rows), with
+    // this CPU's widest vectors; elements are inputs.
+    let w = int_dot::WeightBytes::of(CodeKind::Int4, ScaleType::Bf16);
+    let x = rng.normals(k, 1.0);
+    let mut row = vec![0u8; int_dot::row_bytes(k, 32)];
+    grp.throughput(Throughput::Elements(k as u64));
+    grp.bench_function("prepare-row", |b| {
+        b.iter(|| int_dot::prepare_row_parts(&x, 32, &w, false, &mut row))
+    });
     grp.finish();
 }
 

@@ -661,8 +661,8 @@ pub fn calibration_workload(level: Level, gate: &[u8], up: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::{
-        chunk_record, chunk_scale, chunks_with_groups, put_chunk_record, ChunkRecord, WeightBytes,
-        RECORD_BYTES, ROUNDER,
+        chunk_record, chunks_with_groups, put_chunk_record, ChunkRecord, WeightBytes, RECORD_BYTES,
+        ROUNDER,
     };
     use crate::codes::ScaleType;
     use std::arch::x86_64::*;
@@ -745,20 +745,48 @@ pub(crate) mod x86 {
             let b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(v, evens_first), low_bytes);
             _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b))
         };
-        for c in 0..k / chunk {
+        // The chunks' scales eight chunks at a time, before their bytes (as in
+        // `prepare_row_avx512`; AMD Zen 5, this kernel: 0.60 -> 0.44 ns per input).
+        let (mut scale, mut inverse) = ([0f32; 8], [0f32; 8]);
+        let chunks = k / chunk;
+        for c in 0..chunks {
             let base = c * chunk;
-            let mut m = _mm256_setzero_ps();
-            for b in (0..chunk).step_by(8) {
-                // SAFETY: inputs base+b..base+b+8 of x (k values; chunk divides k).
-                let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(base + b)) };
-                // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold does.
-                m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+            if c % 8 == 0 {
+                let mut amax = [0f32; 8];
+                for (j, a) in amax.iter_mut().enumerate().take(chunks - c) {
+                    let mut m = _mm256_setzero_ps();
+                    for b in (0..chunk).step_by(8) {
+                        // SAFETY: inputs of chunk c + j (k values; chunk divides k).
+                        let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(base + j * chunk + b)) };
+                        // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold.
+                        m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+                    }
+                    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                    *a = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+                }
+                // chunk_scale's divisions, correctly rounded as its scalar ones; zero where
+                // the largest magnitude is zero or infinite (never NaN).
+                // SAFETY: 8 floats.
+                let a = unsafe { _mm256_loadu_ps(amax.as_ptr()) };
+                let ok = _mm256_and_ps(
+                    _mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_setzero_ps()),
+                    _mm256_cmp_ps::<_CMP_LT_OQ>(a, _mm256_set1_ps(f32::INFINITY)),
+                );
+                let n127 = _mm256_set1_ps(127.0);
+                // SAFETY: 8 floats each.
+                unsafe {
+                    _mm256_storeu_ps(
+                        scale.as_mut_ptr(),
+                        _mm256_and_ps(_mm256_div_ps(a, n127), ok),
+                    );
+                    _mm256_storeu_ps(
+                        inverse.as_mut_ptr(),
+                        _mm256_and_ps(_mm256_div_ps(n127, a), ok),
+                    );
+                }
             }
-            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
-            let (s, inv) = chunk_scale(amax);
-            let inv = _mm256_set1_ps(inv);
+            let (s, inv) = (scale[c % 8], _mm256_set1_ps(inverse[c % 8]));
             let (mut xs, mut rs) = (_mm256_setzero_si256(), _mm256_setzero_si256());
             for b in (0..chunk).step_by(8) {
                 // SAFETY: as above.
@@ -822,24 +850,44 @@ pub(crate) mod x86 {
         // Lane p takes input SLOTS⁻¹[p] (evens first) and WIDE_SLOTS[p] within each 8.
         let evens_first = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
         let wide_order = _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
-        for c in 0..k / chunk {
+        let load = |i: usize| {
+            // SAFETY: inputs i..i + 16 of x (callers pass i < k, a multiple of 16).
+            unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }
+        };
+        // The chunks' scales sixteen chunks at a time, before their bytes: each chunk's
+        // reduction and divisions then no longer sit in a chain in front of its bytes (AMD
+        // Zen 5, one core from cache, K 768, chunks of 32: 0.45 -> 0.22 ns per input).
+        let (mut scale, mut inverse) = ([0f32; 16], [0f32; 16]);
+        let chunks = k / chunk;
+        for c in 0..chunks {
             let base = c * chunk;
-            let load = |i: usize| {
-                // SAFETY: inputs base + i..base + i + 16 of x, i < chunk a multiple of 16
-                // (chunk divides k).
-                unsafe { _mm512_loadu_ps(x.as_ptr().add(base + i)) }
-            };
-            let mut m = _mm512_setzero_ps();
-            for b in (0..chunk).step_by(16) {
-                // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold does.
-                m = _mm512_max_ps(_mm512_abs_ps(load(b)), m);
+            if c % 16 == 0 {
+                let mut amax = [0f32; 16];
+                for (j, a) in amax.iter_mut().enumerate().take(chunks - c) {
+                    let mut m = _mm512_setzero_ps();
+                    for b in (0..chunk).step_by(16) {
+                        // max(|v|, m) keeps m where v is NaN, as f32::max in the twin's fold.
+                        m = _mm512_max_ps(_mm512_abs_ps(load(base + j * chunk + b)), m);
+                    }
+                    // No lane of m is NaN: the reduction's order does not matter.
+                    *a = _mm512_reduce_max_ps(m);
+                }
+                // chunk_scale's divisions, correctly rounded as its scalar ones.
+                // SAFETY: 16 floats.
+                let a = unsafe { _mm512_loadu_ps(amax.as_ptr()) };
+                let ok = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, _mm512_setzero_ps())
+                    & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, _mm512_set1_ps(f32::INFINITY));
+                let n127 = _mm512_set1_ps(127.0);
+                // SAFETY: 16 floats each.
+                unsafe {
+                    _mm512_storeu_ps(scale.as_mut_ptr(), _mm512_maskz_div_ps(ok, a, n127));
+                    _mm512_storeu_ps(inverse.as_mut_ptr(), _mm512_maskz_div_ps(ok, n127, a));
+                }
             }
-            // No lane of m is NaN: the reduction's order does not matter.
-            let (s, inv) = chunk_scale(_mm512_reduce_max_ps(m));
-            let inv = _mm512_set1_ps(inv);
+            let (s, inv) = (scale[c % 16], _mm512_set1_ps(inverse[c % 16]));
             let (mut xs, mut rs) = (_mm512_setzero_si512(), _mm512_setzero_si512());
             for b in (0..chunk).step_by(16) {
-                let y = _mm512_mul_ps(load(b), inv);
+                let y = _mm512_mul_ps(load(base + b), inv);
                 let q = _mm512_sub_ps(_mm512_add_ps(y, rounder), rounder);
                 let r = _mm512_mul_ps(_mm512_sub_ps(y, q), times254);
                 let r = _mm512_sub_ps(_mm512_add_ps(r, rounder), rounder);
@@ -2364,7 +2412,9 @@ mod tests {
         let mut rng = crate::rng::Rng::new(5);
         for chunk in [8, 16, 32] {
             for trial in 0..40 {
-                let k = chunk * (1 + trial % 9);
+                // Up to 9 chunks, and for every fourth trial 16 more (the AVX-512 kernel takes
+                // the chunks' scales 16 chunks at a time).
+                let k = chunk * (1 + trial % 9 + 16 * (trial % 4 == 0) as usize);
                 let mut x = rng.normals(k, [1e-3, 1.0, 300.0][trial % 3]);
                 // Zero, NaN-holding and infinite chunks, and ties of the rounding.
                 match trial % 5 {
