@@ -6,6 +6,10 @@
 //! its cycles per quarter block go (broadcast activation words, weights in registers or
 //! memory, the nibble unpacking), and the same products with tokens in the lanes (decoded
 //! weight pairs broadcast, two vectors of 8 tokens' activation pairs per input pair).
+//! On AVX-512 VNNI CPUs, last, which instructions share the pipes of `vpdpbusd`: cycles per 8
+//! independent `vpdpbusd` alone and with each kind of the group-scaled kernels' other work
+//! (the per-group epilogue's `vmulps`/`vfmadd231ps`/`vcvtdq2ps`, the nibble unpacking, the
+//! broadcasts, the Q8_0 kernels' `vinserti64x4` joins).
 //! `cargo run --release -p kt-benches --example ports`
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -272,6 +276,121 @@ mod x86 {
             macs / (cores * hz * best) * 1e3
         );
         i16_row_mixes(hz);
+        if is_x86_feature_detected!("avx512vnni") {
+            // SAFETY: AVX-512 VNNI detected just above.
+            unsafe { vnni512_mixes(hz) };
+        }
+    }
+
+    /// Cycles per 8 independent `vpdpbusd` (zmm0..zmm7) with `$extra` beside them.
+    macro_rules! per_8_dpbusd {
+        ($hz:expr, $x:expr, $($extra:literal),*) => {{
+            let t = Instant::now();
+            for _ in 0..ITERS {
+                // SAFETY: AVX-512 arithmetic on clobbered registers and loads of the 64-byte
+                // buffer at {x}; the caller checked AVX-512 VNNI.
+                unsafe {
+                    asm!(
+                        "/* reads {x} */",
+                        ".irp r,0,1,2,3,4,5,6,7",
+                        "vpdpbusd zmm\\r, zmm20, zmm21",
+                        ".endr",
+                        $($extra,)*
+                        x = in(reg) $x,
+                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                        out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                        out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                        out("zmm20") _, out("zmm21") _,
+                        options(nostack, readonly),
+                    )
+                }
+            }
+            t.elapsed().as_secs_f64() / ITERS as f64 * $hz
+        }};
+    }
+
+    /// Which work shares the pipes of `vpdpbusd` (AMD Zen 5: `vmulps`, `vfmadd231ps` and
+    /// `vinserti64x4` do; conversions, integer adds, logic, shifts and broadcasts do not):
+    /// the group-scaled kernels' per-group `vmulps` + `vfmadd231ps` (8 `vpdpbusd` per row and
+    /// 16 outputs for groups of 32) then cap them at 8/10 of the multiply-add peak.
+    ///
+    /// # Safety
+    /// AVX-512 VNNI available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn vnni512_mixes(hz: f64) {
+        #[repr(align(64))]
+        struct Line([u8; 64]);
+        let line = Line([1; 64]);
+        let x = line.0.as_ptr();
+        println!("AVX-512 VNNI: cycles per 8 independent vpdpbusd (zmm) with beside them");
+        let mixes = [
+            ("nothing", per_8_dpbusd!(hz, x,)),
+            (
+                "2 vmulps",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    "vmulps zmm8, zmm20, zmm21",
+                    "vmulps zmm9, zmm20, zmm21"
+                ),
+            ),
+            (
+                "2 vfmadd231ps",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    "vfmadd231ps zmm8, zmm20, zmm21",
+                    "vfmadd231ps zmm9, zmm20, zmm21"
+                ),
+            ),
+            (
+                "2 vcvtdq2ps",
+                per_8_dpbusd!(hz, x, "vcvtdq2ps zmm8, zmm20", "vcvtdq2ps zmm9, zmm21"),
+            ),
+            (
+                "4 vpaddd",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    ".irp r,8,9,10,11",
+                    "vpaddd zmm\\r, zmm20, zmm21",
+                    ".endr"
+                ),
+            ),
+            (
+                "2 vpandd + 2 vpsrld",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    "vpandd zmm8, zmm20, zmm21",
+                    "vpandd zmm9, zmm20, zmm21",
+                    "vpsrld zmm10, zmm20, 4",
+                    "vpsrld zmm11, zmm21, 4"
+                ),
+            ),
+            (
+                "4 vpbroadcastd from memory",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    ".irp r,8,9,10,11",
+                    "vpbroadcastd zmm\\r, dword ptr [{x}]",
+                    ".endr"
+                ),
+            ),
+            (
+                "2 vinserti64x4 (registers)",
+                per_8_dpbusd!(
+                    hz,
+                    x,
+                    "vinserti64x4 zmm8, zmm20, ymm21, 1",
+                    "vinserti64x4 zmm9, zmm20, ymm21, 1"
+                ),
+            ),
+        ];
+        for (name, cycles) in mixes {
+            println!("{cycles:5.2} cycles  {name}");
+        }
     }
 }
 
