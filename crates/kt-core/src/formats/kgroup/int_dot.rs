@@ -537,7 +537,7 @@ family_pickers!(
 family_pickers!(
     /// The many-row kernel with the few-row kernels' 15-bit activations (bit-identical to
     /// [`int_fine_gemm_scalar`]) for methods whose error budget has no room for 8-bit ones:
-    /// AVX-512 VNNI (4 rows), AVX-VNNI (3 rows) or AVX2 (the i16 kernel, 4 rows).
+    /// AVX-512 VNNI (3 rows), AVX-VNNI (3 rows) or AVX2 (the i16 kernel, 4 rows).
     int_fine_gemm_for,
     /// [`int_fine_gemm_for`] with the AVX2-level multiply given.
     int_fine_gemm_with,
@@ -1485,21 +1485,20 @@ pub(crate) mod x86 {
                     let sw = scales16(at, w.scale_type);
                     for r in 0..R {
                         let rec = chunk_record(rows[r], k, c);
-                        let mut f = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                            a[r][h],
-                            _mm512_set1_epi32(rec.neg_bias_x),
-                        ));
-                        // FINE: S = 254·(A − bias·X) + (B − bias·R), exact in f32 (module docs).
-                        let sx = if FINE {
-                            let fb = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                                b[r][h],
-                                _mm512_set1_epi32(rec.neg_bias_r),
-                            ));
-                            f = _mm512_fmadd_ps(f, _mm512_set1_ps(254.0), fb);
-                            rec.s_inv_m254
+                        let ax = _mm512_add_epi32(a[r][h], _mm512_set1_epi32(rec.neg_bias_x));
+                        // FINE: S = 254·(A − bias·X) + (B − bias·R) in i32 (shifts, off the
+                        // multiply-add pipes), the twin's exact sum (|S| < 2²⁴, module docs).
+                        let (s, sx) = if FINE {
+                            let br = _mm512_add_epi32(b[r][h], _mm512_set1_epi32(rec.neg_bias_r));
+                            let ax254 = _mm512_sub_epi32(
+                                _mm512_slli_epi32::<8>(ax),
+                                _mm512_slli_epi32::<1>(ax),
+                            );
+                            (_mm512_add_epi32(ax254, br), rec.s_inv_m254)
                         } else {
-                            rec.s_inv_m
+                            (ax, rec.s_inv_m)
                         };
+                        let f = _mm512_cvtepi32_ps(s);
                         let swx = _mm512_mul_ps(sw, _mm512_set1_ps(sx));
                         total[r][h] = _mm512_fmadd_ps(f, swx, total[r][h]);
                     }
@@ -1680,7 +1679,16 @@ pub(crate) mod x86 {
     /// tokens, 2 threads, `prefill` alternated: GPTQ_INT4 18.2-18.4 -> 15.0 ms, NVFP4
     /// 22.9-23.1 -> 19.7-19.8 (against 8 rows, one half at a time). At 512 tokens the bf16
     /// panels still win ([`super::BF16_PANELS_FROM_ROWS`] at 64: NVFP4 56 -> 79 ms).
-    pub(crate) const FINE_ROWS_512: usize = 4;
+    /// Three, not four: at four the 24 accumulators, the weight vectors and the constants
+    /// overflow the registers, the running totals go to the stack every chunk, and the rate
+    /// then hung on where that stack lay against other loads: the worker thread ran
+    /// NVFP4's down panels 1.5x slower than the caller's in some builds and not in others
+    /// (the code moved by an unrelated function). Whole layer, 128 tokens, Python benchmark
+    /// (`ab_bench.sh`, 3 rounds): NVFP4 21.7 -> 18.3 ms, GPTQ_INT4 15.1 -> 14.6, MXFP4 15.9 ->
+    /// 15.3; from cache (`KERNEL=fine kgroup_cycles`) 3 rows ran 1.59/1.20/1.27 ns per row and
+    /// block against 4 rows' 1.63/1.23/1.30 (NVFP4/GPTQ_INT4/MXFP4), and the i32 form of
+    /// `S` (no f32 constant, one conversion) took 3 rows to 1.56/1.18/1.23.
+    pub(crate) const FINE_ROWS_512: usize = 3;
     /// Rows per call of [`int_fine_gemm_avxvnni`].
     pub(crate) const FINE_ROWS_256: usize = 3;
     /// Rows per call of [`int_fine_gemm_avx2`]: from 16 rows groups of 8 in vector lanes
@@ -1761,7 +1769,7 @@ pub(crate) mod x86 {
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
         int_fine_gemm_avx512vnni, gemm512, true, "the kgroup avx512 fine gemm kernel",
-        1 2 3 4
+        1 2 3
     );
     /// AVX2 many-row kernel with 15-bit activations (`x16`, [`super::WIDE_SLOTS`]), 1 to
     /// [`WIDE_ROWS_256`] rows: from 16 rows groups of 8 in vector lanes ([`super::lane_rows`],
