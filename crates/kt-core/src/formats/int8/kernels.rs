@@ -172,6 +172,10 @@ pub(crate) mod x86 {
             // halves in step made two streams 1 KiB apart and halved the DRAM rate (measured).
             for t in 0..k / 64 {
                 for h in 0..2 {
+                    // Both halves take the same activation quads: left to itself the compiler
+                    // broadcast them once per 64 inputs into a stack array (up to 192
+                    // vectors) and read that back, a store per two multiply-adds.
+                    let a = std::hint::black_box(a);
                     for w in 0..16 {
                         let line = g.add(t * 2048 + h * 1024 + w * 64);
                         crate::kernels::prefetch::ahead(line, pf);
