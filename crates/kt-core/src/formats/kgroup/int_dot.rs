@@ -547,12 +547,16 @@ family_pickers!(
 );
 
 family_pickers!(
-    /// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (4)
-    /// or the AVX2 level (2; AVX-VNNI where the CPU has it).
+    /// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (3)
+    /// or the AVX2 level (2; AVX-VNNI where the CPU has it). Rows are independent, so four rows
+    /// as 2 + 2 give the bits of one call of four: at four the six accumulators a row no longer
+    /// fit the registers (AMD Zen 5, one core from cache, `FUSED_ROWS=4 KERNEL=fused
+    /// kgroup_cycles`, ns per row and block at 3 / 4 rows: NVFP4 1.52 / 1.90, GPTQ_INT4 1.17 /
+    /// 1.22, MXFP4 1.22 / 1.23, RAWINT4 1.19 / 1.22; two rows 1.58 / 1.22 / 1.26 / 1.22).
     int_fused_for,
     /// [`int_fused_for`] with the AVX2-level multiply given.
     int_fused_with,
-    (x86::int_fused_avx512vnni, 4),
+    (x86::int_fused_avx512vnni, 3),
     (x86::int_fused_avx2, 2),
     (x86::int_fused_avxvnni, 2),
 );
@@ -1380,11 +1384,11 @@ pub(crate) mod x86 {
         "the emulated kgroup int avx-vnni kernel", 1 2
     );
     fused_entry!(
-        /// AVX-512 VNNI integer kernel, 1 to 4 rows.
+        /// AVX-512 VNNI integer kernel, 1 to 3 rows.
         ///
         /// # Safety
         /// The [`super::IntFusedFn`] contract; AVX-512F/BW/VNNI available.
-        int_fused_avx512vnni, call512, "the kgroup int avx512 kernel", 1 2 3 4
+        int_fused_avx512vnni, call512, "the kgroup int avx512 kernel", 1 2 3
     );
 
     /// How far ahead of its codes the many-row kernels' first pass over a panel prefetches
