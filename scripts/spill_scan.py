@@ -1,10 +1,11 @@
-"""Count 512-bit stack accesses inside the loops of kernel functions of a built binary.
+"""Count vector stack accesses inside the loops of kernel functions of a built binary.
 
 A vector loaded from or stored to the stack inside a kernel's loop is a spill (or an array
 the compiler chose to build there); on AMD Zen 5 such loops ran at speeds that moved with
 the code and stack layout (benches/records/2026-12-07f-zen5-register-spills.md).
 
     python3 scripts/spill_scan.py target/release/examples/prefill int8_vnni512 gemm512
+    python3 scripts/spill_scan.py --ymm BINARY int8_avx2   (256-bit vectors: the AVX2 kernels)
 
 For every function whose symbol contains a pattern, prints each loop (a backward jump and
 its target) that holds multiply-adds and stack vectors, then the total per pattern.
@@ -60,10 +61,14 @@ def loops(start: int, body: list[tuple[int, str]]) -> list[tuple[int, int]]:
 
 
 def main() -> int:
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    register = "zmm"
+    if args and args[0] == "--ymm":
+        register, args = "ymm", args[1:]
+    if len(args) < 2:
         print(__doc__)
         return 2
-    binary, patterns = sys.argv[1], sys.argv[2:]
+    binary, patterns = args[0], args[1:]
     table = functions(binary)
     for pattern in patterns:
         total = 0
@@ -72,7 +77,7 @@ def main() -> int:
                 continue
             for first, last in loops(start, body):
                 inside = [t for a, t in body if first <= a <= last]
-                stack = sum(1 for t in inside if "zmm" in t and "(%rsp)" in t)
+                stack = sum(1 for t in inside if register in t and "(%rsp)" in t)
                 mults = sum(1 for t in inside if t.startswith(MULTIPLY))
                 if stack and mults:
                     print(
