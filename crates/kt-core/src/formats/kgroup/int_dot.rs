@@ -548,7 +548,7 @@ family_pickers!(
 
 family_pickers!(
     /// The few-row (decode) integer kernel `level` allows and the rows it takes: AVX-512 VNNI (3)
-    /// or the AVX2 level (2; AVX-VNNI where the CPU has it). Rows are independent, so four rows
+    /// or the AVX2 level (2; AVX-VNNI, 1, where the CPU has it). Rows are independent, so four rows
     /// as 2 + 2 give the bits of one call of four: at four the six accumulators a row no longer
     /// fit the registers (AMD Zen 5, one core from cache, `FUSED_ROWS=4 KERNEL=fused
     /// kgroup_cycles`, ns per row and block at 3 / 4 rows: NVFP4 1.52 / 1.90, GPTQ_INT4 1.17 /
@@ -558,7 +558,7 @@ family_pickers!(
     int_fused_with,
     (x86::int_fused_avx512vnni, 3),
     (x86::int_fused_avx2, 2),
-    (x86::int_fused_avxvnni, 2),
+    (x86::int_fused_avxvnni, 1),
 );
 
 /// Rows per expert up to which the few-row kernel beats the 15-bit many-row one at `level`
@@ -1367,12 +1367,15 @@ pub(crate) mod x86 {
     }
 
     fused_entry!(
-        /// AVX-VNNI integer kernel, 1 or 2 rows.
+        /// AVX-VNNI integer kernel, one row a call: its 12 running vectors a row and the
+        /// constants already fill the 16 registers, and at two rows the spills made a call 3.5x
+        /// one row's time (AMD Zen 5 with `KT_KERNEL_CPU_VARIANT=avx2`, from cache, RAWINT4: 1
+        /// row 2.54 ns per block, 2 rows 8.9), so two rows take two calls, the second finding
+        /// the codes in cache.
         ///
         /// # Safety
-        /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA, F16C and AVX-VNNI
-        /// available.
-        int_fused_avxvnni, call256_vnni, "the kgroup int avx-vnni kernel", 1 2
+        /// The [`super::IntFusedFn`] contract with 1 row; AVX2, FMA, F16C and AVX-VNNI available.
+        int_fused_avxvnni, call256_vnni, "the kgroup int avx-vnni kernel", 1
     );
     #[cfg(test)]
     fused_entry!(
@@ -1381,7 +1384,7 @@ pub(crate) mod x86 {
         /// # Safety
         /// The [`super::IntFusedFn`] contract with at most 2 rows; AVX2, FMA and F16C available.
         int_fused_avxvnni_emulated, call256_vnni_emulated,
-        "the emulated kgroup int avx-vnni kernel", 1 2
+        "the emulated kgroup int avx-vnni kernel", 1
     );
     fused_entry!(
         /// AVX-512 VNNI integer kernel, 1 to 3 rows.
