@@ -1,8 +1,9 @@
 //! Diagnostic: the group-scaled 4-bit few-row kernel's compute rate on one core, from a panel
 //! that stays in L1/L2 (no memory limit): the best of many repetitions, so a shared VM's
 //! noise (other tenants, clock changes) drops out. Reports GB/s of codes and scales and
-//! nanoseconds per 128-byte block (8 inputs of a 32-row panel) for 1 and 2 rows (`FUSED_ROWS=3`:
-//! up to 3, the most the AVX-512 kernel takes), every code kind. `KERNEL=gemm` (8-bit many-row) or `KERNEL=fine` (15-bit many-row) measures the prefill
+//! nanoseconds per 128-byte block (8 inputs of a 32-row panel) for 1 and 2 rows
+//! (`FUSED_ROWS=3`: up to 3, the most the AVX-512 kernel takes), every code kind.
+//! `KERNEL=gemm` (8-bit many-row) or `KERNEL=fine` (15-bit many-row) measures the prefill
 //! kernels instead (`KERNEL=reuse`: the 15-bit one as the forward calls it, keeping what it
 //! made of the rows across calls, where it has that form), at every row count they take, in ns per block and row; a list
 //! (`KERNEL=fused,fine`) measures them in alternation, trial by trial.
