@@ -484,3 +484,30 @@ def test_select_deferred_experts_checks_its_arguments():
     # A huge id with num_experts given goes to the spare slot: deferred, never protected.
     imm, dfr = split(torch.tensor([[2**40, 1, 2]]), torch.tensor([[0.9, 0.5, 0.1]]), 1, 8)
     assert imm.tolist() == [[-1, -1, -1]] and dfr.tolist() == [[2**40, 1, 2]]
+
+
+def test_import_measures_nothing_and_the_kernel_names_report_bad_settings():
+    """`import kt_kernel` runs no prefetch calibration (it streams DRAM for a while), so a bad
+    `KT_KERNEL_PREFETCH` does not stop the import; the kernel names, looked up on first access,
+    run it and refuse the setting by name."""
+    code = (
+        "import kt_kernel, kt_kernel.kt_kernel_ext as ext; print('imported', flush=True); "
+        "print(kt_kernel.__int8_kernel__)"
+    )
+    r = _run(code, KT_KERNEL_PREFETCH="lots")
+    assert r.stdout.split() == ["imported"], (r.stdout, r.stderr)
+    assert r.returncode != 0 and "KT_KERNEL_PREFETCH" in r.stderr, r.stderr
+    assert "Traceback" in r.stderr and "Segmentation" not in r.stderr
+    code = (
+        "import kt_kernel, kt_kernel.kt_kernel_ext as ext; from kt_kernel import _kt_core; "
+        "i = kt_kernel.cpu_info(); k = i['kernels']; "
+        "print(kt_kernel.__int8_kernel__ == ext.__int8_kernel__ == k['AMXINT8'], "
+        "kt_kernel.__fp8_kernel__ == k['FP8'], kt_kernel.__int8_kernel__ != '', "
+        "_kt_core.physical_cores() == i['physical_cores'] >= 1)"
+    )
+    r = _run(code)
+    assert r.returncode == 0 and r.stdout.split() == ["True"] * 4, (r.stdout, r.stderr)
+    import kt_kernel
+
+    with pytest.raises(AttributeError, match="no attribute '__no_such_kernel__'"):
+        kt_kernel.__no_such_kernel__  # noqa: B018

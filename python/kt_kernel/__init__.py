@@ -15,11 +15,14 @@ __version__: str = _kt_core.__version__
 
 # Raises here (at import) if KT_KERNEL_CPU_VARIANT is unknown or asks for more than the CPU has.
 __cpu_variant__: str = _kt_core.cpu_variant()
-__int8_kernel__: str = _kt_core.cpu_info()["kernels"]["AMXINT8"]
 __int8_weight_layout__: str = "kt-int8-n32-k64-vnni-v1"
 # FP8: E4M3 codes with one f32 scale per 128x128 block, decoded by the named vector kernel.
-__fp8_kernel__: str = _kt_core.cpu_info()["kernels"]["FP8"]
 __fp8_weight_layout__: str = "block-e4m3-128x128"
+# `__int8_kernel__` and `__fp8_kernel__` name the kernels in use. They come from cpu_info(),
+# whose prefetch calibrations stream DRAM for a while (about 1 s on an Emerald Rapids VM), so
+# they are looked up on first access and `import kt_kernel` measures nothing.
+_KERNEL_ATTRIBUTES = {"__int8_kernel__": "AMXINT8", "__fp8_kernel__": "FP8"}
+
 
 from . import kt_kernel_ext  # noqa: E402
 from .experts import KTMoEWrapper  # noqa: E402
@@ -51,6 +54,8 @@ def __getattr__(name: str):
     # SFT is not part of this implementation; the original returns None when SFT is missing.
     if name == "AMXSFTMoEWrapper":
         return None
+    if name in _KERNEL_ATTRIBUTES:
+        return _kt_core.cpu_info()["kernels"][_KERNEL_ATTRIBUTES[name]]
     raise AttributeError(f"module 'kt_kernel' has no attribute {name!r}")
 
 

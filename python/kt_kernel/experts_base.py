@@ -244,7 +244,7 @@ class BaseMoEWrapper:
                     )
                 return cls._cpu_infer
             if threads is None:
-                threads = max(count, int(_kt_core.cpu_info()["physical_cores"]))
+                threads = max(count, _kt_core.physical_cores())
             cfg = WorkerPoolConfig()
             cfg.subpool_count = count
             cfg.subpool_thread_count, cfg.subpool_numa_map = _kt_core.pool_split(

@@ -21,8 +21,14 @@ FP8_LAYERWISE_CONTROL_BYTES = _kt_core.FP8_LAYERWISE_CONTROL_BYTES
 FP8_LAYERWISE_MAX_TP_SIZE = _kt_core.FP8_LAYERWISE_MAX_TP_SIZE
 
 __cpu_variant__ = _kt_core.cpu_variant()
-__int8_kernel__ = _kt_core.cpu_info()["kernels"]["AMXINT8"]
 __int8_weight_layout__ = "kt-int8-n32-k64-vnni-v1"
+
+
+def __getattr__(name: str) -> str:
+    # As in kt_kernel: looked up on first access, since cpu_info() calibrates prefetching.
+    if name == "__int8_kernel__":
+        return _kt_core.cpu_info()["kernels"]["AMXINT8"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class WorkerPoolConfig:

@@ -54,6 +54,12 @@ fn cuda_driver_status() -> (bool, String) {
     kt_core::cuda_bridge::driver_status()
 }
 
+/// The machine's physical cores (hwloc), without the prefetch calibrations `cpu_info` runs.
+#[pyfunction]
+fn physical_cores() -> usize {
+    Topology::global().total_physical_cores()
+}
+
 /// Everything known about this CPU and process, as a dict.
 #[pyfunction]
 fn cpu_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -1134,6 +1140,7 @@ fn _kt_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pool_split, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_info, m)?)?;
+    m.add_function(wrap_pyfunction!(physical_cores, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(has_converted_layer, m)?)?;
     m.add_function(wrap_pyfunction!(ggml_dequantize, m)?)?;
